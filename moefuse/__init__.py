@@ -1,0 +1,53 @@
+"""moefuse: fast, exact mixture-of-experts kernels for LLM inference.
+
+Stages (each a public op with a PyTorch reference beside its Triton kernel; SPEC.md is the contract):
+
+- route:    ``moe_fused_gate``            logits -> top-k weights and expert ids
+- dispatch: ``moe_dispatch``              expert ids -> rows sorted by expert and a GEMM tile schedule
+- experts:  ``moe_experts``               grouped GEMM1 + SwiGLU + GEMM2 -> one row per (token, slot)
+- finalize: ``moe_finalize_fuse_shared``  weighted combine of each token's rows + shared expert output
+
+``MoELayer`` composes them (with deferred finalize and the shared expert on a side stream);
+``moefuse.hf`` plugs them into transformers.
+"""
+
+from moefuse.config import PRESETS, MoEConfig, preset
+from moefuse.dispatch import DispatchPlan, moe_dispatch, moe_dispatch_torch
+from moefuse.experts import moe_experts, moe_experts_torch
+from moefuse.finalize import (
+    DeferredFinalizeOutput,
+    deferred_finalize_context,
+    deferred_finalize_enabled,
+    finalize_deferred_output,
+    moe_finalize_fuse_shared,
+    moe_finalize_fuse_shared_torch,
+)
+from moefuse.hf import patch, register_experts_implementation, unpatch
+from moefuse.layer import MoELayer, moe_layer_torch
+from moefuse.route import moe_fused_gate, moe_fused_gate_torch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRESETS",
+    "DeferredFinalizeOutput",
+    "DispatchPlan",
+    "MoEConfig",
+    "MoELayer",
+    "deferred_finalize_context",
+    "deferred_finalize_enabled",
+    "finalize_deferred_output",
+    "moe_dispatch",
+    "moe_dispatch_torch",
+    "moe_experts",
+    "moe_experts_torch",
+    "moe_finalize_fuse_shared",
+    "moe_finalize_fuse_shared_torch",
+    "moe_fused_gate",
+    "moe_fused_gate_torch",
+    "moe_layer_torch",
+    "patch",
+    "preset",
+    "register_experts_implementation",
+    "unpatch",
+]

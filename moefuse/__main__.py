@@ -1,0 +1,5 @@
+import sys
+
+from moefuse.cli import main
+
+sys.exit(main())

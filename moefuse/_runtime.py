@@ -1,0 +1,61 @@
+"""Where and how a stage runs: backend choice, Triton's interpreter, PDL, and the bounds-check switch.
+
+Every public op takes ``backend`` and resolves it here, once, before any launch:
+
+- ``"reference"``: the readable PyTorch version of the stage, on any device.
+- ``"triton"``: the Triton kernel. CUDA tensors run on the GPU; CPU tensors run through Triton's
+  interpreter, which must be switched on with ``TRITON_INTERPRET=1`` before Triton is imported.
+- ``"auto"``: Triton on CUDA tensors, the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Literal
+
+import torch
+
+Backend = Literal["auto", "reference", "triton"]
+BACKENDS: tuple[str, ...] = ("auto", "reference", "triton")
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run through the interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve_backend(backend: str, device: torch.device) -> Literal["reference", "triton"]:
+    """Turn the user's ``backend`` argument into ``"reference"`` or ``"triton"`` for tensors on ``device``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "reference"
+    if backend == "triton" and device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"backend='triton' on {device.type} tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before importing moefuse, or use backend='reference'"
+        )
+    return backend  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_enabled(enable_pdl: bool | None, device: torch.device) -> bool:
+    """Whether to launch with programmatic dependent launch.
+
+    ``None`` means: on where the GPU supports it (compute capability >= 9). Never under the interpreter,
+    which has no grid-dependency intrinsics.
+    """
+    if device.type != "cuda" or interpreting():
+        return False
+    supported = _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+    return supported if enable_pdl is None else bool(enable_pdl) and supported
+
+
+def checks_enabled(device: torch.device) -> bool:
+    """Whether value checks that need a host sync (index ranges) run: always off CUDA, else ``MOEFUSE_CHECK=1``."""
+    return device.type != "cuda" or os.environ.get("MOEFUSE_CHECK", "0") not in ("", "0")

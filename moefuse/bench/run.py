@@ -1,0 +1,119 @@
+"""``moefuse bench``: every stage benchmark on the GPU, one table each, a results file and a plot.
+
+Each stage module (``moefuse.bench.<stage>``) exposes ``run(ceilings, quick) -> rows``, ``COLUMNS`` and ``TITLE``,
+and optionally ``check(device) -> rows`` with ``CHECK_COLUMNS``. This driver measures the ceilings once, runs the
+checks and benchmarks with progress on stderr, prints the tables, and rewrites ``results.json``, ``RESULTS.md``
+and ``results.png`` in ``results_dir`` (rows tagged with date, GPU and versions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from moefuse.bench import report, timing
+
+STAGES = ("router", "finalize", "experts", "layer")
+# x axis, series to draw and the key that splits a stage's rows into panels.
+PLOTS: dict[str, dict[str, Any]] = {
+    "router": {"x": "M", "group": "config", "series": {"us": "moefuse", "floor_us": "floor", "anchor_us": "best public"}},
+    "finalize": {"x": "M", "group": "config", "series": {"us": "moefuse", "floor_us": "floor", "unfused_us": "unfused",
+                                                         "torch_compile_us": "torch.compile"}},
+    "experts": {"x": "M", "group": "stage", "series": {"us": "moefuse", "mem_floor_us": "memory floor",
+                                                       "anchor_us": "best public Triton"}},
+    "layer": {"x": "M", "group": "model", "series": {"us": "moefuse", "plain_us": "no deferral",
+                                                     "mem_floor_us": "memory floor", "hf_grouped_mm_us": "transformers"}},
+}
+
+
+def _progress(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Time against tokens, one panel per stage configuration, log-log, with floors and baselines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    for stage, rows in results["stages"].items():
+        spec = PLOTS.get(stage)
+        if not spec or not rows:
+            continue
+        for group in dict.fromkeys(str(row.get(spec["group"])) for row in rows):
+            panels.append((stage, group, [r for r in rows if str(r.get(spec["group"])) == group], spec))
+    if not panels:
+        return
+    cols = 4
+    fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(4.2 * cols, 3.2 * -(-len(panels) // cols)),
+                             squeeze=False)
+    for ax, (stage, group, rows, spec) in zip(axes.flat, panels):
+        for key, label in spec["series"].items():
+            points = [(r[spec["x"]], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o", ms=3, label=label, ls="--" if "floor" in key else "-")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"{stage}: {group}", fontsize=8)
+        ax.set_xlabel("tokens", fontsize=7)
+        ax.set_ylabel("µs", fontsize=7)
+        ax.tick_params(labelsize=6)
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    env = results["environment"]
+    fig.suptitle(f"moefuse on {env['gpu']}, {env['date']}, torch {env['torch']}, Triton {env['triton']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(stages: list[str] | tuple[str, ...] = STAGES, quick: bool = False, results_dir: str = "results") -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("moefuse bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    unknown = set(stages) - set(STAGES)
+    if unknown:
+        print(f"unknown stages {sorted(unknown)}; choose from {STAGES}", file=sys.stderr)
+        return 2
+    _progress("measuring ceilings (copy, read, bf16 GEMM, empty kernel)")
+    ceilings = timing.measure_ceilings()
+    results: dict[str, Any] = {"environment": timing.environment(), "ceilings": dataclasses.asdict(ceilings),
+                               "stages": {}, "checks": {}}
+    tables = [report.format_table([dataclasses.asdict(ceilings)], [(k, k) for k in dataclasses.asdict(ceilings)],
+                                  "Ceilings measured in this run")]
+    ok = True
+    for i, stage in enumerate(stages, 1):
+        module = importlib.import_module(f"moefuse.bench.{stage}")
+        if hasattr(module, "check"):
+            _progress(f"[{i}/{len(stages)}] {stage}: correctness on real shapes")
+            checks = module.check("cuda")
+            results["checks"][stage] = checks
+            ok &= all(row.get("ok", True) for row in checks)
+            tables.append(report.format_table(checks, module.CHECK_COLUMNS, f"{stage}: checks"))
+            print(tables[-1], flush=True)
+        _progress(f"[{i}/{len(stages)}] {stage}: timing")
+        rows = module.run(ceilings, quick=quick)
+        results["stages"][stage] = rows
+        tables.append(report.format_table(rows, module.COLUMNS, module.TITLE))
+        print(tables[-1], flush=True)
+    out = Path(results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    env = results["environment"]
+    header = (f"# moefuse GPU results\n\n{env['date']}, {env['gpu']}, torch {env['torch']}, Triton {env['triton']}, "
+              f"Python {env['python']}. Written by `moefuse bench`; times are device time per call under CUDA-graph "
+              "replay (median).\n\n![results](results.png)\n\n")
+    (out / "RESULTS.md").write_text(header + "\n\n".join(tables) + "\n")
+    plot(results, out / "results.png")
+    _progress(f"wrote {out / 'results.json'}, {out / 'RESULTS.md'}, {out / 'results.png'}")
+    return 0 if ok else 1

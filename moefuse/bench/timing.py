@@ -1,0 +1,121 @@
+"""Device timing under CUDA-graph replay, and the ceilings every time is compared with.
+
+A benchmark hands over a list of closures, each a complete call on its own set of inputs. The closures are
+captured back to back into one CUDA graph, so launch gaps shrink to what a real decode step sees, and the
+sets rotate so a time is not a time of the L2 cache. The graph is replayed many times and the median per-call
+time is reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def graph_time_us(calls: Sequence[Callable[[], object]], *, replays: int = 50, warmup: int = 3) -> float:
+    """Median device time of one call, in microseconds, with the calls captured into one CUDA graph.
+
+    Each replay runs every closure in ``calls`` once; the time of a replay divided by ``len(calls)`` is one
+    sample. Closures must be capturable (no host sync, no allocation that outlives the graph's pool).
+    """
+    if not calls:
+        raise ValueError("calls must not be empty")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):  # compile, autotune and allocate outside the graph
+            for call in calls:
+                call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(samples)
+
+
+def rotations(bytes_per_set: int, *, l2_bytes: int = 60 << 20, at_most: int = 32) -> int:
+    """How many input sets to rotate through so that together they overflow the L2 cache twice over."""
+    return max(1, min(at_most, -(-2 * l2_bytes // max(bytes_per_set, 1))))
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """What this GPU can do, measured in the same run as the benchmark."""
+
+    empty_us: float  # graph-replay time of an empty kernel: the launch floor of any kernel
+    copy_tbps: float  # device-to-device copy, bytes read + written per second / 1e12
+    read_tbps: float  # a streaming sum over a large buffer, bytes read per second / 1e12
+    gemm_tflops: float  # large bf16 matrix product on random data
+
+    def memory_floor_us(self, nbytes: int) -> float:
+        """Empty-kernel time plus ``nbytes`` at the measured copy bandwidth."""
+        return self.empty_us + nbytes / (self.copy_tbps * 1e12) * 1e6
+
+
+def _empty_kernel_us() -> float:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _empty(x_ptr):
+        pass
+
+    x = torch.empty(1, device="cuda")
+    return graph_time_us([lambda: _empty[(1,)](x)] * 20, replays=100)
+
+
+def measure_ceilings(*, gemm: bool = True) -> Ceilings:
+    """Measure the launch floor, copy and read bandwidth, and (optionally) the bf16 GEMM rate."""
+    n = 1 << 30  # 1 GiB: far past the L2
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    copy_us = graph_time_us([lambda: dst.copy_(src)], replays=20)
+    as_f32 = src.view(torch.float32)
+    total = torch.empty((), device="cuda")
+    read_us = graph_time_us([lambda: torch.sum(as_f32, out=total)], replays=20)
+    del src, dst, as_f32
+    tflops = float("nan")
+    if gemm:
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        c = torch.empty_like(a)
+        mm_us = graph_time_us([lambda: torch.mm(a, b, out=c)], replays=10)
+        tflops = 2 * 8192**3 / (mm_us * 1e-6) / 1e12
+    torch.cuda.empty_cache()
+    return Ceilings(
+        empty_us=_empty_kernel_us(),
+        copy_tbps=2 * n / (copy_us * 1e-6) / 1e12,
+        read_tbps=n / (read_us * 1e-6) / 1e12,
+        gemm_tflops=tflops,
+    )
+
+
+def environment() -> dict[str, str]:
+    """The facts a results row is tagged with: date, GPU, versions."""
+    import datetime
+    import platform
+
+    import triton
+
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+    }

@@ -1,0 +1,163 @@
+"""Command line: ``moefuse`` runs a MoE layer end to end and checks it; ``moefuse bench`` runs the GPU benchmarks.
+
+``moefuse`` (the README's first command) builds a layer from a preset (DeepSeek-V3 by default) with seeded
+random weights, full size on a GPU and scaled down on the CPU, runs a batch through it, compares the output with
+the float64 reference and prints a table of per-stage times and the agreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from moefuse.bench.report import format_table
+from moefuse.config import PRESETS, preset
+from moefuse.testing import rel_error, rms_rel_error
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def progress(message: str) -> None:
+    """One line of progress on stderr, so tables on stdout stay clean."""
+    print(f"[moefuse {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def _time_us(fn: Callable[[], object], device: torch.device) -> float:
+    """Device time of one call: CUDA-graph replay on a GPU, else the median wall time of a few runs."""
+    if device.type == "cuda":
+        from moefuse.bench.timing import graph_time_us
+
+        return graph_time_us([fn], replays=20)
+    fn()
+    samples = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(samples)
+
+
+def run_layer(args: argparse.Namespace) -> int:
+    from moefuse.dispatch import moe_dispatch
+    from moefuse.experts import moe_experts, pick_block_m
+    from moefuse.finalize import moe_finalize_fuse_shared
+    from moefuse.layer import MoELayer, moe_layer_torch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    config = preset(args.preset)
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    if device.type != "cuda" and not args.full_size:
+        config = config.scaled()  # same routing, small widths: the CPU runs the reference in seconds
+    backend = args.backend
+    progress(f"building {args.preset} layer on {device} (H={config.hidden_size}, I={config.intermediate_size}, "
+             f"E={config.num_experts}, top-{config.top_k}, {str(dtype).removeprefix('torch.')}, backend={backend})")
+    layer = MoELayer(config, dtype=dtype, device=device, backend=backend).init_random_(args.seed)
+    gen = torch.Generator(device).manual_seed(args.seed + 1)
+    x = torch.randn(args.tokens, config.hidden_size, generator=gen, device=device, dtype=dtype)
+
+    progress(f"running {args.tokens} tokens")
+    with torch.no_grad():
+        out = layer(x)
+        with _env("MOEFUSE_ENABLE_DEFERRED_FINALIZE", "0"):
+            out_plain = layer(x)
+        progress("float64 reference")
+        ref = moe_layer_torch(layer, x, route_dtype=torch.float32)
+
+        rows = []
+        if not args.no_timing:
+            progress("timing stages")
+            c = config
+            weights, ids = layer.gate(x)
+            plan = moe_dispatch(ids, c.num_experts, pick_block_m(x.shape[0], c.num_experts, c.hidden_size,
+                                                                 c.intermediate_size, c.top_k, dtype), backend=backend)
+            gemm2_out = moe_experts(x, layer.experts.gate_up_proj, layer.experts.down_proj, plan,
+                                    swiglu_limit=c.swiglu_limit, backend=backend)
+            shared = layer.shared_experts(x) if layer.shared_experts is not None else None
+
+            def plain_layer() -> torch.Tensor:
+                with _env("MOEFUSE_ENABLE_DEFERRED_FINALIZE", "0"):
+                    return layer(x)
+
+            stages: dict[str, Callable[[], object]] = {
+                "router (linear + fused gate)": lambda: layer.gate(x),
+                "dispatch": lambda: moe_dispatch(ids, c.num_experts, plan.block_m, backend=backend),
+                "experts (GEMM1 + SwiGLU + GEMM2)": lambda: moe_experts(
+                    x, layer.experts.gate_up_proj, layer.experts.down_proj, plan, swiglu_limit=c.swiglu_limit,
+                    backend=backend),
+                "finalize + shared add": lambda: moe_finalize_fuse_shared(
+                    gemm2_out, plan.expanded_to_permuted, weights, shared, c.top_k, backend=backend),
+                "layer, deferred finalize": lambda: layer(x),
+                "layer, no deferral": plain_layer,
+            }
+            if shared is not None:
+                stages["shared expert"] = lambda: layer.shared_experts(x)
+            for name, fn in stages.items():
+                rows.append({"stage": name, "us": _time_us(fn, device)})
+
+    print(format_table(rows, [("stage", "stage"), ("us", "time (µs)")],
+                       f"{args.preset}: {args.tokens} tokens on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}"))
+    tol = 1e-2 if dtype != torch.float32 else 1e-5
+    checks = [
+        {"what": "layer vs float64 reference (max-normalised)", "error": rel_error(out, ref), "tolerance": tol},
+        {"what": "layer vs float64 reference (RMS)", "error": rms_rel_error(out, ref), "tolerance": tol},
+        {"what": "deferred vs non-deferred", "error": rel_error(out, out_plain), "tolerance": tol},
+    ]
+    ok = all(row["error"] <= row["tolerance"] for row in checks)
+    for row in checks:
+        row["ok"] = "yes" if row["error"] <= row["tolerance"] else "NO"
+    print()
+    print(format_table(checks, [("what", "check"), ("error", "error"), ("tolerance", "tolerance"), ("ok", "ok")]))
+    return 0 if ok else 1
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from moefuse.bench.run import main as bench_main
+
+    return bench_main(stages=args.stages, quick=args.quick, results_dir=args.results_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="moefuse", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    run = sub.add_parser("run", help="run a MoE layer end to end and check it (the default)")
+    for p in (parser, run):
+        p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS), help="model (SPEC §4)")
+        p.add_argument("--tokens", type=int, default=128, help="tokens in the batch")
+        p.add_argument("--backend", default="auto", choices=("auto", "triton", "reference"))
+        p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16 on GPU, fp32 on CPU")
+        p.add_argument("--device", default=None, help="default: cuda when present, else cpu")
+        p.add_argument("--full-size", action="store_true", help="on CPU, use the real widths too (slow)")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--no-timing", action="store_true", help="skip the per-stage timing")
+    bench = sub.add_parser("bench", help="GPU benchmarks: tables, results file and plot")
+    bench.add_argument("stages", nargs="*", default=["router", "finalize", "experts", "layer"])
+    bench.add_argument("--quick", action="store_true", help="fewer sizes")
+    bench.add_argument("--results-dir", default="results", help="where results.json, RESULTS.md and the plot go")
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        return run_bench(args)
+    return run_layer(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""Tile shapes of the experts' grouped GEMMs: tuned tables as data, a first-principles fallback, overrides.
+
+:func:`pick` is the one source of tile shapes. Its ``block_m`` is the plan's tile height as well, so
+callers build the plan with ``moe_dispatch(ids, E, pick_block_m(M, E, H, I, K, dtype))`` and
+:func:`moefuse.experts.moe_experts` re-picks the rest of the config for the plan's ``block_m``.
+
+Order of precedence:
+
+1. :func:`override` (a scoped context manager over a ``ContextVar``: thread- and task-safe): tests force
+   small tiles with it.
+2. For bf16/fp16 on a GPU with a table (``moefuse/configs/experts_h200.json`` for sm90): the entry of
+   (E, H, I, K) and its token-count bucket nearest to M on a log scale. ``scripts/tune_experts.py`` writes
+   the table; entries marked ``"untuned seed"`` are :func:`heuristic`'s choices written down.
+3. :func:`heuristic`, from first principles (see its docstring).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import json
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import torch
+
+from .. import _runtime
+
+TABLES = {(9, 0): Path(__file__).resolve().parent.parent / "configs" / "experts_h200.json"}
+NUM_SMS = 132  # H100/H200; the heuristic's target for how many programs keep the GPU busy
+SMEM_BUDGET = 200 * 1024  # bytes of pipelined operand buffers per program (Hopper has 227 KB per SM)
+
+Arch = Optional[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """Launch shape of one grouped GEMM (the tile height is :attr:`TileConfig.block_m`)."""
+
+    block_n: int  # output columns per program (GEMM1: of the gate and of the up projection each)
+    block_k: int  # reduction step per pipeline stage
+    group_m: int  # consecutive tiles that share a column block, run together so weight tiles hit L2
+    num_warps: int
+    num_stages: int  # software-pipeline depth (operand buffers in shared memory)
+
+    def __post_init__(self) -> None:
+        for name, low in (("block_n", 16), ("block_k", 16), ("num_warps", 1)):
+            _check_pow2(f"GemmTiles.{name}", getattr(self, name), low)
+        for name in ("group_m", "num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GemmTiles.{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tiles of both GEMMs. ``block_m`` rows per tile is shared: it is the dispatch plan's tile height."""
+
+    block_m: int
+    gemm1: GemmTiles  # hidden [rows, H] x gate_up_proj[e]^T -> SwiGLU -> intermediate [rows, I]
+    gemm2: GemmTiles  # intermediate [rows, I] x down_proj[e]^T -> gemm2_out [rows, H]
+
+    def __post_init__(self) -> None:
+        _check_pow2("TileConfig.block_m", self.block_m, 16)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TileConfig":
+        return cls(data["block_m"], GemmTiles(**data["gemm1"]), GemmTiles(**data["gemm2"]))
+
+
+def _check_pow2(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= {low}, got {value!r}")
+
+
+_OVERRIDE: contextvars.ContextVar[Optional[TileConfig]] = contextvars.ContextVar("moefuse_experts_tiles", default=None)
+
+
+@contextlib.contextmanager
+def override(config: TileConfig) -> Iterator[TileConfig]:
+    """Within the block, :func:`pick` returns ``config`` for every shape (its block_m replaced by a forced one)."""
+    if not isinstance(config, TileConfig):
+        raise TypeError(f"config must be a TileConfig, got {type(config).__name__}")
+    token = _OVERRIDE.set(config)
+    try:
+        yield config
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def arch_of(device: torch.device) -> Arch:
+    """Compute capability of a CUDA device; None on CPU or under Triton's interpreter."""
+    if device.type != "cuda" or _runtime.interpreting():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def _resolve_arch(arch: Union[Arch, Literal["auto"]]) -> Arch:
+    if arch != "auto":
+        return arch
+    if not torch.cuda.is_available():
+        return None
+    return arch_of(torch.device("cuda", torch.cuda.current_device()))
+
+
+def pick(
+    M: int, E: int, H: int, I: int, K: int, dtype: torch.dtype,
+    arch: Union[Arch, Literal["auto"]] = "auto", *, block_m: Optional[int] = None,
+) -> TileConfig:
+    """Tile config for M tokens, E experts of width I over model width H, top-K, activations of ``dtype``.
+
+    A pure function of its arguments (and of an active :func:`override`, in eager mode; under
+    ``torch.compile`` it is traced, so each token count M compiles its own graph). ``arch`` is a compute capability
+    such as (9, 0), None for no GPU (the interpreter), or "auto" for the current CUDA device. ``block_m``
+    forces the tile height (the plan's): a table entry with another height is then replaced by the heuristic.
+    """
+    M = int(M)  # under torch.compile with dynamic shapes: specialize on the token count (a guard per M)
+    # torch.compile cannot follow a ContextVar (it traces this function): overrides are for eager callers.
+    forced = None if torch.compiler.is_compiling() else _OVERRIDE.get()
+    if forced is not None:
+        return forced if block_m is None else replace(forced, block_m=block_m)
+    config = _from_table(M, E, H, I, K, dtype, _resolve_arch(arch))
+    if config is None or (block_m is not None and config.block_m != block_m):
+        config = heuristic(M, E, H, I, K, dtype, block_m=block_m)
+    return config
+
+
+def pick_block_m(
+    M: int, E: int, H: int, I: int, K: int, dtype: torch.dtype, arch: Union[Arch, Literal["auto"]] = "auto"
+) -> int:
+    """The dispatch plan's ``block_m`` for these shapes: ``pick(...).block_m``."""
+    return pick(M, E, H, I, K, dtype, arch).block_m
+
+
+def nearest_bucket(buckets: Iterable[int], M: int) -> int:
+    """The tuned token count nearest to M on a log scale (M = 0 counts as 1; ties go to the smaller)."""
+    target = math.log2(max(M, 1))
+    best, best_distance = 0, math.inf
+    for bucket in sorted(buckets):  # a plain loop: torch.compile traces it (not min(key=...))
+        distance = abs(math.log2(bucket) - target)
+        if distance < best_distance:
+            best, best_distance = bucket, distance
+    return best
+
+
+def _from_table(M: int, E: int, H: int, I: int, K: int, dtype: torch.dtype, arch: Arch) -> Optional[TileConfig]:
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None  # fp32 moves twice the bytes per tile: the tables' tiles would not fit; use the heuristic
+    buckets = _INDEX.get(arch, {}).get((E, H, I, K))
+    return None if buckets is None else buckets[nearest_bucket(list(buckets), M)]
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(path: Path) -> dict[str, Any]:
+    """A tile table: ``{"entries": [{"E", "H", "I", "K", "status", "buckets": {"<M>": config}}], ...}``.
+
+    One table serves bf16 and fp16 alike (same bytes per element, same tensor-core rate).
+    """
+    return json.loads(Path(path).read_text())
+
+
+def _index_table(path: Path) -> dict[tuple[int, int, int, int], dict[int, TileConfig]]:
+    """(E, H, I, K) -> {bucket M: config} of a table file; {} when the file is missing."""
+    if not path.exists():
+        return {}
+    return {
+        (entry["E"], entry["H"], entry["I"], entry["K"]): {
+            int(m): TileConfig.from_dict(config) for m, config in entry["buckets"].items()
+        }
+        for entry in load_table(path)["entries"]
+    }
+
+
+# Parsed once at import, so that tracing pick() (torch.compile) reads no files.
+_INDEX = {arch: _index_table(path) for arch, path in TABLES.items()}
+
+
+def smem_bytes(block_m: int, tiles: GemmTiles, operands: int, element_size: int) -> int:
+    """Shared memory of the pipelined operand buffers: ``stages x (A tile + operands x B tile)``."""
+    per_stage = block_m * tiles.block_k + operands * tiles.block_k * tiles.block_n
+    return tiles.num_stages * per_stage * element_size
+
+
+def _fit(
+    block_m: int, n: int, k: int, operands: int, element_size: int, num_tiles: int, *,
+    block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int, spread: bool,
+) -> GemmTiles:
+    """Shrink a wish-list launch to the problem: dims, SM coverage (``spread``), shared memory."""
+    block_n = min(block_n, max(16, _next_pow2(n)))
+    block_k = min(block_k, max(16, _next_pow2(k)))
+    # Memory-bound GEMMs need enough programs in flight to saturate HBM: two per SM.
+    while spread and block_n > 32 and num_tiles * -(-n // block_n) < 2 * NUM_SMS:
+        block_n //= 2
+    # Give up pipeline depth beyond 3 first, then long reduction steps, then the last stage, then width.
+    while block_m * block_k + operands * block_k * block_n > SMEM_BUDGET // (num_stages * element_size):
+        if num_stages > 3:
+            num_stages -= 1
+        elif block_k > 64:
+            block_k //= 2
+        elif num_stages > 2:
+            num_stages -= 1
+        elif block_k > 16:
+            block_k //= 2
+        else:
+            block_n //= 2
+    return GemmTiles(block_n, block_k, group_m, num_warps, num_stages)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(x, 1))))
+
+
+def heuristic(
+    M: int, E: int, H: int, I: int, K: int, dtype: torch.dtype, *, block_m: Optional[int] = None
+) -> TileConfig:
+    """First-principles tiles for a Hopper-class GPU (any GPU gets a valid, if untuned, config).
+
+    1. Tile height: the average rows per touched expert, ``M*K / min(E, M*K)``, rounded up to a power of
+       two in [16, 128]. Each tile reads its expert's whole weight slab, so a tile much taller than an
+       expert's rows wastes tensor-core work, and a much shorter one re-reads the weights.
+    2. Short tiles (<= 32 rows: decode and small batches) are bound by reading the weights once:
+       4 warps, deep pipelines (4 stages) of long reduction steps (BLOCK_K 128; 256 for GEMM2's single
+       weight operand), BLOCK_N 64, halved (down to 32) until there are two programs per SM.
+    3. Tall tiles (prefill) are bound by tensor-core throughput: 8 warps, BLOCK_N 128 (GEMM1 keeps gate and
+       up accumulators) or 256 (GEMM2, one accumulator, when 128 rows tall), BLOCK_K 64, 3 stages, and
+       groups of 4 tiles sharing a column block so one expert's weight tiles are read from L2 by its tiles.
+    4. Every block is capped by its dimension (next power of two, at least 16: the smallest ``tl.dot``);
+       stages and BLOCK_K shrink until the operand buffers fit in shared memory (fp32 needs this).
+    """
+    M = int(M)
+    rows = max(M * K, 1)
+    touched = min(E, rows)
+    per_expert = -(-rows // touched)
+    if block_m is None:
+        block_m = min(128, max(16, _next_pow2(per_expert)))
+    num_tiles = touched * -(-per_expert // block_m)
+    size = dtype.itemsize
+    if block_m <= 32:
+        gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=64, block_k=128, group_m=1, num_warps=4,
+                     num_stages=4, spread=True)
+        gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=64, block_k=256, group_m=1, num_warps=4,
+                     num_stages=4, spread=True)
+    else:
+        gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=64, group_m=4, num_warps=8,
+                     num_stages=3, spread=False)
+        gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=256 if block_m >= 128 else 128, block_k=64,
+                     group_m=4, num_warps=8, num_stages=3, spread=False)
+    return TileConfig(block_m, gemm1, gemm2)

@@ -1,0 +1,248 @@
+"""Triton grouped GEMMs of the routed experts: GEMM1 with fused SwiGLU, then GEMM2.
+
+Contract (inputs validated by :func:`moefuse.experts.moe_experts`):
+
+- ``hidden`` [M, H]; ``gate_up_proj`` [E, 2I, H] (gate rows 0..I-1, up rows I..2I-1); ``down_proj`` [E, H, I];
+  all bf16, fp16 or fp32, any strides. ``plan``: a :class:`moefuse.dispatch.DispatchPlan` of M·K rows.
+- ``intermediate`` [M·K, I] and ``out`` [M·K, H] (hidden's dtype): permuted row p of expert e gets
+  ``act(x W_g^T) * (x W_u^T)`` resp. its product with ``down_proj[e]^T``, x = hidden[permuted_to_expanded[p] // K].
+  Rows of no token (p >= n_valid) are not written.
+
+Grid, both GEMMs: one program per (tile, column block), ``T_max * cdiv(N, BLOCK_N)`` programs, ordered in
+groups of GROUP_M consecutive tiles: within a group the tile index runs fastest, so the tiles of one expert
+(consecutive in the schedule) load the same weight tile at about the same time and share it through L2.
+With GROUP_M = 1 all column blocks of one tile run together instead (they share the gathered activations).
+A program whose tile is unused (expert -1) returns at once.
+
+Each program: rows ``[row_start, min(row_start + BLOCK_M, expert_end))`` of its expert's segment.
+
+- GEMM1 gathers its activation rows straight from ``hidden`` through ``permuted_to_expanded`` (no permuted
+  copy of the activations), accumulates the gate and the up tile of the same BLOCK_N columns in fp32
+  (weight rows n and I + n), and in the epilogue applies the optional clamp (gate <= limit, up in
+  [-limit, limit]) and ``SiLU(gate) * up``, rounding once to the activation dtype.
+- GEMM2 reads the contiguous intermediate rows of its tile and multiplies by ``down_proj[e]^T``.
+
+Reductions run in fp32 (``tl.dot`` accumulators); fp32 operands use IEEE products, not TF32. Under
+Triton's interpreter, 16-bit operands are upcast to fp32 first (its ``tl.dot`` on bf16/fp16 is wrong in
+Triton 3.6 to 3.9) and bf16 results are rounded to nearest on the bits (its cast truncates).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _runtime
+from ..dispatch import DispatchPlan
+from .configs import GemmTiles
+
+
+@triton.jit
+def _program_tile(num_tiles, num_col_blocks, GROUP_M: tl.constexpr):
+    """Map this program to (tile, column block): GROUP_M tiles per group, tile index fastest within it."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_col_blocks
+    first_tile = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_tiles - first_tile, GROUP_M)
+    tile = first_tile + (pid % per_group) % group_size
+    col_block = (pid % per_group) // group_size
+    return tile, col_block
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr, EMULATE_RTNE: tl.constexpr):
+    """Round fp32 ``x`` to ``dtype`` to nearest-even.
+
+    The GPU's cast does that; the interpreter's fp32 -> bf16 cast truncates (up to 2**-7 relative error),
+    so there the rounding is done on the bits first and the cast is then exact.
+    """
+    if EMULATE_RTNE:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _gemm1_swiglu_kernel(
+    hidden_ptr, w_ptr, inter_ptr,
+    tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, p2e_ptr,
+    num_tiles, N, K, top_k, limit,
+    stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_im, stride_in,
+    HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """intermediate[rows, n] = SwiGLU(hidden[tok(rows)] @ W[e, n]^T, hidden[tok(rows)] @ W[e, N + n]^T).
+
+    N = I (columns of the intermediate), K = H (reduction).
+    """
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the plan and hidden come from earlier kernels
+        tl.extra.cuda.gdc_launch_dependents()
+    tile, col_block = _program_tile(num_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < 0:
+        return
+    row_start = tl.load(tile_row_start_ptr + tile)
+    row_end = tl.load(expert_offsets_ptr + expert + 1)
+    rows = row_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] permuted rows
+    row_ok = rows < row_end
+    # Rows past the expert's end read token 0 and columns past N wrap around: every load is in bounds, so
+    # the main loop needs no masks unless BLOCK_K does not divide K; the store drops the extra rows/columns.
+    tokens = tl.load(p2e_ptr + rows, mask=row_ok, other=0) // top_k  # [BLOCK_M] rows of hidden
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+
+    a_ptrs = hidden_ptr + tokens.to(tl.int64)[:, None] * stride_hm + ks[None, :] * stride_hk  # [BLOCK_M, BLOCK_K]
+    w_expert = w_ptr + expert.to(tl.int64) * stride_we
+    gate_ptrs = w_expert + (cols % N)[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+    up_ptrs = gate_ptrs + N * stride_wn  # [BLOCK_K, BLOCK_N]
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)  # [BLOCK_M, BLOCK_K]
+            gate_w = tl.load(gate_ptrs)  # [BLOCK_K, BLOCK_N]
+            up_w = tl.load(up_ptrs)  # [BLOCK_K, BLOCK_N]
+        else:
+            k_ok = ks < K - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            gate_w = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
+            up_w = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
+        if UPCAST:
+            a, gate_w, up_w = a.to(tl.float32), gate_w.to(tl.float32), up_w.to(tl.float32)
+        acc_gate = tl.dot(a, gate_w, acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, up_w, acc_up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_hk
+        gate_ptrs += BLOCK_K * stride_wk
+        up_ptrs += BLOCK_K * stride_wk
+
+    if HAS_LIMIT:  # DeepSeek-V4: clamp before the activation and the product
+        acc_gate = tl.minimum(acc_gate, limit)
+        acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+    act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BLOCK_M, BLOCK_N] SiLU(gate) * up
+    out_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_in
+    tl.store(out_ptrs, _round(act, inter_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _gemm2_kernel(
+    inter_ptr, w_ptr, out_ptr,
+    tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+    num_tiles, N, K,
+    stride_im, stride_ik, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """out[rows, n] = intermediate[rows] @ down_proj[e, n]^T.  N = H (output columns), K = I (reduction)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the intermediate comes from GEMM1
+        tl.extra.cuda.gdc_launch_dependents()
+    tile, col_block = _program_tile(num_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < 0:
+        return
+    row_start = tl.load(tile_row_start_ptr + tile)
+    row_end = tl.load(expert_offsets_ptr + expert + 1)
+    rows = row_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] permuted rows
+    row_ok = rows < row_end
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+
+    # As in GEMM1, all loads stay in bounds without masks: rows past the expert's end re-read its first row
+    # and columns past N wrap around; the store drops them.
+    a_rows = tl.where(row_ok, rows, row_start).to(tl.int64)  # [BLOCK_M]
+    a_ptrs = inter_ptr + a_rows[:, None] * stride_im + ks[None, :] * stride_ik  # [BLOCK_M, BLOCK_K]
+    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
+              + (cols % N)[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk)  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)  # [BLOCK_M, BLOCK_K]
+            w = tl.load(w_ptrs)  # [BLOCK_K, BLOCK_N]
+        else:
+            k_ok = ks < K - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        if UPCAST:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ik
+        w_ptrs += BLOCK_K * stride_wk
+
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on  # [BLOCK_M, BLOCK_N]
+    tl.store(out_ptrs, _round(acc, out_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _dtype_flags(dtype: torch.dtype) -> dict:
+    """fp32 operands get IEEE products (the default would be TF32); the interpreter's 16-bit ``tl.dot`` and
+    bf16 cast need the work-arounds above."""
+    interpreting = _runtime.interpreting()
+    return {
+        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "UPCAST": interpreting and dtype != torch.float32,
+        "EMULATE_RTNE": interpreting and dtype == torch.bfloat16,
+    }
+
+
+def gemm1_swiglu(
+    hidden: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    plan: DispatchPlan,
+    intermediate: torch.Tensor,
+    tiles: GemmTiles,
+    swiglu_limit: Optional[float] = None,
+    *,
+    use_pdl: bool = False,
+) -> None:
+    """Launch GEMM1 + SwiGLU into ``intermediate`` [M·K, I] with the plan's BLOCK_M and these tiles."""
+    num_tiles = plan.tile_expert.numel()
+    n, k = intermediate.shape[1], hidden.shape[1]
+    if num_tiles == 0 or n == 0:
+        return
+    grid = (num_tiles * triton.cdiv(n, tiles.block_n),)
+    _gemm1_swiglu_kernel[grid](
+        hidden, gate_up_proj, intermediate,
+        plan.tile_expert, plan.tile_row_start, plan.expert_offsets, plan.permuted_to_expanded,
+        num_tiles, n, k, plan.top_k, 0.0 if swiglu_limit is None else float(swiglu_limit),
+        hidden.stride(0), hidden.stride(1), *gate_up_proj.stride(), *intermediate.stride(),
+        HAS_LIMIT=swiglu_limit is not None, EVEN_K=k % tiles.block_k == 0, **_dtype_flags(hidden.dtype),
+        BLOCK_M=plan.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+        USE_PDL=use_pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **({"launch_pdl": True} if use_pdl else {}),
+    )
+
+
+def gemm2(
+    intermediate: torch.Tensor,
+    down_proj: torch.Tensor,
+    plan: DispatchPlan,
+    out: torch.Tensor,
+    tiles: GemmTiles,
+    *,
+    use_pdl: bool = False,
+) -> None:
+    """Launch GEMM2 into ``out`` [M·K, H] with the plan's BLOCK_M and these tiles."""
+    num_tiles = plan.tile_expert.numel()
+    n, k = out.shape[1], intermediate.shape[1]
+    if num_tiles == 0 or n == 0:
+        return
+    grid = (num_tiles * triton.cdiv(n, tiles.block_n),)
+    _gemm2_kernel[grid](
+        intermediate, down_proj, out,
+        plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
+        num_tiles, n, k,
+        *intermediate.stride(), *down_proj.stride(), *out.stride(),
+        EVEN_K=k % tiles.block_k == 0, **_dtype_flags(intermediate.dtype),
+        BLOCK_M=plan.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+        USE_PDL=use_pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **({"launch_pdl": True} if use_pdl else {}),
+    )

@@ -1,0 +1,64 @@
+"""Readable PyTorch version of the routed experts: the spec you can run, the CPU path, the test oracle.
+
+Permuted row p of expert e (``plan.expert_offsets[e] <= p < plan.expert_offsets[e+1]``) holds, for the token
+``t = plan.permuted_to_expanded[p] // K`` and x = hidden[t]:
+
+    gate = x @ gate_up_proj[e, :I].T          up = x @ gate_up_proj[e, I:].T
+    gate = min(gate, limit)                   up = clamp(up, -limit, limit)      (only with swiglu_limit)
+    act = round(SiLU(gate) * up)              (to hidden's dtype: the intermediate is stored in it)
+    out[p] = round(act @ down_proj[e].T)      (to out's dtype)
+
+Routing weights are not applied here (finalize applies them). Rows past the last real row are not written.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..dispatch import DispatchPlan
+
+
+def moe_experts_torch(
+    hidden: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    plan: DispatchPlan,
+    *,
+    swiglu_limit: Optional[float] = None,
+    out: Optional[torch.Tensor] = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Each expert's SwiGLU MLP on its rows of the plan, computed in ``dtype``.
+
+    Args:
+        hidden: [M, H] activations. gate_up_proj: [E, 2I, H] (gate rows first). down_proj: [E, H, I].
+        plan: the :class:`~moefuse.dispatch.DispatchPlan` of the routing, M·K rows.
+        swiglu_limit: None, or the DeepSeek-V4 clamp (> 0).
+        out: where to write [M·K, H] (any float dtype); default a new tensor of hidden's dtype.
+        dtype: compute dtype; float32 is the kernels' accumulation, float64 makes this the test oracle.
+            The intermediate is rounded to hidden's dtype in any case, as the kernels store it.
+
+    Returns:
+        ``out``; rows at or past ``plan.expert_offsets[E]`` are left as they were. Any device; reads the
+        expert offsets back to the host (a sync): a reference, not a fast path.
+    """
+    num_rows, width = plan.num_rows, gate_up_proj.shape[1] // 2
+    if out is None:
+        out = torch.empty(num_rows, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+    offsets = plan.expert_offsets.tolist()
+    for expert in range(plan.num_experts):
+        start, end = offsets[expert], offsets[expert + 1]
+        if start == end:
+            continue
+        tokens = plan.permuted_to_expanded[start:end].long() // plan.top_k
+        x = hidden[tokens].to(dtype)  # [rows, H]
+        gate_up = x @ gate_up_proj[expert].to(dtype).T  # [rows, 2I]
+        gate, up = gate_up[:, :width], gate_up[:, width:]
+        if swiglu_limit is not None:
+            gate = gate.clamp(max=swiglu_limit)
+            up = up.clamp(-swiglu_limit, swiglu_limit)
+        act = (torch.nn.functional.silu(gate) * up).to(hidden.dtype).to(dtype)  # [rows, I]
+        out[start:end] = (act @ down_proj[expert].to(dtype).T).to(out.dtype)
+    return out

@@ -1,0 +1,165 @@
+"""transformers integration: build a MoELayer from a sparse-MoE block, patch a model, or serve as an experts backend.
+
+Three ways in, from lightest to fullest:
+
+- ``register_experts_implementation()`` adds ``"moefuse"`` to transformers' experts interface, so
+  ``from_pretrained(..., experts_implementation="moefuse")`` or ``model.set_experts_implementation("moefuse")``
+  runs every experts module through moefuse's dispatch, grouped GEMMs and finalize (routing stays transformers').
+- ``MoELayer.from_hf(block)`` builds a layer that shares the block's tensors (no copy).
+- ``patch(model)`` swaps every supported block for such a layer, so routing and the deferred finalize with the
+  shared expert run fused too; ``unpatch(model)`` puts the original blocks back.
+
+One registry (``SUPPORTED_BLOCKS``) maps a block's class name to how its router scores experts; everything else is
+read off the block's own attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from moefuse._runtime import Backend
+from moefuse.config import MoEConfig
+from moefuse.layer import MoELayer
+
+# Block class name -> scoring function of its router ("config" = read the router's activation).
+SUPPORTED_BLOCKS: dict[str, str] = {
+    "DeepseekV3MoE": "sigmoid",  # DeepSeek-V3 / R1, Kimi-K2
+    "Glm4MoeMoE": "sigmoid",  # GLM-4.5 / 4.5-Air
+    "DeepseekV4SparseMoeBlock": "config",  # DeepSeek-V4 (sqrt-softplus); hash-routed layers are not supported
+    "Qwen3MoeSparseMoeBlock": "softmax",  # Qwen3-MoE
+}
+_ACTIVATION_SCORING = {"SqrtSoftplusActivation": "sqrtsoftplus", "Sigmoid": "sigmoid", "Softmax": "softmax"}
+_ORIGINAL = "_moefuse_original"  # attribute of a patched-in layer holding the block it replaced
+
+
+def unsupported_reason(block: nn.Module) -> str | None:
+    """Why ``block`` cannot become a MoELayer, or None when it can."""
+    kind = SUPPORTED_BLOCKS.get(type(block).__name__)
+    if kind is None:
+        return f"{type(block).__name__} is not a supported MoE block"
+    if getattr(block, "is_hash", False):
+        return "hash-routed layer (experts fixed by token id)"
+    if kind == "config" and type(block.gate.score_fn).__name__ not in _ACTIVATION_SCORING:
+        return f"router activation {type(block.gate.score_fn).__name__}"
+    act = getattr(block.experts, "act_fn", None)
+    if act is not None and type(act).__name__ not in ("SiLU", "SiLUActivation"):
+        return f"expert activation {type(act).__name__} (only SiLU)"
+    return None
+
+
+def config_from_hf(block: nn.Module) -> MoEConfig:
+    """The MoEConfig of a supported transformers block, read off its router, experts and shared expert."""
+    reason = unsupported_reason(block)
+    if reason is not None:
+        raise ValueError(f"block: {reason}")
+    gate, experts = block.gate, block.experts
+    scoring = SUPPORTED_BLOCKS[type(block).__name__]
+    if scoring == "config":
+        scoring = _ACTIVATION_SCORING[type(gate.score_fn).__name__]
+    shared = getattr(block, "shared_experts", None)
+    inter = experts.gate_up_proj.shape[1] // 2
+    return MoEConfig(
+        hidden_size=experts.gate_up_proj.shape[2],
+        intermediate_size=inter,
+        num_experts=experts.gate_up_proj.shape[0],
+        top_k=gate.top_k,
+        num_shared_experts=0 if shared is None else shared.gate_proj.weight.shape[0] // inter,
+        num_expert_group=getattr(gate, "num_group", 1),
+        topk_group=getattr(gate, "topk_group", 1),
+        routed_scaling_factor=float(getattr(gate, "routed_scaling_factor", 1.0)),
+        scoring_func=scoring,
+        renormalize=bool(getattr(gate, "norm_topk_prob", True)),
+        expert_bias=getattr(gate, "e_score_correction_bias", None) is not None,
+        swiglu_limit=getattr(experts, "limit", None),
+    )
+
+
+def layer_from_hf(block: nn.Module, *, backend: Backend = "auto") -> MoELayer:
+    """A MoELayer computing ``block``'s function with ``block``'s own tensors (shared, not copied)."""
+    config = config_from_hf(block)
+    shared = getattr(block, "shared_experts", None)
+    if shared is not None and shared.gate_proj.weight.shape[0] % config.intermediate_size:
+        raise ValueError("block: shared expert width is not a multiple of the routed expert width")
+    layer = MoELayer(config, dtype=block.experts.gate_up_proj.dtype, device="meta", backend=backend)
+    layer.gate.weight = block.gate.weight
+    layer.gate.e_score_correction_bias = getattr(block.gate, "e_score_correction_bias", None)
+    layer.experts.gate_up_proj = block.experts.gate_up_proj
+    layer.experts.down_proj = block.experts.down_proj
+    if shared is not None:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(layer.shared_experts, name, getattr(shared, name))
+    return layer
+
+
+@dataclass
+class PatchReport:
+    """What ``patch`` did: qualified names of the blocks replaced, and of MoE-looking blocks left alone (why)."""
+
+    patched: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def _looks_like_moe(module: nn.Module) -> bool:
+    return hasattr(module, "experts") and hasattr(module, "gate")
+
+
+def patch(model: nn.Module, *, backend: Backend = "auto") -> PatchReport:
+    """Replace every supported sparse-MoE block of ``model`` by a MoELayer sharing its tensors; returns a report.
+
+    Unsupported blocks are left alone and listed in ``report.skipped``. Patching twice is harmless (patched
+    layers are not MoE blocks any more). ``unpatch`` restores the original modules exactly.
+    """
+    report = PatchReport()
+    for name, module in list(model.named_modules()):
+        if isinstance(module, MoELayer) or not _looks_like_moe(module):
+            continue
+        reason = unsupported_reason(module)
+        if reason is not None:
+            report.skipped[name] = reason
+            continue
+        layer = layer_from_hf(module, backend=backend)
+        object.__setattr__(layer, _ORIGINAL, module)  # not a submodule: its tensors are the layer's already
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+        report.patched.append(name)
+    return report
+
+
+def unpatch(model: nn.Module) -> list[str]:
+    """Put back every block that ``patch`` replaced; returns their qualified names."""
+    restored = []
+    for name, module in list(model.named_modules()):
+        original = getattr(module, _ORIGINAL, None)
+        if isinstance(module, MoELayer) and original is not None:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, original)
+            restored.append(name)
+    return restored
+
+
+def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts-interface signature, run by moefuse: dispatch, grouped GEMMs, finalize."""
+    from moefuse.dispatch import moe_dispatch
+    from moefuse.experts import moe_experts, pick_block_m
+    from moefuse.finalize import moe_finalize_fuse_shared
+
+    E, two_i, H = experts.gate_up_proj.shape
+    M, K = top_k_index.shape
+    ids = top_k_index.to(torch.int32)
+    block_m = pick_block_m(M, E, H, two_i // 2, K, hidden_states.dtype)
+    plan = moe_dispatch(ids, E, block_m)
+    gemm2_out = moe_experts(hidden_states, experts.gate_up_proj, experts.down_proj, plan,
+                            swiglu_limit=getattr(experts, "limit", None))
+    weights = top_k_weights if top_k_weights.dtype in (torch.float32, torch.bfloat16) else top_k_weights.float()
+    return moe_finalize_fuse_shared(gemm2_out, plan.expanded_to_permuted, weights, None, K)
+
+
+def register_experts_implementation(name: str = "moefuse") -> None:
+    """Add moefuse to transformers' experts interface under ``name`` (explicit: nothing is registered on import)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(name, experts_forward)

@@ -1,0 +1,257 @@
+"""The MoE block: router linear, route, dispatch, experts, shared expert, finalize.
+
+Module and parameter names follow Hugging Face's DeepSeek-V3 / GLM / Qwen3-MoE blocks (``gate.weight``,
+``gate.e_score_correction_bias``, ``experts.gate_up_proj``, ``experts.down_proj``, ``shared_experts.*``), so a
+checkpoint's tensors load as they are and ``MoELayer.from_hf`` can share a transformers block's tensors.
+
+On CUDA the shared expert runs on a side stream while the routed experts run on the current one; with deferred
+finalize (SPEC §3, on by default) the experts runner skips its own combine and one kernel does combine + shared add.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moefuse._runtime import Backend
+from moefuse.config import MoEConfig
+from moefuse.dispatch import moe_dispatch
+from moefuse.experts import moe_experts, pick_block_m
+from moefuse.finalize import (
+    DeferredFinalizeOutput,
+    deferred_finalize_allowed,
+    deferred_finalize_context,
+    deferred_finalize_enabled,
+    finalize_deferred_output,
+    moe_finalize_fuse_shared,
+)
+from moefuse.route import moe_fused_gate, moe_fused_gate_torch
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+class MoERouter(nn.Module):
+    """Router linear (fp32 logits) followed by :func:`moefuse.moe_fused_gate`."""
+
+    def __init__(self, config: MoEConfig, *, device: torch.device | str | None = None, backend: Backend = "auto"):
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, device=device))
+        bias = torch.zeros(config.num_experts, device=device) if config.expert_bias else None
+        self.register_buffer("e_score_correction_bias", bias)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[M, H] -> fp32 logits [M, E]."""
+        return F.linear(x.float(), self.weight.float())
+
+    def forward(self, x: torch.Tensor, num_token_non_padded: int | torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[M, H] -> (weights fp32 [M, top_k], ids int32 [M, top_k]); the scaling factor is in the weights.
+
+        Rows at or past ``num_token_non_padded`` get ids -1 and weights 0: they reach no expert.
+        """
+        c = self.config
+        return moe_fused_gate(
+            self.logits(x), self.e_score_correction_bias, c.top_k, c.scoring_func,
+            renormalize=c.renormalize, routed_scaling_factor=c.routed_scaling_factor,
+            apply_routed_scaling_factor_on_output=True, num_expert_group=c.num_expert_group,
+            topk_group=c.topk_group, moe_softcapping=c.moe_softcapping,
+            num_token_non_padded=num_token_non_padded, backend=self.backend,
+        )
+
+
+class MoEExperts(nn.Module):
+    """The routed experts runner: dispatch, grouped GEMM1 + SwiGLU, GEMM2, and (unless deferred) the combine.
+
+    Inside :func:`moefuse.deferred_finalize_context` it returns a :class:`DeferredFinalizeOutput` and allocates
+    no output buffer; the caller finalizes, fusing the shared expert's output into the same pass.
+    """
+
+    def __init__(self, config: MoEConfig, *, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str | None = None, backend: Backend = "auto"):
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        E, H, I = config.num_experts, config.hidden_size, config.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H, dtype=dtype, device=device))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, defer: bool | None = None
+                ) -> torch.Tensor | DeferredFinalizeOutput:
+        """x [M, H], weights [M, top_k], ids int32 [M, top_k] -> out [M, H], or the deferred pieces.
+
+        ``defer=None`` follows :func:`moefuse.deferred_finalize_context`.
+        """
+        c = self.config
+        block_m = pick_block_m(x.shape[0], c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, x.dtype)
+        plan = moe_dispatch(ids, c.num_experts, block_m, backend=self.backend)
+        gemm2_out = moe_experts(x, self.gate_up_proj, self.down_proj, plan, swiglu_limit=c.swiglu_limit,
+                                backend=self.backend)
+        deferred = DeferredFinalizeOutput(gemm2_out, weights, plan.expanded_to_permuted, c.top_k)
+        if defer is None:
+            defer = deferred_finalize_enabled()
+        if defer:
+            return deferred
+        return finalize_deferred_output(deferred, None, backend=self.backend)
+
+
+class SharedExpert(nn.Module):
+    """An ordinary SwiGLU MLP (``gate_proj``, ``up_proj``, ``down_proj``), not scaled by the routing factor."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None, *,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None):
+        super().__init__()
+        self.limit = swiglu_limit
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, device=device)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, device=device)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class MoELayer(nn.Module):
+    """A whole MoE block: ``out = Σ_k w_k · expert_{id_k}(x) + shared(x)`` for every token.
+
+    Args:
+        config: shapes and routing options (``moefuse.config.PRESETS`` has the SPEC §4 models).
+        dtype: dtype of the expert and shared weights and of the activations (bf16, fp16 or fp32).
+            The router weight is fp32 and its logits are computed in fp32.
+        device: where to allocate the parameters (uninitialised: load a checkpoint or call ``init_random_``).
+        backend: ``"auto"`` (Triton on CUDA tensors, the PyTorch reference elsewhere), ``"triton"`` or
+            ``"reference"``; passed to every stage.
+
+    ``forward`` takes hidden states [..., H] in ``dtype`` and returns the same shape. A fixed-size decode step
+    does no host synchronisation and can be captured in a CUDA graph.
+    """
+
+    def __init__(self, config: MoEConfig, *, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str | None = None, backend: Backend = "auto"):
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.gate = MoERouter(config, device=device, backend=backend)
+        self.experts = MoEExperts(config, dtype=dtype, device=device, backend=backend)
+        self.shared_experts = (
+            SharedExpert(config.hidden_size, config.shared_intermediate_size, config.swiglu_limit,
+                         dtype=dtype, device=device)
+            if config.num_shared_experts else None
+        )
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    @torch.no_grad()
+    def init_random_(self, seed: int = 0, std: float = 0.02) -> "MoELayer":
+        """Fill every weight with N(0, std²) and the expert bias with N(0, 0.01²), drawn on the weights' device.
+
+        Drawn one expert slice at a time, so a full-size layer needs no host-side copy of its weights.
+        """
+        gens: dict[torch.device, torch.Generator] = {}
+        for name, tensor in list(self.named_parameters()) + list(self.named_buffers()):
+            if tensor is None:
+                continue
+            if tensor.device not in gens:
+                gens[tensor.device] = torch.Generator(tensor.device).manual_seed(seed)
+            gen = gens[tensor.device]
+            scale = 0.01 if name.endswith("e_score_correction_bias") else std
+            for part in tensor.view(-1, *tensor.shape[-1:]).split(4096):
+                part.normal_(0.0, scale, generator=gen)
+        return self
+
+    @property
+    def supports_deferred_finalize(self) -> bool:
+        """Every backend can defer; ``MOEFUSE_ENABLE_DEFERRED_FINALIZE=0`` turns deferral off."""
+        return deferred_finalize_allowed()
+
+    def forward_deferred_finalize(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                                  ) -> DeferredFinalizeOutput:
+        """Dispatch + experts with the combine left to the caller; ``x`` is [M, H]."""
+        if torch.compiler.is_compiling():
+            # torch.compile cannot follow a ContextVar; our runner is told directly instead.
+            return self.experts(x, weights, ids, defer=True)
+        with deferred_finalize_context():
+            return self.experts(x, weights, ids)
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._side_streams:
+            self._side_streams[device] = torch.cuda.Stream(device)
+        return self._side_streams[device]
+
+    def forward(self, hidden_states: torch.Tensor, num_token_non_padded: int | torch.Tensor | None = None,
+                input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., H] -> [..., H]. Tokens at or past ``num_token_non_padded`` (flattened order) get only the shared
+        expert. ``input_ids`` is accepted (and unused) so the layer drops in where DeepSeek-V4 blocks are called."""
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, self.config.hidden_size)
+        weights, ids = self.gate(x, num_token_non_padded)
+        on_side_stream = x.is_cuda and self.shared_experts is not None and not torch.compiler.is_compiling()
+        if on_side_stream:
+            main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
+            side.wait_stream(main)  # x (and everything before it) is ready
+            with torch.cuda.stream(side):
+                shared = self.shared_experts(x)
+        else:
+            shared = self.shared_experts(x) if self.shared_experts is not None else None
+        if self.supports_deferred_finalize:
+            routed: torch.Tensor | DeferredFinalizeOutput = self.forward_deferred_finalize(x, weights, ids)
+        else:
+            routed = self.experts(x, weights, ids, defer=False)
+        if on_side_stream:
+            main.wait_stream(side)
+            shared.record_stream(main)  # allocated on the side stream, freed after use on this one
+        if isinstance(routed, DeferredFinalizeOutput):
+            out = finalize_deferred_output(routed, shared, backend=self.backend)
+        else:
+            out = routed if shared is None else routed + shared
+        return out.reshape(shape)
+
+    @classmethod
+    def from_hf(cls, module: nn.Module, *, backend: Backend = "auto") -> "MoELayer":
+        """A layer sharing (not copying) the tensors of a transformers sparse-MoE block; see ``moefuse.hf``."""
+        from moefuse.hf import layer_from_hf
+
+        return layer_from_hf(module, backend=backend)
+
+
+@torch.no_grad()
+def moe_layer_torch(layer: MoELayer, hidden_states: torch.Tensor, num_token_non_padded: int | None = None, *,
+                    dtype: torch.dtype = torch.float64, route_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The block computed plainly in ``dtype`` (float64 by default) from ``layer``'s weights: the test oracle.
+
+    Routes with the router reference in ``route_dtype`` (default ``dtype``), then runs each touched expert
+    densely on its tokens: no dispatch, no grouped GEMM, no finalize kernel. Returns [..., H] in ``dtype``.
+    Pass ``route_dtype=torch.float32`` to judge a bf16 layer on the experts' arithmetic alone: a token whose
+    k-th and (k+1)-th keys differ by less than fp32 rounding may otherwise pick another expert.
+    """
+    c = layer.config
+    x = hidden_states.reshape(-1, c.hidden_size).to(dtype)
+    rdtype = dtype if route_dtype is None else route_dtype
+    logits = F.linear(x.to(rdtype), layer.gate.weight.to(rdtype))
+    bias = layer.gate.e_score_correction_bias
+    weights, ids = moe_fused_gate_torch(
+        logits, bias, c.top_k, c.scoring_func, renormalize=c.renormalize,
+        routed_scaling_factor=c.routed_scaling_factor, apply_routed_scaling_factor_on_output=True,
+        num_expert_group=c.num_expert_group, topk_group=c.topk_group, moe_softcapping=c.moe_softcapping,
+        num_token_non_padded=num_token_non_padded, dtype=rdtype,
+    )
+    out = torch.zeros_like(x)
+    for expert in ids.unique().tolist():
+        if not 0 <= expert < c.num_experts:
+            continue
+        token, slot = (ids == expert).nonzero(as_tuple=True)
+        w13 = layer.experts.gate_up_proj[expert].to(dtype)
+        h = x[token] @ w13.T
+        act = _swiglu(h[:, : c.intermediate_size], h[:, c.intermediate_size:], c.swiglu_limit)
+        y = act @ layer.experts.down_proj[expert].to(dtype).T
+        out.index_add_(0, token, y * weights[token, slot].to(dtype)[:, None])
+    if layer.shared_experts is not None:
+        s = layer.shared_experts
+        act = _swiglu(x @ s.gate_proj.weight.to(dtype).T, x @ s.up_proj.weight.to(dtype).T, c.swiglu_limit)
+        out += act @ s.down_proj.weight.to(dtype).T
+    return out.reshape(*hidden_states.shape[:-1], c.hidden_size)

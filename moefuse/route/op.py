@@ -1,0 +1,254 @@
+"""Public router op ``moe_fused_gate`` (SPEC §1): validation, backend choice, the ``moefuse::fused_gate`` custom op."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moefuse import _checks, _runtime
+from moefuse.route import kernel, reference
+
+SCORING_FUNCS = ("sigmoid", "sqrtsoftplus", "softmax")
+
+
+def moe_fused_gate(
+    scores: torch.Tensor,
+    bias: torch.Tensor | None,
+    topk: int,
+    scoring_func: str = "sigmoid",
+    num_fused_shared_experts: int = 0,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+    apply_routed_scaling_factor_on_output: bool = False,
+    *,
+    num_expert_group: int = 1,
+    topk_group: int = 1,
+    moe_softcapping: float = 0.0,
+    num_token_non_padded: int | torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick each token's experts and their weights from router logits.
+
+    Args:
+        scores: router logits [M, E], fp32, bf16 or fp16 (all arithmetic is fp32).
+        bias: selection bias [E] fp32 on the same device, or None (zeros). It chooses experts only; weights
+            come from the activation alone.
+        topk: slots per token, fused shared slots included (``K_r = topk - num_fused_shared_experts`` routed).
+        scoring_func: ``"sigmoid"``, ``"sqrtsoftplus"`` or ``"softmax"``.
+        num_fused_shared_experts: shared-expert slots appended after the routed ones, ids ``E + j``, weight
+            ``routed_sum / routed_scaling_factor`` before renormalisation.
+        renormalize: divide every slot by the sum of the routed weights (by 1 when that sum is <= 0).
+        routed_scaling_factor: finite, > 0.
+        apply_routed_scaling_factor_on_output: multiply every slot by ``routed_scaling_factor``.
+        num_expert_group: G groups of E/G consecutive experts (G must divide E); a group scores the sum of its
+            two largest keys, and only the ``topk_group`` best groups are eligible.
+        topk_group: groups kept, 1 <= topk_group <= G.
+        moe_softcapping: ``c >= 0``; for softmax, logits become ``c·tanh(x/c)`` first when ``c > 0``. A nonzero
+            value with another scoring function is rejected rather than silently ignored.
+        num_token_non_padded: None, an int, or a 0-d int32/int64 tensor on the scores' device (read on the
+            device: CUDA-graph safe). Rows at or past it get ids -1 and weights 0.
+        out: optional preallocated ``(weights fp32 [M, topk], ids int32 [M, topk])``, contiguous, same device.
+        backend: ``"auto"``, ``"reference"`` or ``"triton"`` (see ``moefuse._runtime``).
+
+    Returns:
+        ``(weights, ids)``: fp32 [M, topk] and int32 [M, topk]. Routed slots in descending key order (lower id
+        first among equal keys; NaN keys last), then the shared slots.
+
+    Raises:
+        TypeError / ValueError naming the argument, before any launch, for every case in SPEC §1; with the
+        Triton backend also for ``E > 1024`` or ``topk > 32``.
+    """
+    device = scores.device if isinstance(scores, torch.Tensor) else torch.device("cpu")  # _validate rejects non-tensors
+    resolved = _runtime.resolve_backend(backend, device)
+    _validate(
+        scores,
+        bias,
+        topk,
+        scoring_func,
+        num_fused_shared_experts,
+        renormalize,
+        routed_scaling_factor,
+        apply_routed_scaling_factor_on_output,
+        num_expert_group,
+        topk_group,
+        moe_softcapping,
+        num_token_non_padded,
+        out,
+        resolved,
+    )
+    M = scores.shape[0]
+    if out is None:
+        out = (
+            torch.empty(M, topk, dtype=torch.float32, device=scores.device),
+            torch.empty(M, topk, dtype=torch.int32, device=scores.device),
+        )
+    ntnp_tensor = num_token_non_padded if isinstance(num_token_non_padded, torch.Tensor) else None
+    n_valid = M if num_token_non_padded is None or ntnp_tensor is not None else min(max(num_token_non_padded, 0), M)
+    torch.ops.moefuse.fused_gate(
+        scores,
+        bias,
+        out[0],
+        out[1],
+        scoring_func,
+        num_fused_shared_experts,
+        renormalize,
+        float(routed_scaling_factor),
+        apply_routed_scaling_factor_on_output,
+        num_expert_group,
+        topk_group,
+        float(moe_softcapping),
+        ntnp_tensor,
+        n_valid,
+        resolved,
+    )
+    return out
+
+
+def _validate(
+    scores,
+    bias,
+    topk,
+    scoring_func,
+    num_fused_shared_experts,
+    renormalize,
+    routed_scaling_factor,
+    apply_routed_scaling_factor_on_output,
+    num_expert_group,
+    topk_group,
+    moe_softcapping,
+    num_token_non_padded,
+    out,
+    backend,
+) -> None:
+    """Every argument check of ``moe_fused_gate``; raises TypeError/ValueError naming the argument."""
+    _checks.check_tensor("scores", scores, dtypes=_checks.FLOAT_DTYPES, ndim=2)
+    M, E = scores.shape
+    device = scores.device
+    if E < 1:
+        raise ValueError(f"scores must have at least one expert column, got shape {tuple(scores.shape)}")
+    if bias is not None:
+        _checks.check_tensor("bias", bias, dtypes=(torch.float32,), shape=(E,), device=device)
+    _checks.check_int("topk", topk, low=1)
+    _checks.check_int("num_fused_shared_experts", num_fused_shared_experts, low=0)
+    if topk <= num_fused_shared_experts:
+        raise ValueError(
+            f"topk ({topk}) must exceed num_fused_shared_experts ({num_fused_shared_experts}): "
+            "at least one routed slot is needed"
+        )
+    if not isinstance(scoring_func, str) or scoring_func not in SCORING_FUNCS:
+        raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {scoring_func!r}")
+    for name, flag in (
+        ("renormalize", renormalize),
+        ("apply_routed_scaling_factor_on_output", apply_routed_scaling_factor_on_output),
+    ):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    _check_real("routed_scaling_factor", routed_scaling_factor)
+    if not (math.isfinite(routed_scaling_factor) and routed_scaling_factor > 0):
+        raise ValueError(f"routed_scaling_factor must be finite and > 0, got {routed_scaling_factor}")
+    _check_real("moe_softcapping", moe_softcapping)
+    if not (math.isfinite(moe_softcapping) and moe_softcapping >= 0):
+        raise ValueError(f"moe_softcapping must be finite and >= 0, got {moe_softcapping}")
+    if moe_softcapping > 0 and scoring_func != "softmax":
+        raise ValueError(f"moe_softcapping applies to scoring_func='softmax' only, got {scoring_func!r}")
+    _checks.check_int("num_expert_group", num_expert_group, low=1)
+    if E % num_expert_group:
+        raise ValueError(f"num_expert_group ({num_expert_group}) must divide the number of experts ({E})")
+    _checks.check_int("topk_group", topk_group, low=1, high=num_expert_group)
+    k_routed = topk - num_fused_shared_experts
+    if k_routed > E:
+        raise ValueError(f"topk - num_fused_shared_experts ({k_routed} routed slots) exceeds the {E} experts")
+    eligible = topk_group * (E // num_expert_group)
+    if k_routed > eligible:
+        raise ValueError(
+            f"topk - num_fused_shared_experts ({k_routed}) exceeds the {eligible} experts that topk_group "
+            f"({topk_group}) groups of {E // num_expert_group} hold"
+        )
+    if num_token_non_padded is not None:
+        if isinstance(num_token_non_padded, torch.Tensor):
+            _checks.check_tensor(
+                "num_token_non_padded", num_token_non_padded, dtypes=(torch.int32, torch.int64), ndim=0, device=device
+            )
+        else:
+            _checks.check_int("num_token_non_padded", num_token_non_padded)
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TypeError("out must be a (weights, ids) pair of tensors")
+        for name, tensor, dtype in (("out[0] (weights)", out[0], torch.float32), ("out[1] (ids)", out[1], torch.int32)):
+            _checks.check_tensor(name, tensor, dtypes=(dtype,), shape=(M, topk), device=device)
+            if not tensor.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+    if backend == "triton":
+        if E > kernel.MAX_EXPERTS:
+            raise ValueError(f"scores has {E} experts; the triton backend handles at most {kernel.MAX_EXPERTS}")
+        if topk > kernel.MAX_TOPK:
+            raise ValueError(f"topk ({topk}) exceeds the triton backend's limit of {kernel.MAX_TOPK}")
+
+
+def _check_real(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+
+
+@torch.library.custom_op("moefuse::fused_gate", mutates_args=("weights", "ids"))
+def _fused_gate(
+    scores: torch.Tensor,
+    bias: torch.Tensor | None,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    scoring_func: str,
+    num_fused_shared_experts: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+    apply_routed_scaling_factor_on_output: bool,
+    num_expert_group: int,
+    topk_group: int,
+    moe_softcapping: float,
+    num_token_non_padded: torch.Tensor | None,
+    n_valid: int,
+    backend: str,
+) -> None:
+    """Write the routing of ``scores`` into ``weights``/``ids`` (arguments already validated).
+
+    Padding comes from ``num_token_non_padded`` when it is a tensor, else from ``n_valid`` (M when none).
+    """
+    if backend == "triton":
+        kernel.fused_gate(
+            scores,
+            bias,
+            weights,
+            ids,
+            scoring_func=scoring_func,
+            num_fused_shared_experts=num_fused_shared_experts,
+            renormalize=renormalize,
+            routed_scaling_factor=routed_scaling_factor,
+            apply_routed_scaling_factor_on_output=apply_routed_scaling_factor_on_output,
+            num_expert_group=num_expert_group,
+            topk_group=topk_group,
+            moe_softcapping=moe_softcapping,
+            num_token_non_padded=num_token_non_padded,
+            n_valid=n_valid,
+        )
+        return
+    reference.moe_fused_gate_torch(
+        scores,
+        bias,
+        weights.shape[1],
+        scoring_func,
+        num_fused_shared_experts,
+        renormalize,
+        routed_scaling_factor,
+        apply_routed_scaling_factor_on_output,
+        num_expert_group=num_expert_group,
+        topk_group=topk_group,
+        moe_softcapping=moe_softcapping,
+        num_token_non_padded=num_token_non_padded if num_token_non_padded is not None else n_valid,
+        out=(weights, ids),
+    )
+
+
+@_fused_gate.register_fake
+def _(scores, bias, weights, ids, *args) -> None:
+    return None

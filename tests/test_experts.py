@@ -1,0 +1,238 @@
+"""Experts: the Triton grouped GEMMs against the float64 reference, tile configs, and every error path."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from moefuse.dispatch import moe_dispatch
+from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts, moe_experts_torch, pick, pick_block_m
+from moefuse.testing import assert_rel_close
+
+E, H, I = 5, 48, 40  # tiny, not powers of two: partial column blocks and masked reduction steps
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+SMALL_TILES = TileConfig(16, GemmTiles(16, 16, 2, 4, 2), GemmTiles(16, 32, 3, 4, 2))  # 48 % 32: masked K
+
+
+def make_inputs(gen, M, K, dtype, *, num_experts=E, hidden=H, width=I, invalid=0.0, scale=1.0):
+    """Activations ~ N(0, scale), weights scaled so gate/up values are O(1) and the clamp bites."""
+    x = (torch.randn(M, hidden, generator=gen) * scale).to(dtype)
+    w1 = (torch.randn(num_experts, 2 * width, hidden, generator=gen) / math.sqrt(hidden)).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, width, generator=gen) / math.sqrt(width)).to(dtype)
+    ids = torch.rand(M, num_experts, generator=gen).argsort(dim=1)[:, :K].int()
+    ids = torch.where(torch.rand(M, K, generator=gen) < invalid, -1, ids)
+    return x, w1, w2, ids
+
+
+def check(x, w1, w2, ids, *, limit=None, block_m=16, device=torch.device("cpu")):
+    """Run dispatch + experts with the Triton backend and compare the real rows with the float64 oracle."""
+    x, w1, w2, ids = (t.to(device) for t in (x, w1, w2, ids))
+    plan = moe_dispatch(ids, w1.shape[0], block_m, backend="triton")
+    out = torch.full((plan.num_rows, x.shape[1]), float("nan"), dtype=x.dtype, device=device)
+    moe_experts(x, w1, w2, plan, swiglu_limit=limit, out=out, backend="triton")
+    ref = moe_experts_torch(x, w1, w2, plan, swiglu_limit=limit, dtype=torch.float64,
+                            out=torch.zeros(plan.num_rows, x.shape[1], dtype=torch.float64, device=device))
+    n_valid = int(plan.expert_offsets[-1])
+    assert_rel_close(out[:n_valid], ref[:n_valid], TOL[x.dtype], "gemm2_out")
+    assert out[n_valid:].isnan().all(), "rows with no token must be left unwritten"
+    return plan
+
+
+@pytest.mark.parametrize("limit", [None, 1.5], ids=["no-clamp", "clamp"])
+@pytest.mark.parametrize("M", [0, 1, 7, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_matches_float64(dtype, M, limit, gen, device):
+    K = 2 + M % 2  # top-2 and top-3
+    x, w1, w2, ids = make_inputs(gen, M, K, dtype, invalid=0.1, scale=2.0)
+    check(x, w1, w2, ids, limit=limit, device=device)
+
+
+def test_fp16(gen, device):
+    check(*make_inputs(gen, 9, 2, torch.float16), device=device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_small_tiles_several_per_expert(dtype, gen, device):
+    """Forced 16-row tiles over ~20 rows per expert: experts span several tiles, GROUP_M > 1 interleaves them,
+    16-wide column blocks leave a partial one (I = 40) and GEMM2's BLOCK_K = 32 masks its last step (I = 40)."""
+    x, w1, w2, ids = make_inputs(gen, 33, 3, dtype, scale=2.0)
+    with configs.override(SMALL_TILES):
+        plan = check(x, w1, w2, ids, limit=1.5, device=device)
+    tiles = plan.tile_expert[plan.tile_expert >= 0]
+    assert tiles.unique(return_counts=True)[1].max() >= 2
+
+
+def test_block_m_32_and_wide_model(gen, device):
+    """A taller plan tile and H, I > one column block, with the heuristic's tiles for those shapes."""
+    x, w1, w2, ids = make_inputs(gen, 24, 3, torch.float32, num_experts=4, hidden=80, width=72)
+    check(x, w1, w2, ids, block_m=32, device=device)
+
+
+def test_strided_hidden_and_weights(gen, device):
+    """Any strides: a column slice of a wider activation buffer and transposed-copy weights."""
+    x, w1, w2, ids = make_inputs(gen, 7, 2, torch.float32)
+    wide = torch.randn(7, H + 16, generator=gen)
+    wide[:, 5:5 + H] = x
+    w1_t = w1.transpose(1, 2).contiguous().transpose(1, 2)  # same values, H-major storage
+    check(wide[:, 5:5 + H], w1_t, w2, ids, device=device)
+
+
+def test_reference_backend_and_default_out(gen, device):
+    x, w1, w2, ids = (t.to(device) for t in make_inputs(gen, 7, 2, torch.float32))
+    plan = moe_dispatch(ids, E, 16, backend="reference")
+    got = moe_experts(x, w1, w2, plan, swiglu_limit=2, backend="reference")
+    n_valid = int(plan.expert_offsets[-1])
+    want = moe_experts_torch(x, w1, w2, plan, swiglu_limit=2)
+    assert got.shape == (14, H) and got.dtype == torch.float32
+    assert torch.equal(got[:n_valid], want[:n_valid])
+
+
+def test_clamp_is_applied(device):
+    """One token, one expert, weights that make gate = 30 and up = -30: with limit 10 the result is
+    SiLU(10) * (-10) times the down weight; without it SiLU(30) * (-30)."""
+    x = torch.ones(1, 16, device=device)
+    w1 = torch.zeros(1, 32, 16, device=device)
+    w1[0, 0, :] = 30 / 16  # gate column 0
+    w1[0, 16, :] = -30 / 16  # up column 0
+    w2 = torch.zeros(1, 16, 16, device=device)
+    w2[0, :, 0] = 1.0
+    plan = moe_dispatch(torch.zeros(1, 1, dtype=torch.int32, device=device), 1, 16, backend="triton")
+    for limit, gate, up in [(10.0, 10.0, -10.0), (None, 30.0, -30.0)]:
+        out = moe_experts(x, w1, w2, plan, swiglu_limit=limit, backend="triton")
+        expected = gate / (1 + math.exp(-gate)) * up
+        assert torch.allclose(out, torch.full_like(out, expected), rtol=1e-6)
+
+
+def test_dispatch_and_experts_compile_fullgraph(gen, device):
+    """Both custom ops (and the tile choice) trace into one torch.compile graph with no graph break."""
+    x, w1, w2, ids = (t.to(device) for t in make_inputs(gen, 7, 2, torch.float32))
+
+    def step(x, ids):
+        plan = moe_dispatch(ids, E, 16, backend="triton")
+        return moe_experts(x, w1, w2, plan, swiglu_limit=3.0, backend="triton"), plan.expert_offsets
+
+    got, offsets = torch.compile(step, fullgraph=True)(x, ids)
+    want, want_offsets = step(x, ids)
+    n_valid = int(want_offsets[-1])
+    assert torch.equal(offsets, want_offsets) and torch.equal(got[:n_valid], want[:n_valid])
+
+
+# --- tile configs ---------------------------------------------------------------------------------------
+
+def test_pick_reads_the_table_for_hopper():
+    table = configs.load_table(configs.TABLES[(9, 0)])
+    entry = next(e for e in table["entries"] if (e["E"], e["H"], e["I"], e["K"]) == (256, 7168, 2048, 8))
+    for M in (1, 16, 128, 1024, 4096):
+        bucket = configs.nearest_bucket([int(m) for m in entry["buckets"]], M)
+        expected = TileConfig.from_dict(entry["buckets"][str(bucket)])
+        assert pick(M, 256, 7168, 2048, 8, torch.bfloat16, (9, 0)) == expected
+        assert pick_block_m(M, 256, 7168, 2048, 8, torch.bfloat16, (9, 0)) == expected.block_m
+
+
+def test_table_entries_are_valid():
+    """Every shipped config parses, fits Hopper's shared memory, and covers the five SPEC models."""
+    table = configs.load_table(configs.TABLES[(9, 0)])
+    shapes = {(e["E"], e["H"], e["I"], e["K"]) for e in table["entries"]}
+    assert {(256, 7168, 2048, 8), (384, 7168, 2048, 8), (256, 4096, 2048, 6), (128, 2048, 768, 8),
+            (128, 4096, 1408, 8)} <= shapes
+    for entry in table["entries"]:
+        for bucket, data in entry["buckets"].items():
+            cfg = TileConfig.from_dict(data)
+            assert int(bucket) >= 1
+            assert configs.smem_bytes(cfg.block_m, cfg.gemm1, 2, 2) <= 227 * 1024
+            assert configs.smem_bytes(cfg.block_m, cfg.gemm2, 1, 2) <= 227 * 1024
+
+
+def test_heuristic_without_arch_and_forced_block_m():
+    decode = pick(1, 256, 7168, 2048, 8, torch.bfloat16, None)
+    prefill = pick(4096, 256, 7168, 2048, 8, torch.bfloat16, None)
+    assert decode.block_m == 16 and decode.gemm1.num_warps == 4
+    assert prefill.block_m == 128 and prefill.gemm1.num_warps == 8
+    assert pick(4096, 256, 7168, 2048, 8, torch.bfloat16, (9, 0), block_m=32).block_m == 32
+    tiny = pick(7, E, H, I, 2, torch.float32, None)
+    assert tiny.gemm1.block_n <= 64 and tiny.gemm1.block_k <= 64  # capped by the tiny dims
+
+
+def test_override_is_scoped():
+    default = pick(7, E, H, I, 2, torch.float32, None)
+    with configs.override(SMALL_TILES):
+        assert pick(7, E, H, I, 2, torch.float32, None) == SMALL_TILES
+        assert pick(7, E, H, I, 2, torch.float32, None, block_m=32).block_m == 32
+        with pytest.raises(RuntimeError):
+            with configs.override(TileConfig(32, SMALL_TILES.gemm1, SMALL_TILES.gemm2)):
+                assert pick_block_m(7, E, H, I, 2, torch.float32, None) == 32
+                raise RuntimeError
+        assert pick(7, E, H, I, 2, torch.float32, None) == SMALL_TILES
+    assert pick(7, E, H, I, 2, torch.float32, None) == default
+    with pytest.raises(TypeError, match="config"):
+        with configs.override({"block_m": 16}):
+            pass
+
+
+@pytest.mark.parametrize("bad", [dict(block_n=24), dict(block_k=8), dict(num_warps=3), dict(group_m=0),
+                                 dict(num_stages=0)])
+def test_gemm_tiles_checks(bad):
+    args = dict(block_n=16, block_k=16, group_m=1, num_warps=4, num_stages=2) | bad
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        GemmTiles(**args)
+
+
+def test_tuner_and_benchmark_import_on_cpu():
+    import moefuse.bench.experts as bench
+
+    assert callable(bench.check) and callable(bench.run) and callable(bench.main)
+    path = Path(__file__).resolve().parent.parent / "scripts" / "tune_experts.py"
+    spec = importlib.util.spec_from_file_location("tune_experts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert callable(module.main)
+
+
+# --- errors ---------------------------------------------------------------------------------------------
+
+def _good_args():
+    gen = torch.Generator().manual_seed(0)
+    x, w1, w2, ids = make_inputs(gen, 3, 2, torch.float32)
+    return dict(hidden=x, gate_up_proj=w1, down_proj=w2, plan=moe_dispatch(ids, E, 16, backend="reference"))
+
+
+BAD = [
+    # (id, change, error, message fragment)
+    ("hidden-not-tensor", lambda a: dict(hidden=a["hidden"].tolist()), TypeError, "hidden"),
+    ("hidden-int", lambda a: dict(hidden=a["hidden"].int()), TypeError, "hidden"),
+    ("hidden-3d", lambda a: dict(hidden=a["hidden"][None]), ValueError, "hidden"),
+    ("hidden-no-columns", lambda a: dict(hidden=a["hidden"][:, :0], gate_up_proj=a["gate_up_proj"][:, :, :0],
+                                         down_proj=a["down_proj"][:, :0]), ValueError, "hidden"),
+    ("weights-dtype", lambda a: dict(gate_up_proj=a["gate_up_proj"].double()), TypeError, "gate_up_proj"),
+    ("gate-up-odd", lambda a: dict(gate_up_proj=a["gate_up_proj"][:, 1:]), ValueError, "gate_up_proj"),
+    ("gate-up-H", lambda a: dict(gate_up_proj=a["gate_up_proj"][:, :, 1:]), ValueError, "gate_up_proj"),
+    ("gate-up-2d", lambda a: dict(gate_up_proj=a["gate_up_proj"][0]), ValueError, "gate_up_proj"),
+    ("down-shape", lambda a: dict(down_proj=a["down_proj"][:, :, 1:]), ValueError, "down_proj"),
+    ("down-dtype", lambda a: dict(down_proj=a["down_proj"].bfloat16()), TypeError, "down_proj"),
+    ("down-device", lambda a: dict(down_proj=a["down_proj"].to("meta")), ValueError, "down_proj"),
+    ("plan-type", lambda a: dict(plan=a["plan"].expert_offsets), TypeError, "plan"),
+    ("plan-experts", lambda a: dict(gate_up_proj=a["gate_up_proj"][:4], down_proj=a["down_proj"][:4]),
+     ValueError, "plan"),
+    ("plan-rows", lambda a: dict(hidden=a["hidden"][:2]), ValueError, "plan"),
+    ("limit-zero", lambda a: dict(swiglu_limit=0.0), ValueError, "swiglu_limit"),
+    ("limit-negative", lambda a: dict(swiglu_limit=-1), ValueError, "swiglu_limit"),
+    ("limit-inf", lambda a: dict(swiglu_limit=float("inf")), ValueError, "swiglu_limit"),
+    ("limit-nan", lambda a: dict(swiglu_limit=float("nan")), ValueError, "swiglu_limit"),
+    ("limit-str", lambda a: dict(swiglu_limit="10"), TypeError, "swiglu_limit"),
+    ("limit-bool", lambda a: dict(swiglu_limit=True), TypeError, "swiglu_limit"),
+    ("out-shape", lambda a: dict(out=torch.empty(5, H)), ValueError, "out"),
+    ("out-dtype", lambda a: dict(out=torch.empty(6, H, dtype=torch.bfloat16)), TypeError, "out"),
+    ("out-overlap", lambda a: dict(out=torch.empty(1, H).expand(6, H)), ValueError, "out"),
+    ("backend", lambda a: dict(backend="gpu"), ValueError, "backend"),
+]
+
+
+@pytest.mark.parametrize("change,error,fragment", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_arguments(change, error, fragment):
+    args = _good_args()
+    args |= change(args)
+    plan = args.pop("plan")
+    with pytest.raises(error, match=fragment):
+        moe_experts(args.pop("hidden"), args.pop("gate_up_proj"), args.pop("down_proj"), plan, **args)

@@ -1,0 +1,109 @@
+"""transformers integration: tiny causal LMs of DeepSeek-V3, Qwen3-MoE and GLM-4-MoE, patched and unpatched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moefuse
+from moefuse import MoELayer
+from moefuse.testing import assert_rel_close
+
+COMMON = dict(vocab_size=128, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _deepseek_v3():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    return DeepseekV3ForCausalLM(DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+        n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8))
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**COMMON, num_experts=16, num_experts_per_tok=4, head_dim=12,
+                                              norm_topk_prob=True))
+
+
+def _glm4_moe():
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    return Glm4MoeForCausalLM(Glm4MoeConfig(**COMMON, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+                                            first_k_dense_replace=0, head_dim=12))
+
+
+MODELS = {"deepseek-v3": _deepseek_v3, "qwen3-moe": _qwen3_moe, "glm4-moe": _glm4_moe}
+
+
+def _model(name: str, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = MODELS[name]().eval()
+    with torch.no_grad():  # transformers initialises the expert biases to zero: make them matter
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.rand(buffer.shape) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_patched_logits_match(name, backend, gen):
+    model = _model(name, seed=int(torch.randint(1 << 30, (), generator=gen)))
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 6), generator=gen)
+    with torch.no_grad():
+        want = model(ids).logits
+        report = moefuse.patch(model, backend=backend)
+        assert report.patched == [f"model.layers.{i}.mlp" for i in range(COMMON["num_hidden_layers"])]
+        assert all(isinstance(layer.mlp, MoELayer) for layer in model.model.layers)
+        got = model(ids).logits
+        assert moefuse.unpatch(model) == report.patched
+        again = model(ids).logits
+    assert_rel_close(got, want, 1e-5, f"{name} patched logits")
+    assert torch.equal(again, want), "unpatch must restore the original blocks exactly"
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_patched_greedy_generation_identical(name):
+    # A fixed seed: equality of 16 greedy tokens is a property of one model, and a fresh random model may have
+    # two next-token logits within fp32 rounding of each other.
+    model = _model(name, seed=1234)
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+    with torch.no_grad():
+        want = model.generate(prompt, max_new_tokens=16, do_sample=False)
+        moefuse.patch(model, backend="reference")
+        got = model.generate(prompt, max_new_tokens=16, do_sample=False)
+    assert torch.equal(got, want)
+
+
+def test_patch_shares_tensors_and_lists_unsupported():
+    model = _model("deepseek-v3", seed=0)
+    experts = model.model.layers[0].mlp.experts.gate_up_proj
+    params_before = sum(p.numel() for p in model.parameters())
+    moefuse.patch(model)
+    assert model.model.layers[0].mlp.experts.gate_up_proj is experts
+    assert sum(p.numel() for p in model.parameters()) == params_before  # no copies, no duplicates
+
+    class OtherMoE(torch.nn.Module):  # looks like a MoE block, but no adapter knows it
+        def __init__(self):
+            super().__init__()
+            self.gate, self.experts = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+    holder = torch.nn.Sequential(OtherMoE())
+    assert moefuse.patch(holder).skipped == {"0": "OtherMoE is not a supported MoE block"}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_experts_implementation(name, gen):
+    moefuse.register_experts_implementation()
+    model = _model(name, seed=int(torch.randint(1 << 30, (), generator=gen)))
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 6), generator=gen)
+    with torch.no_grad():
+        want = model(ids).logits
+        model.set_experts_implementation("moefuse")
+        got = model(ids).logits
+    assert model.config._experts_implementation == "moefuse"
+    assert_rel_close(got, want, 1e-5, f"{name} with experts_implementation='moefuse'")

@@ -1,0 +1,92 @@
+"""The MoE layer end to end: against transformers' own blocks and against the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_blocks import BLOCKS, block
+from moefuse import MoEConfig, MoELayer, moe_layer_torch
+from moefuse.finalize import deferred_finalize_context
+from moefuse.testing import assert_rel_close
+
+BACKENDS = ["reference", "triton"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("model", sorted(BLOCKS))
+def test_matches_transformers_block(model, backend, gen):
+    hf = block(model, gen)
+    layer = MoELayer.from_hf(hf, backend=backend)
+    x = torch.randn(1, 7, hf.experts.gate_up_proj.shape[2], generator=gen)
+    with torch.no_grad():
+        want = hf(x)
+        got = layer(x)
+    assert got.shape == want.shape
+    assert_rel_close(got, want, 1e-5, f"{model} ({backend})")
+
+
+def test_from_hf_shares_tensors(gen):
+    hf = block("deepseek-v3", gen)
+    layer = MoELayer.from_hf(hf)
+    assert layer.experts.gate_up_proj.data_ptr() == hf.experts.gate_up_proj.data_ptr()
+    assert layer.gate.weight.data_ptr() == hf.gate.weight.data_ptr()
+    assert layer.shared_experts.down_proj.weight.data_ptr() == hf.shared_experts.down_proj.weight.data_ptr()
+    # the same parameter names as the block: a checkpoint's state dict loads as it is
+    assert set(layer.state_dict()) == set(hf.state_dict())
+
+
+SMALL = MoEConfig(hidden_size=40, intermediate_size=24, num_experts=12, top_k=3, num_shared_experts=1,
+                  num_expert_group=4, topk_group=2, routed_scaling_factor=2.5)
+
+
+def _layer(config: MoEConfig, backend: str, seed: int) -> MoELayer:
+    return MoELayer(config, dtype=torch.float32, backend=backend).init_random_(seed, std=0.1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tokens", [0, 1, 9], ids=["empty-batch", "one-token", "nine-tokens"])
+def test_matches_float64_reference(backend, tokens, gen):
+    layer = _layer(SMALL, backend, seed=int(torch.randint(1 << 30, (), generator=gen)))
+    x = torch.randn(tokens, SMALL.hidden_size, generator=gen)
+    with torch.no_grad():
+        got = layer(x)
+    assert got.shape == x.shape
+    assert_rel_close(got, moe_layer_torch(layer, x), 1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padded_tokens_get_only_the_shared_expert(backend, gen):
+    # Rows at or past num_token_non_padded are routed to no expert (ids -1): only the shared expert remains.
+    layer = _layer(SMALL, backend, seed=3)
+    x = torch.randn(6, SMALL.hidden_size, generator=gen)
+    with torch.no_grad():
+        got = layer(x, num_token_non_padded=4)
+        want = moe_layer_torch(layer, x, num_token_non_padded=4)
+        shared_only = layer.shared_experts(x[4:])
+    assert_rel_close(got, want, 1e-5)
+    assert_rel_close(got[4:], shared_only, 1e-6, "padded rows")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deferred_equals_eager(backend, gen, monkeypatch):
+    layer = _layer(SMALL, backend, seed=5)
+    x = torch.randn(8, SMALL.hidden_size, generator=gen)
+    with torch.no_grad():
+        deferred = layer(x)
+        monkeypatch.setenv("MOEFUSE_ENABLE_DEFERRED_FINALIZE", "0")
+        assert not layer.supports_deferred_finalize
+        eager = layer(x)
+    # the same up to the one extra rounding of the separate add
+    assert_rel_close(deferred, eager, 1e-6, "deferred vs eager")
+
+
+def test_experts_runner_defers_inside_context(gen):
+    layer = _layer(SMALL, "reference", seed=7)
+    x = torch.randn(4, SMALL.hidden_size, generator=gen)
+    weights, ids = layer.gate(x)
+    with deferred_finalize_context():
+        deferred = layer.experts(x, weights, ids)
+    combined = layer.experts(x, weights, ids)
+    assert deferred.top_k == SMALL.top_k and deferred.gemm2_out.shape[1] == SMALL.hidden_size
+    assert isinstance(combined, torch.Tensor) and combined.shape == x.shape

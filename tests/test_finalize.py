@@ -3,10 +3,9 @@
 Two bars, both on fresh random inputs:
 
 - Against the float32 reference in the output dtype: bit-for-bit under the interpreter (the same fp32
-  multiplies and adds in the same order, each rounded the same way, so there is nothing to differ). On a GPU the compiler contracts
-  ``acc + w * x`` into one FMA (one rounding where the reference has two), which can move a 16-bit result
-  across a rounding boundary: at most one output ulp apart there. fp32 outputs show the FMA's few fp32 ulps
-  directly (many where terms cancel), so on a GPU they are held to the float64 bar alone.
+  multiplies and adds in the same order, each rounded the same way, so there is nothing to differ). On a GPU
+  the compiler contracts ``acc + w * x`` into one FMA (one rounding where the reference has two); where terms
+  cancel to almost 0 that moves the result by many (tiny) ulps, so there the float64 bar alone judges.
 - Against float64: within one output ulp of the largest value, plus the fp32 accumulation bound (which only
   matters for fp32 outputs).
 
@@ -92,14 +91,9 @@ def check_result(out: torch.Tensor, inputs: dict) -> None:
     """Both bars of the module docstring."""
     gemm2_out = inputs["gemm2_out"]
     assert out.dtype == gemm2_out.dtype and out.device == gemm2_out.device
-    ref32 = moe_finalize_fuse_shared_torch(**inputs)
     if _runtime.interpreting():
+        ref32 = moe_finalize_fuse_shared_torch(**inputs)
         assert max_ulp_distance(out, ref32) == 0, "kernel differs from the float32 reference"
-    elif out.dtype != torch.float32:
-        # Compiled, a fused multiply-add moves the fp32 sum by a few fp32 ulps: at most one 16-bit ulp after
-        # rounding. An fp32 output shows those ulps themselves (many, where terms cancel), so fp32 is judged by
-        # the float64 bar below alone.
-        assert max_ulp_distance(out, ref32) <= 1, "kernel differs from the float32 reference"
     exact = oracle(inputs)
     finite_max = lambda t: t[t.isfinite()].abs().max().item() if bool(t.isfinite().any()) else 0.0  # noqa: E731
     accumulation = (inputs["top_k"] + 1) * 2.0**-24 * finite_max(abs_sum(inputs)) / max(finite_max(exact), 1e-30)

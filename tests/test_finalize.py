@@ -277,18 +277,12 @@ def test_ulp_distance_helper():
 
 
 def test_tile_choice():
-    # Large M: 1024-column tiles, 16 bytes per thread (4 warps of bf16, 8 of fp32).
-    assert finalize_kernel.finalize_tile(16384, 7168, torch.bfloat16) == (1024, 4)
-    assert finalize_kernel.finalize_tile(16384, 7168, torch.float32) == (1024, 8)
-    # Decode: one token is spread over as many one-warp tiles as 16-byte accesses allow.
-    assert finalize_kernel.finalize_tile(1, 7168, torch.bfloat16) == (256, 1)
-    assert finalize_kernel.finalize_tile(1, 7168, torch.float32) == (128, 1)
+    # 1024-column tiles at 16 bytes per thread, at every M (the measured best on an H200; see kernel.py).
     for num_tokens in (1, 16, 128, 1024, 4096, 16384):
         for hidden in (2048, 4096, 7168):
-            block, warps = finalize_kernel.finalize_tile(num_tokens, hidden, torch.bfloat16)
-            assert block == warps * 256, "every thread moves exactly 16 bytes per row"
-            programs = num_tokens * -(-hidden // block)
-            assert block == 256 or programs >= finalize_kernel._TARGET_PROGRAMS
+            assert finalize_kernel.finalize_tile(num_tokens, hidden, torch.bfloat16) == (1024, 4)
+            assert finalize_kernel.finalize_tile(num_tokens, hidden, torch.float16) == (1024, 4)
+            assert finalize_kernel.finalize_tile(num_tokens, hidden, torch.float32) == (1024, 8)
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])

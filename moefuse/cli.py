@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="GPU benchmarks: tables, results file and plot")
     bench.add_argument("stages", nargs="*", default=["router", "finalize", "experts", "layer"])
     bench.add_argument("--quick", action="store_true", help="fewer sizes")
-    bench.add_argument("--results-dir", default="results", help="where results.json, RESULTS.md and the plot go")
+    bench.add_argument("--results-dir", default="results", help="where <stage>.json, RESULTS.md and the plot go")
     args = parser.parse_args(argv)
     if args.command == "bench":
         return run_bench(args)

@@ -2,8 +2,9 @@
 
 Each stage module (``moefuse.bench.<stage>``) exposes ``run(ceilings, quick) -> rows``, ``COLUMNS`` and ``TITLE``,
 and optionally ``check(device) -> rows`` with ``CHECK_COLUMNS``. This driver measures the ceilings once, runs the
-checks and benchmarks with progress on stderr, prints the tables, and rewrites ``results.json``, ``RESULTS.md``
-and ``results.png`` in ``results_dir`` (rows tagged with date, GPU and versions).
+checks and benchmarks with progress on stderr, prints the tables, and rewrites ``<stage>.json`` for each stage
+it ran, then ``RESULTS.md`` and ``results.png`` from every stage file in ``results_dir`` (each record tagged with
+its date, GPU and versions, so stages benchmarked in separate runs stay honest about it).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ PLOTS: dict[str, dict[str, Any]] = {
     "finalize": {"x": "M", "group": "config", "series": {"us": "moefuse", "floor_us": "floor", "unfused_us": "unfused",
                                                          "torch_compile_us": "torch.compile"}},
     "experts": {"x": "M", "group": "stage", "series": {"us": "moefuse", "mem_floor_us": "memory floor",
-                                                       "anchor_us": "best public Triton"}},
+                                                       "anchor_us": "best public Triton", "torch_us": "torch"}},
     "layer": {"x": "M", "group": "model", "series": {"us": "moefuse", "plain_us": "no deferral",
                                                      "mem_floor_us": "memory floor", "hf_grouped_mm_us": "transformers"}},
 }
@@ -75,7 +76,28 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _write_report(out: Path) -> None:
+    """RESULTS.md and results.png from every ``<stage>.json`` in ``out`` (each tagged with its own run)."""
+    records = {stage: json.loads((out / f"{stage}.json").read_text()) for stage in STAGES
+               if (out / f"{stage}.json").exists()}
+    parts = ["# moefuse GPU results\n\nWritten by `moefuse bench`. Times are device time per call under CUDA-graph "
+             "replay (median of many replays, inputs rotated past the L2 where they are small); floors come from "
+             "ceilings measured in the same run. Each stage says when and on what it ran.\n\n![results](results.png)"]
+    for stage, record in records.items():
+        env, module = record["environment"], importlib.import_module(f"moefuse.bench.{stage}")
+        parts.append(f"## {stage}\n\n{env['date']}, {env['gpu']}, torch {env['torch']}, Triton {env['triton']}, "
+                     f"Python {env['python']}. Ceilings: " + ", ".join(f"{k} {v:.3g}" for k, v in record["ceilings"].items()))
+        if record.get("checks"):
+            parts.append(report.format_table(record["checks"], module.CHECK_COLUMNS, f"{stage}: checks"))
+        parts.append(report.format_table(record["rows"], module.COLUMNS, module.TITLE))
+    (out / "RESULTS.md").write_text("\n\n".join(parts) + "\n")
+    latest = max((r["environment"] for r in records.values()), key=lambda e: e["date"], default=None)
+    if latest:
+        plot({"environment": latest, "stages": {s: r["rows"] for s, r in records.items()}}, out / "results.png")
+
+
 def main(stages: list[str] | tuple[str, ...] = STAGES, quick: bool = False, results_dir: str = "results") -> int:
+    """Run the stage benchmarks; rewrite ``<stage>.json`` for each, then RESULTS.md and the plot from all."""
     import torch
 
     if not torch.cuda.is_available():
@@ -85,35 +107,26 @@ def main(stages: list[str] | tuple[str, ...] = STAGES, quick: bool = False, resu
     if unknown:
         print(f"unknown stages {sorted(unknown)}; choose from {STAGES}", file=sys.stderr)
         return 2
+    out = Path(results_dir)
+    out.mkdir(parents=True, exist_ok=True)
     _progress("measuring ceilings (copy, read, bf16 GEMM, empty kernel)")
     ceilings = timing.measure_ceilings()
-    results: dict[str, Any] = {"environment": timing.environment(), "ceilings": dataclasses.asdict(ceilings),
-                               "stages": {}, "checks": {}}
-    tables = [report.format_table([dataclasses.asdict(ceilings)], [(k, k) for k in dataclasses.asdict(ceilings)],
-                                  "Ceilings measured in this run")]
+    print(report.format_table([dataclasses.asdict(ceilings)], [(k, k) for k in dataclasses.asdict(ceilings)],
+                              "Ceilings measured in this run"), flush=True)
     ok = True
     for i, stage in enumerate(stages, 1):
         module = importlib.import_module(f"moefuse.bench.{stage}")
+        record: dict[str, Any] = {"environment": timing.environment(), "ceilings": dataclasses.asdict(ceilings),
+                                  "quick": quick, "checks": []}
         if hasattr(module, "check"):
             _progress(f"[{i}/{len(stages)}] {stage}: correctness on real shapes")
-            checks = module.check("cuda")
-            results["checks"][stage] = checks
-            ok &= all(row.get("ok", True) for row in checks)
-            tables.append(report.format_table(checks, module.CHECK_COLUMNS, f"{stage}: checks"))
-            print(tables[-1], flush=True)
+            record["checks"] = module.check("cuda")
+            ok &= all(row.get("ok", True) for row in record["checks"])
+            print(report.format_table(record["checks"], module.CHECK_COLUMNS, f"{stage}: checks"), flush=True)
         _progress(f"[{i}/{len(stages)}] {stage}: timing")
-        rows = module.run(ceilings, quick=quick)
-        results["stages"][stage] = rows
-        tables.append(report.format_table(rows, module.COLUMNS, module.TITLE))
-        print(tables[-1], flush=True)
-    out = Path(results_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    env = results["environment"]
-    header = (f"# moefuse GPU results\n\n{env['date']}, {env['gpu']}, torch {env['torch']}, Triton {env['triton']}, "
-              f"Python {env['python']}. Written by `moefuse bench`; times are device time per call under CUDA-graph "
-              "replay (median).\n\n![results](results.png)\n\n")
-    (out / "RESULTS.md").write_text(header + "\n\n".join(tables) + "\n")
-    plot(results, out / "results.png")
-    _progress(f"wrote {out / 'results.json'}, {out / 'RESULTS.md'}, {out / 'results.png'}")
+        record["rows"] = module.run(ceilings, quick=quick)
+        print(report.format_table(record["rows"], module.COLUMNS, module.TITLE), flush=True)
+        (out / f"{stage}.json").write_text(json.dumps(record, indent=1, default=str))
+    _write_report(out)
+    _progress(f"wrote {out}/<stage>.json, {out / 'RESULTS.md'}, {out / 'results.png'}")
     return 0 if ok else 1

@@ -6,15 +6,17 @@ Contract of ``_fused_gate_kernel``:
   fp32 when ``HAS_BIAS``; ``ntnp`` a 0-d int32/int64 tensor read when ``NTNP_FROM_PTR`` (else ``n_valid``).
 - Outputs: ``weights`` fp32 [M, TOPK] and ``ids`` int32 [M, TOPK], contiguous, written once per row.
 - Grid: ``cdiv(M, BLOCK_M)`` programs; program ``p`` owns rows ``[p·BLOCK_M, (p+1)·BLOCK_M)``.
-- Each program holds its rows as a [BLOCK_M, G_PAD, GS_PAD] tile (column ``g·GS + j``, masked where ``g >= G``
-  or ``j >= GS``) so group reductions are reductions over axis 2. Every element gets one int64 key that
-  orders exactly as the spec orders experts (value, then lower id; NaN below ``-inf``), so each top-k pass is a
-  single ``tl.max`` plus a knock-out, and the chosen id is read back from the key's low word.
+- Each program holds its rows as a [BLOCK_M, GS_PAD, G_PAD] tile (column ``g·GS + j`` at ``[j, g]``, masked
+  where ``g >= G`` or ``j >= GS``). Groups score by one int32 (largest, second largest) reduction over axis 1.
+  Every element gets one int64 key that orders exactly as the spec orders experts (value, then lower id; NaN
+  below ``-inf``), so each top-k pass is a single ``tl.max`` (group axis first, which is in-thread) plus a
+  knock-out by the winner's id, read back from the key's low word.
 
-Numerics: ``tl.exp``/``tl.log`` lower to approximate ``ex2``/``lg2`` on NVIDIA GPUs (relative error growing
-with |x|) and to numpy under the interpreter, so CPU CI and GPU would disagree. The activations here use only
-``+ - * /``, ``floor``, ``sqrt_rn`` and bit operations (``_exp``, ``_expm1_neg``), which round the same way
-on both, and meet the spec's 1e-6 relative bound on ``sqrtsoftplus`` over [-100, 100].
+Numerics: ``tl.exp`` is ``ex2(x·log2e)``, which carries the rounding of ``x·log2e`` into the result (relative error
+growing with |x|). ``_exp`` reduces exactly first (Cody–Waite, no FMA, so the interpreter rounds alike) and
+only calls ``tl.math.exp2`` on |r| <= 1/2 (MUFU.EX2 on the GPU, <= 2 ulp; numpy under the interpreter), with
+2^n from exponent bits. Divisions that only scale use ``/`` (div.full, <= 2 ulp) or a reciprocal; sqrtsoftplus
+keeps one ``div_rn`` and ``sqrt_rn``: it meets the spec's 1e-6 relative bound over [-100, 100] on the dense grid.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ _LN2_LO = tl.constexpr(1.4286068203094173e-06)
 # Sort keys (``_key``): the high word is the fp32 value mapped to an int32 that orders like the float; the low
 # word is 0x7FFFFFFF - index, so among equal values the lower index has the larger key.
 _MONO_NAN = tl.constexpr(-2139095042)  # one below the image of -inf (0x807FFFFF); decodes to a NaN pattern
+_MONO_MIN = tl.constexpr(-(2**31))  # padding in int32 value reductions: below every real value's image
 _KEY_MIN = tl.constexpr(-(2**63))  # padding and knocked-out positions: below every real key
 # (Constexpr globals stay on the right of operators: the interpreter cannot apply them to a tensor on the left.)
 
@@ -67,13 +70,20 @@ def _exp_reduced(y):
 
 @triton.jit
 def _exp(y):
-    """Accurate fp32 e^y (about 2 ulp) for every y; inf above ~88.7, subnormal results rounded once, 0 below ~-104."""
-    yc = tl.minimum(tl.maximum(y, -110.0), 89.0)
-    q, n = _exp_reduced(yc)
-    # Scale in two steps so that neither factor leaves the normal range (n is in [-159, 128]).
-    n1 = n >> 1
-    res = ((1.0 + q) * _pow2(n1)) * _pow2(n - n1)
-    return tl.where(y != y, y, res)
+    """fp32 e^y within ~3e-7 relative for every y; inf above ~88.7, subnormal results rounded once, 0 below ~-104.
+
+    Cody–Waite: y = n·ln2 + r exactly (|r| <= ln2/2, no FMA needed, so the interpreter rounds alike), then
+    e^r = 2^(r·log2e) by ``tl.math.exp2`` (one MUFU.EX2 on the GPU, at most 2 ulp; the argument's own
+    rounding costs < 3e-8 since |r·log2e| <= 1/2) and 2^n from exponent bits in two steps, so that neither
+    factor leaves the normal range: ex2's flush-to-zero never sees a subnormal result.
+    """
+    yc = tl.clamp(y, -110.0, 89.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN through every step
+    n = tl.floor(yc * _LOG2E + 0.5)
+    r = yc - n * _LN2_HI  # exact
+    r = r - n * _LN2_LO
+    k = n.to(tl.int32)  # in [-159, 128]
+    k1 = k >> 1
+    return (tl.math.exp2(r * _LOG2E) * _pow2(k1)) * _pow2(k - k1)
 
 
 @triton.jit
@@ -96,7 +106,7 @@ def _tanh(u):
 def _sigmoid(x):
     """1/(1+e^-x) for x >= 0, e^x/(1+e^x) for x < 0: one exp, never overflows, accurate in both tails."""
     z = _exp(-tl.abs(x))
-    return tl.math.div_rn(tl.where(x >= 0, 1.0, z), 1.0 + z)
+    return tl.where(x >= 0, 1.0, z) / (1.0 + z)  # div.full: 2 ulp, a third of div_rn's instructions
 
 
 @triton.jit
@@ -109,8 +119,8 @@ def _sqrtsoftplus(x):
     """
     h = _exp(-0.5 * tl.abs(x))  # e^(-|x|/2)
     z = h * h  # e^-|x|; its rounding in the subnormal range only touches L's 1 - z/2
-    d = 2.0 + z
-    t = tl.math.div_rn(z, d)
+    rd = tl.math.div_rn(1.0, 2.0 + z)  # one correctly rounded reciprocal serves both quotients below
+    t = z * rd
     t2 = t * t
     series = 0.06666666666666667  # Horner from 1/15 down to 1/1
     series = 0.07692307692307693 + t2 * series
@@ -120,7 +130,7 @@ def _sqrtsoftplus(x):
     series = 0.2 + t2 * series
     series = 0.3333333333333333 + t2 * series
     series = 1.0 + t2 * series
-    log1p_over_z = tl.math.div_rn(2.0 * series, d)
+    log1p_over_z = (2.0 * series) * rd
     pos = tl.sqrt_rn(tl.maximum(x, 0.0) + z * log1p_over_z)  # max() only keeps the unused x < 0 lanes quiet
     neg = h * tl.sqrt_rn(log1p_over_z)
     return tl.where(x >= 0, pos, neg)  # NaN takes the second branch and stays NaN
@@ -136,7 +146,7 @@ def _activate(x, row_max, row_sum, softcap, SCORING: tl.constexpr, HAS_SOFTCAP: 
     else:
         if HAS_SOFTCAP:
             x = softcap * _tanh(tl.math.div_rn(x, softcap))
-        a = tl.math.div_rn(_exp(x - row_max), row_sum)
+        a = _exp(x - row_max) * (1.0 / row_sum)
     return a
 
 
@@ -152,16 +162,21 @@ def _mono(v):
 
 
 @triton.jit
-def _key(value, index):
-    """int64 key of (fp32 value, int32 index): larger value first, then lower index; NaN below -inf."""
-    return (_mono(value).to(tl.int64) << 32) | (0x7FFFFFFF - index).to(tl.int64)
+def _unmono(m):
+    """fp32 value of a ``_mono`` image (the map is its own inverse)."""
+    return (m ^ ((m >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _key_value(key):
-    """fp32 value of a key (the int32 map is its own inverse)."""
-    hi = (key >> 32).to(tl.int32)
-    return (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+def _top2(a1, a2, b1, b2):
+    """Combine two (largest, second largest) pairs, counting a value held by both sides twice."""
+    return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1), tl.maximum(a2, b2))
+
+
+@triton.jit
+def _key(value, index):
+    """int64 key of (fp32 value, int32 index): larger value first, then lower index; NaN below -inf."""
+    return (_mono(value).to(tl.int64) << 32) | (0x7FFFFFFF - index).to(tl.int64)
 
 
 @triton.jit
@@ -202,9 +217,11 @@ def _fused_gate_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     row_off = rows.to(tl.int64) * E
-    g3 = tl.arange(0, G_PAD)[None, :, None]
-    j3 = tl.arange(0, GS_PAD)[None, None, :]
-    col = g3 * GS + j3  # expert id of each tile position, [1, G_PAD, GS_PAD]
+    # [BLOCK_M, GS_PAD, G_PAD]: Triton's coalescing puts the lanes along the contiguous axis (j), so each thread
+    # holds one member of every group and whole-row reductions must reduce the group axis (in-thread) first.
+    j3 = tl.arange(0, GS_PAD)[None, :, None]
+    g3 = tl.arange(0, G_PAD)[None, None, :]
+    col = g3 * GS + j3  # expert id of each tile position, [1, GS_PAD, G_PAD]
     col_ok = (g3 < G) & (j3 < GS)
 
     if USE_PDL:
@@ -232,7 +249,7 @@ def _fused_gate_kernel(
         row_max = tl.where(row_nan > 0, float("nan"), row_max)
         e = tl.where(col_ok, _exp(xm - row_max[:, None, None]), 0.0)
         row_sum = tl.sum(tl.sum(e, axis=2), axis=1)
-        a = tl.math.div_rn(e, row_sum[:, None, None])
+        a = e * (1.0 / row_sum)[:, None, None]  # monotone in e, so ranking is unchanged; <= 1.5 ulp
     else:
         a = _activate(x, row_max, row_sum, softcap, SCORING, False)
     s = a + b if HAS_BIAS else a
@@ -241,27 +258,29 @@ def _fused_gate_kernel(
 
     # ---- grouped selection: group score = sum of the two largest keys; keep the TOPK_GROUP best groups -----
     if G > 1:
-        first = tl.max(key, axis=2)  # [BLOCK_M, G_PAD]
-        gscore = _key_value(first)
+        v = tl.where(col_ok, _mono(s), _MONO_MIN)
         if GS > 1:
-            # knocking out only the first maximum's position makes a repeated value count twice
-            second = tl.max(tl.where(key == first[:, :, None], _KEY_MIN, key), axis=2)
-            gscore = gscore + _key_value(second)
+            # one reduction of (largest, second largest) int32 pairs: a repeated value survives as both
+            first, second = tl.reduce((v, tl.full(v.shape, _MONO_MIN, tl.int32)), 1, _top2)  # [BLOCK_M, G_PAD]
+            gscore = _unmono(first) + _unmono(second)
+        else:
+            gscore = _unmono(tl.max(v, axis=1))
         g2 = tl.arange(0, G_PAD)[None, :]
         gkey = tl.where(g2 < G, _key(gscore, g2), _KEY_MIN)
-        for _ in range(TOPK_GROUP):
+        for _ in tl.static_range(TOPK_GROUP):
             best = tl.max(gkey, axis=1)
             gkey = tl.where(gkey == best[:, None], _KEY_MIN, gkey)
         kept = (gkey == _KEY_MIN) & (g2 < G)  # real groups never start at _KEY_MIN
-        key = tl.where(col_ok, _key(tl.where(kept[:, :, None], s, float("-inf")), col), _KEY_MIN)
+        key = tl.where(col_ok, _key(tl.where(kept[:, None, :], s, float("-inf")), col), _KEY_MIN)
 
-    # ---- exact top-K_R: one int64 max per slot, then knock the winner out ----------------------------------
+    # ---- exact top-K_R: one int64 max per slot (group axis first: in-thread), then knock the winner
+    # out by its id: a 32-bit compare, where comparing whole keys costs two ----------------------------------
     kk = tl.arange(0, K_PAD)[None, :]
     ids = tl.zeros([BLOCK_M, K_PAD], dtype=tl.int32)
-    for k in range(K_R):
-        best = tl.max(tl.max(key, axis=2), axis=1)
-        key = tl.where(key == best[:, None, None], _KEY_MIN, key)
-        ids = tl.where(kk == k, _key_index(best)[:, None], ids)
+    for k in tl.static_range(K_R):
+        idx = _key_index(tl.max(tl.max(key, axis=2), axis=1))
+        key = tl.where(col == idx[:, None, None], _KEY_MIN, key)
+        ids = tl.where(kk == k, idx[:, None], ids)
 
     # ---- weights: recompute a at the chosen ids (the row is in L1/L2), fused shared slots, scaling --------------
     routed = kk < K_R
@@ -289,16 +308,18 @@ def _fused_gate_kernel(
 def launch_config(num_tokens: int, num_experts: int, num_expert_group: int = 1) -> tuple[int, int]:
     """``(BLOCK_M, num_warps)`` for a router launch: rows per program and warps per program.
 
-    A program's tile is ``BLOCK_M × G_PAD·GS_PAD`` keys at about 8 keys per thread. Decode (small
-    ``num_tokens``) gets one row per program: one short program per token. Larger batches pack rows, keeping
-    about two programs per SM (132 on H200), up to 4 rows and 1024 keys per program: ptxas (sm_90) keeps such
-    tiles under 100 registers without spills, while 16-row or 4096-key tiles spill.
+    Always one warp: a multi-warp tile reduces across warps through shared memory with barriers on every
+    top-k pass, and a sweep on one H200 (scripts/sweep_router.py, CUDA-graph replay, M = 8192) found
+    (rows, warps) = (4, 4) at 33.7 µs against (1, 1) at 18.9 µs for 256 experts top-8; 1-warp shapes won at
+    every size measured (M = 1: (1, 1) 2.96 µs, (2, 4) 3.97 µs). One row per program below 4096 tokens (short
+    programs, lowest latency); from 4096 tokens up to 512 keys per program (16 per thread): 2 rows for 256
+    experts (DSV3 grouped 25.2 µs against 25.8 for one row; DSV4 sqrtsoftplus 19.5), 4 for 128 (Qwen3 softmax
+    12.7 against 13.7), one row from 384 experts up (Kimi-K2 24.0). Those numbers are for the previous kernel
+    body; the shape rule is what they support.
     """
     tile = _pow2_at_least(num_expert_group) * _pow2_at_least(num_experts // num_expert_group)
-    max_rows = max(1, min(4, 1024 // tile))
-    block_m = min(max_rows, _pow2_at_least(max(1, num_tokens // 264)))
-    num_warps = min(4, max(1, block_m * tile // 256))
-    return block_m, num_warps
+    block_m = max(1, min(4, 512 // tile)) if num_tokens >= 4096 else 1
+    return block_m, 1
 
 
 def _pow2_at_least(n: int) -> int:

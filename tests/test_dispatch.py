@@ -80,6 +80,46 @@ def test_multi_chunk_path_matches_reference(M, K, E, chunk, gen, device):
     assert_same(DispatchPlan(E, K, 16, *outputs), ref)
 
 
+
+@pytest.mark.parametrize(
+    "M,K,E,invalid",
+    [(32, 8, 256, 0.1), (33, 8, 256, 0.1), (40, 8, 256, 0.0), (31, 8, 2048, 0.2), (100, 6, 2048, 0.05)],
+)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_default_plans_around_one_program_max(M, K, E, invalid, dtype, gen, device):
+    """N = 248/256 (one program, E a power of two: no bin for the overflow) and 264/320/600 (default chunks,
+    a partial last one), at DeepSeek's E = 256 and at the largest E."""
+    ids = random_ids(gen, M, K, E, invalid=invalid, dtype=dtype).to(device)
+    ref = moe_dispatch(ids, E, 16, backend="reference")
+    assert_invariants(ref, ids)
+    assert_same(moe_dispatch(ids, E, 16, backend="triton"), ref)
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+@pytest.mark.parametrize("M,block_m", [(200, 16), (300, 16), (300, 64)])
+def test_skewed_routing(M, block_m, chunk, gen, device):
+    """Most pairs on two experts: an expert spans many tiles, and in the chunked path many chunks' tile shares."""
+    E, K = 8, 2
+    ids = random_ids(gen, M, K, E, invalid=0.1)
+    ids = torch.where(torch.rand(M, K, generator=gen) < 0.8, torch.tensor([[3, 6]], dtype=ids.dtype), ids).to(device)
+    ref = moe_dispatch_torch(ids, E, block_m)
+    assert_invariants(ref, ids)
+    outputs = [torch.full_like(getattr(ref, name), -7) for name in FIELDS]
+    dispatch_triton(ids, E, block_m, *outputs, chunk=chunk)
+    assert_same(DispatchPlan(E, K, block_m, *outputs), ref)
+
+
+def test_scan_over_more_chunks_than_one_step(gen, device):
+    """More chunks than the scan over chunks takes in one step: its running totals carry across steps."""
+    from moefuse.dispatch.kernel import SCAN_C
+
+    M, K, E, chunk = SCAN_C * 2 + 9, 8, 5, 16  # N = (SCAN_C + 4.5) * chunk
+    ids = random_ids(gen, M, K, E, invalid=0.1).to(device)
+    ref = moe_dispatch_torch(ids, E, 16)
+    outputs = [torch.full_like(getattr(ref, name), -7) for name in FIELDS]
+    dispatch_triton(ids, E, 16, *outputs, chunk=chunk)
+    assert_same(DispatchPlan(E, K, 16, *outputs), ref)
+
 CURATED = [
     # (id, ids, E, block_m, why)
     ("empty-expert", [[0, 1], [1, 3], [3, 0]], 4, 16, "expert 2 gets no rows and no tile"),

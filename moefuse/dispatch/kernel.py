@@ -6,20 +6,23 @@ Contract (same results as :func:`moefuse.dispatch.reference.moe_dispatch_torch`,
 - Outputs (int32, allocated by the caller): ``expert_offsets`` [E+1], ``permuted_to_expanded`` [N],
   ``expanded_to_permuted`` [N], ``tile_expert`` [T_max], ``tile_row_start`` [T_max], with N = M·K.
 
-Every pair gets a bin: its expert, or the overflow bin E for ids outside [0, E). Sorting the key
-``bin * CHUNK + index`` sorts by bin and, within a bin, by expanded index: the stable order. The overflow bin
-sorts last, so its rows are exactly the unused tail ``[n_valid, N)`` of the permuted order (written -1).
+Every pair gets a bin: its expert, or the overflow bin E for ids outside [0, E). The permuted order is a
+stable counting sort by bin, so the overflow bin comes last and its rows are exactly the unused tail
+``[n_valid, N)`` (written -1). Nothing is sorted: within a block of pairs, a pair's position in the block's
+stable order is the number of pairs whose key ``bin * BLOCK + index`` is smaller (a [BLOCK, BLOCK]
+comparison, ``_block_positions``); across blocks, per-bin counts place each block's pairs.
 
 Two launch plans, chosen from N alone (never from device values):
 
-- N <= ``ONE_PROGRAM_MAX`` (decode and small prefill): one program does it all, ``_dispatch_one_program``:
-  histogram, prefix sum, in-register sort of all N keys, both scatters, tile schedule. One launch.
-- Larger N: NC = cdiv(N, CHUNK) chunks, three launches.
-  1. ``_count_chunks`` (grid NC): histogram of each chunk's bins into ``scratch[c, :]``.
-  2. ``_scan_chunks`` (grid 1): expert offsets from the column totals; per chunk and bin, the permuted row
-     of the chunk's first pair in that bin minus that pair's position in the sorted chunk (so a pair's row
-     is base + its position in the sorted chunk), written over ``scratch[c, :]``; the tile schedule.
-  3. ``_scatter_chunks`` (grid NC): sort each chunk's keys and write both maps.
+- N <= ``ONE_PROGRAM_MAX`` (decode and small prefill): ``_dispatch_one_program``, one launch. The positions
+  in the single block are the permuted rows; a histogram gives the offsets and the tile schedule.
+- Larger N: NC = cdiv(N, CHUNK) chunks, three launches, none of them looping over chunks or experts serially.
+  1. ``_count_chunks`` (grid NC): histogram of each chunk's bins, ``hist[c, :]``.
+  2. ``_scan_chunks`` (grid BLOCK_E / SCAN_E): per bin, an exclusive scan over the chunks,
+     ``prefix[c, b]`` = pairs of bin b in chunks before c, and ``prefix[NC, b]`` = all pairs of bin b.
+  3. ``_scatter_chunks`` (grid NC): a pair at position p of its chunk's stable order lands on row
+     ``offsets[b] + prefix[c, b] + p - (pairs of chunk c in bins < b)``; writes both maps, and each chunk
+     writes its share of the tile schedule (chunk 0 also the offsets).
 """
 
 from __future__ import annotations
@@ -28,16 +31,22 @@ import torch
 import triton
 import triton.language as tl
 
-# Sizes of the in-register bitonic sorts (O(n log^2 n) compare-exchanges): small enough for one program to
-# sort quickly, large enough that big batches need only a few dozen chunks. Untuned; the GPU benchmark
-# times dispatch on its own.
-ONE_PROGRAM_MAX = 1024  # largest N done by one program in one launch
-CHUNK = 1024  # pairs per program in the multi-program path
+# A block of n pairs costs n * n key comparisons on one SM (about 0.7 us at n = 256 with 4 warps): one
+# program is worth it up to a few hundred pairs; beyond, small chunks keep that cost low and the grid wide
+# (M = 4096 at top-8 is 256 chunks, two per SM). Untuned; the GPU benchmark times dispatch on its own.
+ONE_PROGRAM_MAX = 256  # largest N done by one program in one launch
+CHUNK = 128  # pairs per program in the multi-program path
+BLOCK_J = 32  # keys compared per step: each thread holds this many keys of the other pairs
+SCAN_E = 16  # bins per program of the scan over chunks
+SCAN_C = 256  # chunks per step of that scan: N <= SCAN_C * CHUNK is a single step
 
 
 @triton.jit
 def _bins(ids_ptr, start, num_rows, num_experts, BLOCK: tl.constexpr):
-    """Load ids ``[start, start + BLOCK)``; return (index [BLOCK], in-range mask [BLOCK], bin int32 [BLOCK])."""
+    """Load ids ``[start, start + BLOCK)``; return (index [BLOCK], in-range mask [BLOCK], bin int32 [BLOCK]).
+
+    Lanes past N get the overflow bin E; they follow every real pair of the block, so they never move one.
+    """
     offs = start + tl.arange(0, BLOCK)  # [BLOCK]
     in_range = offs < num_rows
     ids = tl.load(ids_ptr + offs, mask=in_range, other=-1)
@@ -46,48 +55,54 @@ def _bins(ids_ptr, start, num_rows, num_experts, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _sorted_rows(bins, in_range, local, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Sort a block's pairs stably by bin: returns (bin [BLOCK], local index [BLOCK]) of sorted position i.
+def _block_positions(bins, BLOCK: tl.constexpr, BLOCK_J: tl.constexpr):
+    """Position of each of a block's pairs in the block's stable order by bin: [BLOCK] from ``bins`` [BLOCK].
 
-    Out-of-range lanes get key ``BLOCK_E * BLOCK`` (above every real key, and bins are < BLOCK_E), so they
-    sort last.
+    Keys ``bin * BLOCK + local index`` are distinct and ordered as the stable sort wants, so a pair's position
+    is the number of smaller keys. The keys are compared BLOCK_J at a time (``tl.gather`` reads them back
+    from shared memory as broadcasts): a thread holds its own pairs and BLOCK_J keys, and counts in registers.
     """
-    key = tl.where(in_range, bins * BLOCK + local, BLOCK_E * BLOCK)  # [BLOCK]
-    key = tl.sort(key)
-    return key // BLOCK, key % BLOCK
+    keys = bins * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    positions = tl.zeros([BLOCK], dtype=tl.int32)
+    for j0 in range(0, BLOCK, BLOCK_J):
+        keys_j = tl.gather(keys, j0 + tl.arange(0, BLOCK_J), 0)  # [BLOCK_J]
+        positions += tl.sum((keys_j[:, None] < keys[None, :]).to(tl.int32), axis=0)  # [BLOCK_J, BLOCK] -> [BLOCK]
+    return positions
 
 
 @triton.jit
 def _tile_schedule(
-    counts, num_experts, block_m, num_tiles, tile_expert_ptr, tile_row_start_ptr,
+    counts, offsets, num_experts, block_m, tile_lo, tile_hi, tile_expert_ptr, tile_row_start_ptr,
     BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """Write the tile schedule from ``counts`` [BLOCK_E] (rows per expert; entries >= E are ignored).
+    """Write tiles ``[tile_lo, tile_hi)`` (at most BLOCK_T of them) of the schedule from ``counts`` [BLOCK_E]
+    (rows per bin; bins >= E are ignored) and the experts' first rows ``offsets`` [BLOCK_E].
 
-    Tile t belongs to the first expert e with tiles_end[e] > t. With ``before[e] = tiles_end[e] <= t`` (true
-    exactly for e < owner), the owner is the number of such e, its first tile is the largest tiles_end among
-    them and its first row is the sum of their counts: no gather from a register tensor is needed.
+    Tile t belongs to the expert ``owner(t)`` = number of experts whose tiles end at or before t (searchsorted).
+    Over the block of tiles that is the ends before the block plus a running count of the ends inside it:
+    a histogram and a cumsum, no search. Bins >= E end at the total, so tiles past it get owner >= E: unused.
+    Every chunk of the multi-program path calls this for its share of the tiles; it costs a few [BLOCK_E] scans.
     """
     experts = tl.arange(0, BLOCK_E)  # [BLOCK_E]
-    real = experts < num_experts
-    counts = tl.where(real, counts, 0)
-    tiles_end = tl.cumsum((counts + block_m - 1) // block_m, 0)  # [BLOCK_E]
-    for t0 in range(0, num_tiles, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)  # [BLOCK_T]
-        before = (tiles_end[None, :] <= t[:, None]) & real[None, :]  # [BLOCK_T, BLOCK_E]
-        owner = tl.sum(before.to(tl.int32), axis=1)  # [BLOCK_T]
-        first_tile = tl.max(tl.where(before, tiles_end[None, :], 0), axis=1)
-        first_row = tl.sum(tl.where(before, counts[None, :], 0), axis=1)
-        row_start = first_row + (t - first_tile) * block_m
-        used = owner < num_experts
-        tl.store(tile_expert_ptr + t, tl.where(used, owner, -1), mask=t < num_tiles)
-        tl.store(tile_row_start_ptr + t, tl.where(used, row_start, -1), mask=t < num_tiles)
+    counts = tl.where(experts < num_experts, counts, 0)
+    tiles = (counts + block_m - 1) // block_m
+    tiles_end = tl.cumsum(tiles, 0)  # [BLOCK_E] non-decreasing
+    # the owner's first row plus block_m per earlier tile of the owner: row_base[owner] + t * block_m
+    row_base = offsets - (tiles_end - tiles) * block_m  # [BLOCK_E]
+    inside = (tiles_end >= tile_lo) & (tiles_end < tile_lo + BLOCK_T)
+    ends = tl.histogram(tiles_end - tile_lo, BLOCK_T, mask=inside)  # [BLOCK_T]
+    owner = tl.sum((tiles_end < tile_lo).to(tl.int32), 0) + tl.cumsum(ends, 0)  # [BLOCK_T]
+    t = tile_lo + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    row_start = tl.gather(row_base, tl.minimum(owner, BLOCK_E - 1), 0) + t * block_m
+    used = owner < num_experts
+    tl.store(tile_expert_ptr + t, tl.where(used, owner, -1), mask=t < tile_hi)
+    tl.store(tile_row_start_ptr + t, tl.where(used, row_start, -1), mask=t < tile_hi)
 
 
 @triton.jit
-def _write_maps(sorted_bin, src, row, valid, num_experts, p2e_ptr, e2p_ptr):
-    """Row ``row`` holds pair ``src``: write both maps, -1 for pairs in the overflow bin (no row)."""
-    real = sorted_bin < num_experts
+def _write_maps(bins, src, row, valid, num_experts, p2e_ptr, e2p_ptr):
+    """Pair ``src`` goes to row ``row``: write both maps, -1 for pairs in the overflow bin (no row)."""
+    real = bins < num_experts
     tl.store(p2e_ptr + row, tl.where(real, src, -1), mask=valid)
     tl.store(e2p_ptr + src, tl.where(real, row, -1), mask=valid)
 
@@ -96,82 +111,107 @@ def _write_maps(sorted_bin, src, row, valid, num_experts, p2e_ptr, e2p_ptr):
 def _dispatch_one_program(
     ids_ptr, offsets_ptr, p2e_ptr, e2p_ptr, tile_expert_ptr, tile_row_start_ptr,
     num_rows, num_experts, block_m, num_tiles,
-    BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """Grid (1,): the whole dispatch of N <= BLOCK pairs in registers."""
+    """Grid (1,): the whole dispatch of N <= BLOCK pairs; the block's stable order is the permuted order.
+
+    Only the experts' counts are needed (the order already puts the overflow bin last), so BLOCK_E >= E.
+    """
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the ids come from the router kernel
         tl.extra.cuda.gdc_launch_dependents()
     offs, in_range, bins = _bins(ids_ptr, 0, num_rows, num_experts, BLOCK)
-    # 1. counts per bin (bin E = overflow) and their exclusive prefix: offsets[E] = n_valid
-    counts = tl.histogram(bins, BLOCK_E, mask=in_range)  # [BLOCK_E]
+    rows = _block_positions(bins, BLOCK, BLOCK_J)
+    _write_maps(bins, offs, rows, in_range, num_experts, p2e_ptr, e2p_ptr)
+    # rows per expert; expert e ends at offsets[e + 1] (offsets[E] = n_valid)
+    counts = tl.histogram(bins, BLOCK_E, mask=in_range & (bins < num_experts))  # [BLOCK_E]
     experts = tl.arange(0, BLOCK_E)
-    tl.store(offsets_ptr + experts, tl.cumsum(counts, 0) - counts, mask=experts <= num_experts)
-    # 2. sorted position i is permuted row i
-    sorted_bin, src = _sorted_rows(bins, in_range, offs, BLOCK, BLOCK_E)
-    _write_maps(sorted_bin, src, offs, in_range, num_experts, p2e_ptr, e2p_ptr)
-    # 3. tiles
-    _tile_schedule(counts, num_experts, block_m, num_tiles, tile_expert_ptr, tile_row_start_ptr, BLOCK_E, BLOCK_T)
+    rows_end = tl.cumsum(counts, 0)  # [BLOCK_E]
+    tl.store(offsets_ptr + 1 + experts, rows_end, mask=experts < num_experts)
+    tl.store(offsets_ptr, 0)
+    _tile_schedule(
+        counts, rows_end - counts, num_experts, block_m, 0, num_tiles, tile_expert_ptr, tile_row_start_ptr,
+        BLOCK_E, BLOCK_T,
+    )
 
 
 @triton.jit
 def _count_chunks(
-    ids_ptr, scratch_ptr, num_rows, num_experts,
+    ids_ptr, hist_ptr, num_rows, num_experts,
     CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Grid (NC,): ``scratch[c, b]`` = pairs of chunk c in bin b."""
+    """Grid (NC,): ``hist[c, b]`` = pairs of chunk c in bin b."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     chunk = tl.program_id(0)
     _, in_range, bins = _bins(ids_ptr, chunk * CHUNK, num_rows, num_experts, CHUNK)
     counts = tl.histogram(bins, BLOCK_E, mask=in_range)  # [BLOCK_E]
-    tl.store(scratch_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), counts)
+    tl.store(hist_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), counts)
 
 
 @triton.jit
 def _scan_chunks(
-    scratch_ptr, offsets_ptr, tile_expert_ptr, tile_row_start_ptr,
-    num_chunks, num_experts, block_m, num_tiles,
-    BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr,
+    hist_ptr, prefix_ptr, num_chunks,
+    BLOCK_E: tl.constexpr, SCAN_E: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Grid (1,): offsets, per-chunk bases (in place over the counts) and the tile schedule."""
+    """Grid (BLOCK_E / SCAN_E,): for SCAN_E bins, ``prefix[c, b]`` = sum of ``hist[:c, b]``; ``prefix[NC, b]`` the
+    total. The chunks go BLOCK_C at a time ([BLOCK_C, SCAN_E] tiles), so NC <= BLOCK_C is a single step."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    experts = tl.arange(0, BLOCK_E)  # [BLOCK_E]
-    totals = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for c in range(num_chunks):
-        totals += tl.load(scratch_ptr + c * BLOCK_E + experts)
-    offsets = tl.cumsum(totals, 0) - totals  # [BLOCK_E] exclusive: first permuted row of each bin
-    tl.store(offsets_ptr + experts, offsets, mask=experts <= num_experts)
-    # A pair at sorted position i of chunk c in bin b lands on row offsets[b] + (pairs of bin b in earlier
-    # chunks) + (i - pairs of chunk c in bins < b): store everything but i as the chunk's base for bin b.
-    running = offsets
-    for c in range(num_chunks):
-        counts = tl.load(scratch_ptr + c * BLOCK_E + experts)  # [BLOCK_E]
-        tl.store(scratch_ptr + c * BLOCK_E + experts, running - (tl.cumsum(counts, 0) - counts))
-        running += counts
-    _tile_schedule(totals, num_experts, block_m, num_tiles, tile_expert_ptr, tile_row_start_ptr, BLOCK_E, BLOCK_T)
+    bins = tl.program_id(0) * SCAN_E + tl.arange(0, SCAN_E)  # [SCAN_E]
+    carry = tl.zeros([SCAN_E], dtype=tl.int32)  # pairs of each bin in the chunks done so far
+    for c0 in range(0, num_chunks, BLOCK_C):
+        chunks = c0 + tl.arange(0, BLOCK_C)  # [BLOCK_C]
+        index = chunks[:, None] * BLOCK_E + bins[None, :]  # [BLOCK_C, SCAN_E]
+        mask = chunks[:, None] < num_chunks
+        counts = tl.load(hist_ptr + index, mask=mask, other=0)
+        tl.store(prefix_ptr + index, carry[None, :] + tl.cumsum(counts, 0) - counts, mask=mask)
+        carry += tl.sum(counts, 0)
+    tl.store(prefix_ptr + num_chunks * BLOCK_E + bins, carry)
 
 
 @triton.jit
 def _scatter_chunks(
-    ids_ptr, scratch_ptr, p2e_ptr, e2p_ptr, num_rows, num_experts,
-    CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr,
+    ids_ptr, hist_ptr, prefix_ptr, offsets_ptr, p2e_ptr, e2p_ptr, tile_expert_ptr, tile_row_start_ptr,
+    num_rows, num_chunks, num_experts, block_m, num_tiles, tiles_per_chunk,
+    CHUNK: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """Grid (NC,): sort chunk c and write each pair's row from the chunk's per-bin base."""
+    """Grid (NC,): both maps for chunk c's pairs, and tiles ``[c, c + 1) * tiles_per_chunk`` of the schedule."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     chunk = tl.program_id(0)
     start = chunk * CHUNK
     offs, in_range, bins = _bins(ids_ptr, start, num_rows, num_experts, CHUNK)
-    sorted_bin, local = _sorted_rows(bins, in_range, offs - start, CHUNK, BLOCK_E)
-    position = tl.arange(0, CHUNK)  # [CHUNK] position in the sorted chunk
-    valid = position < num_rows - start
-    base = tl.load(scratch_ptr + chunk * BLOCK_E + sorted_bin, mask=valid, other=0)
-    _write_maps(sorted_bin, start + local, base + position, valid, num_experts, p2e_ptr, e2p_ptr)
+    positions = _block_positions(bins, CHUNK, BLOCK_J)
+    experts = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    totals = tl.load(prefix_ptr + num_chunks * BLOCK_E + experts)
+    counts = tl.load(hist_ptr + chunk * BLOCK_E + experts)
+    # row of the chunk's first pair of bin b, minus that pair's position in the chunk's order:
+    # offsets[b] + prefix[c, b] - (pairs of chunk c in bins < b), both sums as one exclusive cumsum
+    before = totals - counts
+    base = tl.load(prefix_ptr + chunk * BLOCK_E + experts) + tl.cumsum(before, 0) - before  # [BLOCK_E]
+    rows = tl.gather(base, bins, 0) + positions  # [CHUNK]
+    _write_maps(bins, offs, rows, in_range, num_experts, p2e_ptr, e2p_ptr)
+    offsets = tl.cumsum(totals, 0) - totals  # [BLOCK_E]; offsets[E] = n_valid
+    if chunk == 0:
+        tl.store(offsets_ptr + experts, offsets, mask=experts <= num_experts)
+    tile_lo = chunk * tiles_per_chunk
+    tile_hi = tl.minimum(tile_lo + tiles_per_chunk, num_tiles)
+    _tile_schedule(
+        totals, offsets, num_experts, block_m, tile_lo, tile_hi, tile_expert_ptr, tile_row_start_ptr,
+        BLOCK_E, BLOCK_T,
+    )
+
+
+def _block_t(tiles: int) -> int:
+    """BLOCK_T for a program that schedules ``tiles`` tiles. Small by construction: T_max <= cdiv(N, 16) + N, so
+    the one program has at most 272 tiles (N <= 256) and a chunk's share is about chunk * 17 / 16."""
+    return max(16, triton.next_power_of_2(tiles))
 
 
 def _launch_args(use_pdl: bool) -> dict:
@@ -193,8 +233,8 @@ def dispatch_triton(
 ) -> None:
     """Launch the dispatch kernels into the given outputs (arguments already validated).
 
-    ``chunk`` (a power of two) forces the multi-program path with that chunk size when N > chunk; tests use
-    it to cover several chunks at small N. Default: one program up to ``ONE_PROGRAM_MAX`` pairs, else
+    ``chunk`` (a power of two >= 16) forces the multi-program path with that chunk size when N > chunk; tests
+    use it to cover several chunks at small N. Default: one program up to ``ONE_PROGRAM_MAX`` pairs, else
     chunks of ``CHUNK``.
     """
     ids = topk_ids.reshape(-1)
@@ -205,29 +245,34 @@ def dispatch_triton(
         expert_offsets.zero_()
         return
     num_tiles = tile_expert.numel()
-    block_e = triton.next_power_of_2(num_experts + 1)  # bins 0..E, E = overflow
-    block_t = max(16, 8192 // block_e)  # keeps the [BLOCK_T, BLOCK_E] compare in the registers
     kw = _launch_args(use_pdl)
     if chunk is None and num_rows <= ONE_PROGRAM_MAX:
         block = max(16, triton.next_power_of_2(num_rows))
         _dispatch_one_program[(1,)](
             ids, expert_offsets, permuted_to_expanded, expanded_to_permuted, tile_expert, tile_row_start,
             num_rows, num_experts, block_m, num_tiles,
-            BLOCK=block, BLOCK_E=block_e, BLOCK_T=block_t, USE_PDL=use_pdl,
+            BLOCK=block, BLOCK_J=min(block, BLOCK_J), BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+            BLOCK_T=_block_t(num_tiles), USE_PDL=use_pdl,
             num_warps=4, **kw,
         )
         return
     chunk = CHUNK if chunk is None else chunk
+    block_e = max(16, triton.next_power_of_2(num_experts + 1))  # bins 0..E, E = overflow
     num_chunks = triton.cdiv(num_rows, chunk)
-    scratch = torch.empty(num_chunks, block_e, dtype=torch.int32, device=ids.device)
+    scratch = torch.empty(2 * num_chunks + 1, block_e, dtype=torch.int32, device=ids.device)
+    hist, prefix = scratch[:num_chunks], scratch[num_chunks:]  # [NC, BLOCK_E], [NC + 1, BLOCK_E]
     _count_chunks[(num_chunks,)](
-        ids, scratch, num_rows, num_experts, CHUNK=chunk, BLOCK_E=block_e, USE_PDL=use_pdl, num_warps=4, **kw
+        ids, hist, num_rows, num_experts, CHUNK=chunk, BLOCK_E=block_e, USE_PDL=use_pdl, num_warps=4, **kw
     )
-    _scan_chunks[(1,)](
-        scratch, expert_offsets, tile_expert, tile_row_start, num_chunks, num_experts, block_m, num_tiles,
-        BLOCK_E=block_e, BLOCK_T=block_t, USE_PDL=use_pdl, num_warps=4, **kw,
+    _scan_chunks[(block_e // SCAN_E,)](
+        hist, prefix, num_chunks,
+        BLOCK_E=block_e, SCAN_E=SCAN_E, BLOCK_C=min(SCAN_C, triton.next_power_of_2(num_chunks)), USE_PDL=use_pdl,
+        num_warps=4, **kw,
     )
+    tiles_per_chunk = triton.cdiv(num_tiles, num_chunks)
     _scatter_chunks[(num_chunks,)](
-        ids, scratch, permuted_to_expanded, expanded_to_permuted, num_rows, num_experts,
-        CHUNK=chunk, BLOCK_E=block_e, USE_PDL=use_pdl, num_warps=4, **kw,
+        ids, hist, prefix, expert_offsets, permuted_to_expanded, expanded_to_permuted, tile_expert,
+        tile_row_start, num_rows, num_chunks, num_experts, block_m, num_tiles, tiles_per_chunk,
+        CHUNK=chunk, BLOCK_J=min(chunk, BLOCK_J), BLOCK_E=block_e,
+        BLOCK_T=_block_t(tiles_per_chunk), USE_PDL=use_pdl, num_warps=4, **kw,
     )

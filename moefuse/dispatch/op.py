@@ -34,7 +34,7 @@ def moe_dispatch(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, back
 
     CUDA graphs and ``torch.compile``: no host sync; output shapes and grids depend only on M, K, E and
     block_m (the tile arrays have the static length ``cdiv(M*K, block_m) + min(E, M*K)``).
-    Launches: one kernel for M*K <= 1024, three above.
+    Launches: one kernel for M*K <= 256, three above.
     """
     resolved = _validate(topk_ids, num_experts, block_m, backend)
     device = topk_ids.device

@@ -60,9 +60,7 @@ def moe_fused_gate(
         TypeError / ValueError naming the argument, before any launch, for every case in SPEC §1; with the
         Triton backend also for ``E > 1024`` or ``topk > 32``.
     """
-    device = scores.device if isinstance(scores, torch.Tensor) else torch.device("cpu")  # _validate rejects non-tensors
-    resolved = _runtime.resolve_backend(backend, device)
-    _validate(
+    resolved = _validate(
         scores,
         bias,
         topk,
@@ -76,7 +74,7 @@ def moe_fused_gate(
         moe_softcapping,
         num_token_non_padded,
         out,
-        resolved,
+        backend,
     )
     M = scores.shape[0]
     if out is None:
@@ -121,11 +119,16 @@ def _validate(
     num_token_non_padded,
     out,
     backend,
-) -> None:
-    """Every argument check of ``moe_fused_gate``; raises TypeError/ValueError naming the argument."""
+) -> str:
+    """Every argument check of ``moe_fused_gate``; raises TypeError/ValueError naming the argument.
+
+    Returns the resolved backend (``"reference"`` or ``"triton"``), chosen from the scores' device once they are
+    known to be a tensor.
+    """
     _checks.check_tensor("scores", scores, dtypes=_checks.FLOAT_DTYPES, ndim=2)
     M, E = scores.shape
     device = scores.device
+    backend = _runtime.resolve_backend(backend, device)
     if E < 1:
         raise ValueError(f"scores must have at least one expert column, got shape {tuple(scores.shape)}")
     if bias is not None:
@@ -185,6 +188,7 @@ def _validate(
             raise ValueError(f"scores has {E} experts; the triton backend handles at most {kernel.MAX_EXPERTS}")
         if topk > kernel.MAX_TOPK:
             raise ValueError(f"topk ({topk}) exceeds the triton backend's limit of {kernel.MAX_TOPK}")
+    return backend
 
 
 def _check_real(name: str, value: object) -> None:

@@ -15,14 +15,17 @@ from dataclasses import dataclass
 import torch
 
 
-def graph_time_us(calls: Sequence[Callable[[], object]], *, replays: int = 50, warmup: int = 3) -> float:
+def graph_time_us(calls: Sequence[Callable[[], object]], *, replays: int = 50, warmup: int = 3,
+                  min_calls: int = 10) -> float:
     """Median device time of one call, in microseconds, with the calls captured into one CUDA graph.
 
-    Each replay runs every closure in ``calls`` once; the time of a replay divided by ``len(calls)`` is one
-    sample. Closures must be capturable (no host sync, no allocation that outlives the graph's pool).
+    Each replay runs every closure in ``calls`` (repeated until there are at least ``min_calls``); the time of a
+    replay divided by the number of calls is one sample. Several calls per replay keep the graph's own launch
+    (a few µs) out of a small kernel's time. Closures must be capturable (no host sync).
     """
     if not calls:
         raise ValueError("calls must not be empty")
+    calls = list(calls) * -(-min_calls // len(calls))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -76,7 +79,7 @@ def _empty_kernel_us() -> float:
         pass
 
     x = torch.empty(1, device="cuda")
-    return graph_time_us([lambda: _empty[(1,)](x)] * 20, replays=100)
+    return graph_time_us([lambda: _empty[(1,)](x)], replays=100, min_calls=20)
 
 
 def measure_ceilings(*, gemm: bool = True) -> Ceilings:

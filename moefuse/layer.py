@@ -58,8 +58,11 @@ class MoERouter(nn.Module):
         Rows at or past ``num_token_non_padded`` get ids -1 and weights 0: they reach no expert.
         """
         c = self.config
+        bias = self.e_score_correction_bias
+        if bias is not None and bias.dtype != torch.float32:
+            bias = bias.float()  # model.to(bf16) casts buffers too; the router takes its bias in fp32 (SPEC §1)
         return moe_fused_gate(
-            self.logits(x), self.e_score_correction_bias, c.top_k, c.scoring_func,
+            self.logits(x), bias, c.top_k, c.scoring_func,
             renormalize=c.renormalize, routed_scaling_factor=c.routed_scaling_factor,
             apply_routed_scaling_factor_on_output=True, num_expert_group=c.num_expert_group,
             topk_group=c.topk_group, moe_softcapping=c.moe_softcapping,

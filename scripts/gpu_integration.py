@@ -69,7 +69,7 @@ def compile_rows() -> list[dict]:
     for tokens in (1, 64):
         x = torch.randn(tokens, config.hidden_size, device="cuda", dtype=torch.bfloat16)
         eager = layer(x)
-        compiled = torch.compile(layer, fullgraph=True)
+        compiled = torch.compile(layer, fullgraph=True, dynamic=False)  # one graph per decode size
         out_compiled = compiled(x)
         graph = torch.cuda.CUDAGraph()
         compiled(x)

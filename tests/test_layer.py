@@ -90,3 +90,15 @@ def test_experts_runner_defers_inside_context(gen):
     combined = layer.experts(x, weights, ids)
     assert deferred.top_k == SMALL.top_k and deferred.gemm2_out.shape[1] == SMALL.hidden_size
     assert isinstance(combined, torch.Tensor) and combined.shape == x.shape
+
+
+def test_bias_cast_to_bf16_still_routes(gen):
+    # model.to(torch.bfloat16) casts buffers too; the router takes its bias in fp32, so the layer upcasts it.
+    layer = _layer(SMALL, "reference", seed=11)
+    x = torch.randn(5, SMALL.hidden_size, generator=gen)
+    with torch.no_grad():
+        layer.gate.e_score_correction_bias = layer.gate.e_score_correction_bias.bfloat16()
+        got = layer(x)
+        layer.gate.e_score_correction_bias = layer.gate.e_score_correction_bias.float()
+        want = layer(x)
+    assert torch.equal(got, want)

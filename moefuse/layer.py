@@ -24,7 +24,6 @@ from moefuse.finalize import (
     deferred_finalize_context,
     deferred_finalize_enabled,
     finalize_deferred_output,
-    moe_finalize_fuse_shared,
 )
 from moefuse.route import moe_fused_gate, moe_fused_gate_torch
 

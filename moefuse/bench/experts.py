@@ -156,13 +156,6 @@ def _torch_baseline(x, w1, w2, plan, n_valid: int) -> Callable[[], object]:
     return loop
 
 
-def _time(calls: list[Callable[[], object]]) -> float | str:
-    try:
-        return timing.graph_time_us(calls, replays=20)
-    except Exception as exc:  # a baseline that cannot run here is reported, not fatal
-        return f"fail {type(exc).__name__}: {exc}"[:120]
-
-
 def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict[str, Any]]:
     """Time DeepSeek-V3 routed experts; see the module docstring for the rows."""
     device = torch.device("cuda")
@@ -196,20 +189,20 @@ def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict[str, Any]]:
         base = {"M": M, "experts_touched": touched, "block_m": config.block_m}
         mem_floor = touched * per_expert_bytes / (ceilings.read_tbps * 1e12) * 1e6
         compute_floor = 2 * M * K * 3 * H * I / (ceilings.gemm_tflops * 1e12) * 1e6
-        gemm1_us = _time([lambda: gemm1_swiglu(x, w1, plan, inter, config.gemm1)])
-        gemm2_us = _time([lambda: gemm2(inter, w2, plan, out, config.gemm2)])
-        stage_us = _time([experts_and_combine])
-        total_us = _time([whole])
+        gemm1_us = timing.time_or_none([lambda: gemm1_swiglu(x, w1, plan, inter, config.gemm1)])
+        gemm2_us = timing.time_or_none([lambda: gemm2(inter, w2, plan, out, config.gemm2)])
+        stage_us = timing.time_or_none([experts_and_combine])
+        total_us = timing.time_or_none([whole])
         anchor = anchors.get(M)
         rows += [
-            base | {"stage": "dispatch", "us": _time([lambda: moe_dispatch(ids, E, config.block_m)])},
+            base | {"stage": "dispatch", "us": timing.time_or_none([lambda: moe_dispatch(ids, E, config.block_m)])},
             base | {"stage": "gemm1+swiglu", "us": gemm1_us, "mem_floor_us": mem_floor * 2 / 3,
                     "compute_floor_us": compute_floor * 2 / 3},
             base | {"stage": "gemm2", "us": gemm2_us, "mem_floor_us": mem_floor / 3,
                     "compute_floor_us": compute_floor / 3},
             base | {"stage": "routed experts", "us": stage_us, "mem_floor_us": mem_floor,
                     "compute_floor_us": compute_floor, "anchor_us": anchor,
-                    "torch_us": _time([_torch_baseline(x, w1, w2, plan, n_valid)])},
+                    "torch_us": timing.time_or_none([_torch_baseline(x, w1, w2, plan, n_valid)])},
             base | {"stage": "routed experts + dispatch", "us": total_us, "mem_floor_us": mem_floor,
                     "compute_floor_us": compute_floor},
         ]

@@ -16,7 +16,6 @@ separate ``torch.add`` of the shared output), which is what a non-deferred MoE b
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
 import torch
 
@@ -125,15 +124,6 @@ def _bytes_moved(tokens: int, hidden: int, top_k: int) -> int:
     return tokens * top_k * hidden * elem + 2 * tokens * hidden * elem + tokens * top_k * (4 + 4)
 
 
-def _time_or_none(calls: list[Callable[[], object]]) -> float | None:
-    """``graph_time_us`` of a baseline, or None when it cannot run under capture (reported as '-')."""
-    try:
-        return timing.graph_time_us(calls, replays=20)
-    except Exception as exc:  # noqa: BLE001 - a failing baseline is reported, not fatal
-        print(f"  baseline failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-        return None
-
-
 def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict]:
     """Device time per call for every (config, M); see the module docstring for the columns."""
     rows = []
@@ -153,8 +143,8 @@ def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict]:
                 lambda s=s, n=n, c=c, o=o: torch.add(moe_finalize_fuse_shared(**n, out=c), s["shared_output"], out=o)
                 for s, n, c, o in zip(sets, no_shared, combined, outs)
             ])
-            eager_us = _time_or_none([lambda s=s: moe_finalize_fuse_shared_torch(**s) for s in sets])
-            compile_us = _time_or_none([lambda s=s: compiled(**s) for s in sets])
+            eager_us = timing.time_or_none([lambda s=s: moe_finalize_fuse_shared_torch(**s) for s in sets])
+            compile_us = timing.time_or_none([lambda s=s: compiled(**s) for s in sets])
             floor_us = ceilings.memory_floor_us(nbytes)
             tbps = nbytes / (us * 1e-6) / 1e12
             rows.append({

@@ -130,15 +130,6 @@ def _anchor_us(config: tuple, tokens: int) -> float | None:
     return None
 
 
-def _time_or_none(calls) -> float | None:
-    """Graph-replay time of a baseline, or None when it cannot be compiled or captured on this stack."""
-    try:
-        return timing.graph_time_us(calls)
-    except Exception as exc:  # noqa: BLE001 - a baseline that fails is reported as missing, not fatal
-        print(f"  baseline failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-        return None
-
-
 def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict[str, Any]]:
     """Device time per call for every (configuration, M); see the module docstring for the columns."""
     rows = []
@@ -154,8 +145,8 @@ def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict[str, Any]]:
             outs = [(torch.empty(tokens, topk, device="cuda"), torch.empty(tokens, topk, dtype=torch.int32,
                                                                            device="cuda")) for _ in sets]
             us = timing.graph_time_us([lambda s=s, o=o: moe_fused_gate(*s, **opts, out=o) for s, o in zip(sets, outs)])
-            eager_us = _time_or_none([lambda s=s: reference(*s) for s in sets])
-            compile_us = None if quick else _time_or_none([lambda s=s: compiled(*s) for s in sets])
+            eager_us = timing.time_or_none([lambda s=s: reference(*s) for s in sets])
+            compile_us = None if quick else timing.time_or_none([lambda s=s: compiled(*s) for s in sets])
             floor_us = ceilings.memory_floor_us(nbytes)
             anchor = _anchor_us(config, tokens)
             block_m, warps = kernel.launch_config(tokens, experts, opts["num_expert_group"])

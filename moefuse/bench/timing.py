@@ -9,6 +9,7 @@ time is reported.
 from __future__ import annotations
 
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -51,6 +52,17 @@ def graph_time_us(calls: Sequence[Callable[[], object]], *, replays: int = 50, w
     return statistics.median(samples)
 
 
+def time_or_none(calls: Sequence[Callable[[], object]], *, replays: int = 20) -> float | None:
+    """``graph_time_us`` of a baseline, or None (reported on stderr) when it cannot be compiled or captured here:
+    a baseline that fails on some stack is a missing cell in the table, not a failed benchmark."""
+    try:
+        return graph_time_us(calls, replays=replays)
+    except Exception as exc:  # noqa: BLE001
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        print(f"  baseline failed: {type(exc).__name__}: {first_line}", file=sys.stderr)
+        return None
+
+
 def rotations(bytes_per_set: int, *, l2_bytes: int = 60 << 20, at_most: int = 32) -> int:
     """How many input sets to rotate through so that together they overflow the L2 cache twice over."""
     return max(1, min(at_most, -(-2 * l2_bytes // max(bytes_per_set, 1))))
@@ -72,7 +84,6 @@ class Ceilings:
 
 def _empty_kernel_us() -> float:
     import triton
-    import triton.language as tl
 
     @triton.jit
     def _empty(x_ptr):

@@ -98,8 +98,10 @@ def _finalize_kernel(
         weight = tl.load(weights_ptr + token * stride_w_tok + k * stride_w_slot).to(tl.float32)
         present = (row >= 0) & (row < num_rows)
         safe_row = tl.where(present, row, 0)  # an absent slot's address is never formed from a wild index
+        # where(), not col_mask & present: Triton 3.9's interpreter gives a vector & scalar no mask dtype.
         values = tl.load(
-            gemm2_ptr + safe_row * stride_g_row + cols * stride_g_col, mask=col_mask & present, other=0.0
+            gemm2_ptr + safe_row * stride_g_row + cols * stride_g_col, mask=tl.where(present, col_mask, False),
+            other=0.0,
         ).to(tl.float32)
         # Skip rather than add 0 * w: an absent slot must not contribute even if its weight is inf or NaN.
         acc = tl.where(present, acc + weight * values, acc)

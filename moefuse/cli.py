@@ -114,8 +114,10 @@ def run_layer(args: argparse.Namespace) -> int:
             for name, fn in stages.items():
                 rows.append({"stage": name, "us": _time_us(fn, device)})
 
-    print(format_table(rows, [("stage", "stage"), ("us", "time (µs)")],
-                       f"{args.preset}: {args.tokens} tokens on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}"))
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (wall-clock times)"
+    size = "" if config == preset(args.preset) else f", scaled down to H={config.hidden_size}, I={config.intermediate_size}"
+    title = f"{args.preset}{size}: {args.tokens} tokens on {where}, backend {backend}"
+    print(format_table(rows, [("stage", "stage"), ("us", "time (µs)")], title) if rows else f"### {title}")
     tol = 1e-2 if dtype != torch.float32 else 1e-5
     checks = [
         {"what": "layer vs float64 reference (max-normalised)", "error": rel_error(out, ref), "tolerance": tol},

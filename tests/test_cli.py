@@ -1,0 +1,27 @@
+"""The command line: the README's main job on a small batch, every preset, and the GPU-only bench refusing a CPU."""
+
+import pytest
+import torch
+
+from moefuse.cli import main
+from moefuse.config import PRESETS
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_run_checks_the_layer(preset, capsys):
+    assert main(["--preset", preset, "--tokens", "5", "--no-timing"]) == 0
+    out = capsys.readouterr().out
+    assert "layer vs float64 reference" in out and "NO" not in out
+
+
+def test_run_times_every_stage(capsys):
+    assert main(["run", "--tokens", "3", "--backend", "reference"]) == 0
+    out = capsys.readouterr().out
+    for stage in ("router", "dispatch", "experts", "finalize + shared add", "shared expert"):
+        assert stage in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_bench_needs_a_gpu(capsys):
+    assert main(["bench", "router"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from torch import nn
 
 from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
-from moefuse.layer import MoELayer
+from moefuse.layer import MoELayer, routed_experts
 
 # Block class name -> scoring function of its router ("config" = read the router's activation).
 SUPPORTED_BLOCKS: dict[str, str] = {
@@ -143,19 +143,9 @@ def unpatch(model: nn.Module) -> list[str]:
 def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts-interface signature, run by moefuse: dispatch, grouped GEMMs, finalize."""
-    from moefuse.dispatch import moe_dispatch
-    from moefuse.experts import moe_experts, pick_block_m
-    from moefuse.finalize import moe_finalize_fuse_shared
-
-    E, two_i, H = experts.gate_up_proj.shape
-    M, K = top_k_index.shape
-    ids = top_k_index.to(torch.int32)
-    block_m = pick_block_m(M, E, H, two_i // 2, K, hidden_states.dtype)
-    plan = moe_dispatch(ids, E, block_m)
-    gemm2_out = moe_experts(hidden_states, experts.gate_up_proj, experts.down_proj, plan,
-                            swiglu_limit=getattr(experts, "limit", None))
     weights = top_k_weights if top_k_weights.dtype in (torch.float32, torch.bfloat16) else top_k_weights.float()
-    return moe_finalize_fuse_shared(gemm2_out, plan.expanded_to_permuted, weights, None, K)
+    return routed_experts(hidden_states, experts.gate_up_proj, experts.down_proj, weights,
+                          top_k_index.to(torch.int32), swiglu_limit=getattr(experts, "limit", None))
 
 
 def register_experts_implementation(name: str = "moefuse") -> None:

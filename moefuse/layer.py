@@ -69,8 +69,22 @@ class MoERouter(nn.Module):
         )
 
 
+def routed_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, weights: torch.Tensor,
+                   ids: torch.Tensor, *, swiglu_limit: float | None = None, defer: bool = False,
+                   backend: Backend = "auto") -> torch.Tensor | DeferredFinalizeOutput:
+    """Dispatch + grouped GEMM1/SwiGLU/GEMM2 for tokens ``x`` [M, H] routed by ``ids`` int32 [M, K] with ``weights``
+    [M, K] (fp32 or bf16); then the combine into [M, H], or with ``defer`` the pieces for a fused finalize."""
+    num_experts, two_i, hidden = gate_up_proj.shape
+    top_k = ids.shape[1]
+    block_m = pick_block_m(x.shape[0], num_experts, hidden, two_i // 2, top_k, x.dtype)
+    plan = moe_dispatch(ids, num_experts, block_m, backend=backend)
+    gemm2_out = moe_experts(x, gate_up_proj, down_proj, plan, swiglu_limit=swiglu_limit, backend=backend)
+    deferred = DeferredFinalizeOutput(gemm2_out, weights, plan.expanded_to_permuted, top_k)
+    return deferred if defer else finalize_deferred_output(deferred, None, backend=backend)
+
+
 class MoEExperts(nn.Module):
-    """The routed experts runner: dispatch, grouped GEMM1 + SwiGLU, GEMM2, and (unless deferred) the combine.
+    """The routed experts runner (:func:`routed_experts` over this module's weights).
 
     Inside :func:`moefuse.deferred_finalize_context` it returns a :class:`DeferredFinalizeOutput` and allocates
     no output buffer; the caller finalizes, fusing the shared expert's output into the same pass.
@@ -91,17 +105,10 @@ class MoEExperts(nn.Module):
 
         ``defer=None`` follows :func:`moefuse.deferred_finalize_context`.
         """
-        c = self.config
-        block_m = pick_block_m(x.shape[0], c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, x.dtype)
-        plan = moe_dispatch(ids, c.num_experts, block_m, backend=self.backend)
-        gemm2_out = moe_experts(x, self.gate_up_proj, self.down_proj, plan, swiglu_limit=c.swiglu_limit,
-                                backend=self.backend)
-        deferred = DeferredFinalizeOutput(gemm2_out, weights, plan.expanded_to_permuted, c.top_k)
         if defer is None:
             defer = deferred_finalize_enabled()
-        if defer:
-            return deferred
-        return finalize_deferred_output(deferred, None, backend=self.backend)
+        return routed_experts(x, self.gate_up_proj, self.down_proj, weights, ids,
+                              swiglu_limit=self.config.swiglu_limit, defer=defer, backend=self.backend)
 
 
 class SharedExpert(nn.Module):

@@ -10,8 +10,10 @@ Every public op takes ``backend`` and resolves it here, once, before any launch:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -59,3 +61,17 @@ def pdl_enabled(enable_pdl: bool | None, device: torch.device) -> bool:
 def checks_enabled(device: torch.device) -> bool:
     """Whether value checks that need a host sync (index ranges) run: always off CUDA, else ``MOEFUSE_CHECK=1``."""
     return device.type != "cuda" or os.environ.get("MOEFUSE_CHECK", "0") not in ("", "0")
+
+
+@contextlib.contextmanager
+def env_override(name: str, value: str) -> Iterator[None]:
+    """Set environment variable ``name`` to ``value`` for the block (e.g. ``MOEFUSE_ENABLE_DEFERRED_FINALIZE``)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old

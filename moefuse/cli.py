@@ -8,15 +8,14 @@ the float64 reference and prints a table of per-stage times and the agreement.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
+from moefuse._runtime import env_override
 from moefuse.bench.report import format_table
 from moefuse.config import PRESETS, preset
 from moefuse.testing import rel_error, rms_rel_error
@@ -27,19 +26,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def progress(message: str) -> None:
     """One line of progress on stderr, so tables on stdout stay clean."""
     print(f"[moefuse {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 def _time_us(fn: Callable[[], object], device: torch.device) -> float:
@@ -78,7 +64,7 @@ def run_layer(args: argparse.Namespace) -> int:
     progress(f"running {args.tokens} tokens")
     with torch.no_grad():
         out = layer(x)
-        with _env("MOEFUSE_ENABLE_DEFERRED_FINALIZE", "0"):
+        with env_override("MOEFUSE_ENABLE_DEFERRED_FINALIZE", "0"):
             out_plain = layer(x)
         progress("float64 reference")
         ref = moe_layer_torch(layer, x, route_dtype=torch.float32)
@@ -95,7 +81,7 @@ def run_layer(args: argparse.Namespace) -> int:
             shared = layer.shared_experts(x) if layer.shared_experts is not None else None
 
             def plain_layer() -> torch.Tensor:
-                with _env("MOEFUSE_ENABLE_DEFERRED_FINALIZE", "0"):
+                with env_override("MOEFUSE_ENABLE_DEFERRED_FINALIZE", "0"):
                     return layer(x)
 
             stages: dict[str, Callable[[], object]] = {

@@ -10,12 +10,9 @@ as measured on this GPU (``anchors_h200.json``; DeepSeek-V3 only).
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
-
 import torch
 
+from moefuse._runtime import env_override
 from moefuse.bench import report, timing
 from moefuse.config import preset
 from moefuse.layer import MoELayer, moe_layer_torch
@@ -32,17 +29,8 @@ COLUMNS = [
 TITLE = "MoE layer end to end (bf16, CUDA-graph replay)"
 
 
-@contextlib.contextmanager
-def _deferral(enabled: bool) -> Iterator[None]:
-    old = os.environ.get("MOEFUSE_ENABLE_DEFERRED_FINALIZE")
-    os.environ["MOEFUSE_ENABLE_DEFERRED_FINALIZE"] = "1" if enabled else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("MOEFUSE_ENABLE_DEFERRED_FINALIZE")
-        else:
-            os.environ["MOEFUSE_ENABLE_DEFERRED_FINALIZE"] = old
+def _deferral(enabled: bool):
+    return env_override("MOEFUSE_ENABLE_DEFERRED_FINALIZE", "1" if enabled else "0")
 
 
 def _floors(layer: MoELayer, x: torch.Tensor, ceilings: timing.Ceilings) -> dict[str, float]:

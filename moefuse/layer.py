@@ -192,10 +192,23 @@ class MoELayer(nn.Module):
             self._side_streams[device] = torch.cuda.Stream(device)
         return self._side_streams[device]
 
+    def _check_input(self, hidden_states: object) -> None:
+        """The layer's own argument checks, before any stage runs (each stage checks its inputs too)."""
+        dtype = self.experts.gate_up_proj.dtype
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
+        if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"hidden_states must be [..., {self.config.hidden_size}], got {tuple(hidden_states.shape)}")
+        if hidden_states.dtype != dtype:
+            raise TypeError(f"hidden_states must have the layer's dtype {dtype}, got {hidden_states.dtype}")
+        if hidden_states.device != self.experts.gate_up_proj.device:
+            raise ValueError(f"hidden_states is on {hidden_states.device}, the layer on {self.experts.gate_up_proj.device}")
+
     def forward(self, hidden_states: torch.Tensor, num_token_non_padded: int | torch.Tensor | None = None,
                 input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """[..., H] -> [..., H]. Tokens at or past ``num_token_non_padded`` (flattened order) get only the shared
         expert. ``input_ids`` is accepted (and unused) so the layer drops in where DeepSeek-V4 blocks are called."""
+        self._check_input(hidden_states)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.config.hidden_size)
         weights, ids = self.gate(x, num_token_non_padded)

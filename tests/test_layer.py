@@ -102,3 +102,14 @@ def test_bias_cast_to_bf16_still_routes(gen):
         layer.gate.e_score_correction_bias = layer.gate.e_score_correction_bias.float()
         want = layer(x)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("bad, exc", [
+    (lambda: [[0.0] * SMALL.hidden_size], TypeError),  # not a tensor
+    (lambda: torch.zeros(3, SMALL.hidden_size + 1), ValueError),  # wrong width
+    (lambda: torch.zeros(3, SMALL.hidden_size, dtype=torch.float64), TypeError),  # not the layer's dtype
+], ids=["not-a-tensor", "wrong-width", "wrong-dtype"])
+def test_bad_input_names_hidden_states(bad, exc):
+    layer = _layer(SMALL, "reference", seed=13)
+    with pytest.raises(exc, match="hidden_states"):
+        layer(bad())

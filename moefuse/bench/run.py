@@ -72,7 +72,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.axis("off")
     env = results["environment"]
     fig.suptitle(f"moefuse on {env['gpu']}, {env['date']}, torch {env['torch']}, Triton {env['triton']}", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97))  # room for the title
     fig.savefig(path, dpi=110)
 
 

@@ -79,6 +79,29 @@ def test_strided_hidden_and_weights(gen, device):
     check(wide[:, 5:5 + H], w1_t, w2, ids, device=device)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tall_tiles_split_their_short_tail(dtype, gen, device):
+    """128-row tiles: an expert's last tile of <= 64 rows runs at half height, a longer one at full height."""
+    x, w1, w2, _ = make_inputs(gen, 150, 2, dtype, num_experts=3, scale=2.0)
+    # expert 0: 150 rows (128 + a 22-row tail), expert 1: 100 rows (one tile above half height), expert 2: 50
+    ids = torch.stack([torch.zeros(150, dtype=torch.int32), (torch.arange(150) >= 100).int() + 1], dim=1)
+    tiles = TileConfig(128, GemmTiles(16, 16, 2, 4, 2), GemmTiles(16, 32, 1, 4, 2))
+    with configs.override(tiles):
+        plan = check(x, w1, w2, ids, limit=1.5, block_m=128, device=device)
+    assert plan.expert_offsets.diff().tolist() == [150, 100, 50]
+
+
+def test_weights_go_through_tma_only_where_it_can_read_them():
+    """Contiguous weights get a descriptor; H-major storage or a misaligned base falls back to pointer loads."""
+    from moefuse.experts.kernel import weight_descriptor
+
+    w = torch.zeros(3, 32, 64, dtype=torch.bfloat16)
+    assert weight_descriptor(w, 16, 32) is not None
+    assert weight_descriptor(w.transpose(1, 2).contiguous().transpose(1, 2), 16, 32) is None
+    assert weight_descriptor(torch.zeros(3 * 32 * 64 + 1, dtype=torch.bfloat16)[1:].view(3, 32, 64), 16, 32) is None
+    assert weight_descriptor(torch.zeros(3, 32, 72, dtype=torch.bfloat16)[:, :, :64], 16, 32) is not None
+
+
 def test_reference_backend_and_default_out(gen, device):
     x, w1, w2, ids = (t.to(device) for t in make_inputs(gen, 7, 2, torch.float32))
     plan = moe_dispatch(ids, E, 16, backend="reference")

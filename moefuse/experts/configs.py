@@ -229,8 +229,9 @@ def heuristic(
        4 warps, deep pipelines (4 stages) of long reduction steps (BLOCK_K 128; 256 for GEMM2's single
        weight operand), BLOCK_N 64, halved (down to 32) until there are two programs per SM.
     3. Tall tiles (prefill) are bound by tensor-core throughput: 8 warps, BLOCK_N 128 (GEMM1 keeps gate and
-       up accumulators) or 256 (GEMM2, one accumulator, when 128 rows tall), BLOCK_K 64, 3 stages, and
-       groups of 4 tiles sharing a column block so one expert's weight tiles are read from L2 by its tiles.
+       up accumulators) or 256 (GEMM2, one accumulator, when 128 rows tall), BLOCK_K 64, 4 stages (TMA
+       weight loads leave room for them: 192 KB), and groups of 4 tiles sharing a column block so one
+       expert's weight tiles are read from L2 by its tiles.
     4. Every block is capped by its dimension (next power of two, at least 16: the smallest ``tl.dot``);
        stages and BLOCK_K shrink until the operand buffers fit in shared memory (fp32 needs this).
     """
@@ -249,7 +250,7 @@ def heuristic(
                      num_stages=4, spread=True)
     else:
         gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=64, group_m=4, num_warps=8,
-                     num_stages=3, spread=False)
+                     num_stages=4, spread=False)
         gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=256 if block_m >= 128 else 128, block_k=64,
-                     group_m=4, num_warps=8, num_stages=3, spread=False)
+                     group_m=4, num_warps=8, num_stages=4, spread=False)
     return TileConfig(block_m, gemm1, gemm2)

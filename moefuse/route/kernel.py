@@ -6,11 +6,20 @@ Contract of ``_fused_gate_kernel``:
   fp32 when ``HAS_BIAS``; ``ntnp`` a 0-d int32/int64 tensor read when ``NTNP_FROM_PTR`` (else ``n_valid``).
 - Outputs: ``weights`` fp32 [M, TOPK] and ``ids`` int32 [M, TOPK], contiguous, written once per row.
 - Grid: ``cdiv(M, BLOCK_M)`` programs; program ``p`` owns rows ``[p·BLOCK_M, (p+1)·BLOCK_M)``.
-- Each program holds its rows as a [BLOCK_M, GS_PAD, G_PAD] tile (column ``g·GS + j`` at ``[j, g]``, masked
-  where ``g >= G`` or ``j >= GS``). Groups score by one int32 (largest, second largest) reduction over axis 1.
-  Every element gets one int64 key that orders exactly as the spec orders experts (value, then lower id; NaN
-  below ``-inf``), so each top-k pass is a single ``tl.max`` (group axis first, which is in-thread) plus a
-  knock-out by the winner's id, read back from the key's low word.
+- Slots: lane ``l`` of the program's warp holds NC consecutive padded positions ``p = l·NC + c`` of each row
+  (``p = g·GS_PAD + j`` for expert ``g·GS + j`` when grouped, the expert id itself when not; masked where no
+  expert sits), as a tuple of NC [BLOCK_M, 32] tensors (loaded as vectors) in the warp that owns the row. So every
+  thread's slots lie in one group (or hold whole groups) and the lanes are in expert order.
+- Every slot gets one int64 key that orders exactly as the spec orders experts (value, then lower id; NaN below
+  ``-inf``). Each thread sorts its keys in registers with a sorting network (``_sort_network``: Batcher's
+  odd-even merge sort, pruned to the comparators the first K_R outputs need).
+- Grouped selection: the network first sorts runs of ``RUN = min(NC, GS_PAD)`` slots, so each run's first
+  two keys are its top-2; a butterfly over the group's lanes gives the group score, ``TOPK_GROUP`` passes of
+  int32 ``tl.max``/``tl.min`` over the lanes pick the groups (lower group wins ties), dropped runs are reset
+  to their (sorted) keys ``(-inf, id)``, and the rest of the network merges the runs.
+- Top-k: pass k takes the row's best list head by two int32 warp reductions (REDUX on sm_90): the max of the
+  value words, then the max of the index words among the heads holding it. Only the winning thread shifts
+  its list up, and only the positions a later pass can still read.
 
 Numerics: ``tl.exp`` is ``ex2(x·log2e)``, which carries the rounding of ``x·log2e`` into the result (relative error
 growing with |x|). ``_exp`` reduces exactly first (Cody–Waite, no FMA, so the interpreter rounds alike) and
@@ -20,6 +29,8 @@ keeps one ``div_rn`` and ``sqrt_rn``: it meets the spec's 1e-6 relative bound ov
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -180,9 +191,61 @@ def _key(value, index):
 
 
 @triton.jit
-def _key_index(key):
-    """int32 index of a key."""
-    return 0x7FFFFFFF - key.to(tl.int32)
+def _hi(key):
+    """The ``_mono`` image of a key's value (its high word)."""
+    return (key >> 32).to(tl.int32)
+
+
+@triton.jit
+def _set(t, i: tl.constexpr, v):
+    """Tuple ``t`` with item ``i`` replaced by ``v``."""
+    return t[:i] + (v,) + t[i + 1:]
+
+
+@triton.jit
+def _sort(keys, NET: tl.constexpr):
+    """Run the comparators ``NET = (i0, j0, i1, j1, ...)`` (i < j) over a tuple of keys: the larger goes to i."""
+    for t in tl.static_range(len(NET) // 2):
+        a = keys[NET[2 * t]]
+        b = keys[NET[2 * t + 1]]
+        hi = tl.where(a > b, a, b)
+        # the smaller by xor: a second select would be rewritten as a min with its own (64-bit) compare
+        keys = _set(_set(keys, NET[2 * t], hi), NET[2 * t + 1], a ^ b ^ hi)
+    return keys
+
+
+@triton.jit
+def _column(p, G: tl.constexpr, GS: tl.constexpr, GS_PAD: tl.constexpr):
+    """Expert id of padded position ``p`` (g·GS_PAD + j when grouped, the id itself when not)."""
+    if G > 1:
+        p = (p // GS_PAD) * GS + p % GS_PAD
+    return p
+
+
+@triton.jit
+def _valid(p, E: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, GS_PAD: tl.constexpr):
+    """Whether padded position ``p`` holds an expert."""
+    if G > 1:
+        ok = (p // GS_PAD < G) & (p % GS_PAD < GS)
+    else:
+        ok = p < E
+    return ok
+
+
+@triton.jit
+def _slots(x, VEC: tl.constexpr):
+    """The VEC (1, 2 or 4) slices ``x[:, :, t]`` of ``x`` [A, 32, VEC] as a tuple: free, the axis is in-thread."""
+    if VEC == 1:
+        out = (tl.reshape(x, [x.shape[0], x.shape[1]]),)
+    elif VEC == 2:
+        a, b = tl.split(x)
+        out = (a, b)
+    else:
+        even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], 2, 2]))  # t = (0, 2) and (1, 3)
+        a, c = tl.split(even)
+        b, d = tl.split(odd)
+        out = (a, b, c, d)
+    return out
 
 
 @triton.jit
@@ -199,11 +262,14 @@ def _fused_gate_kernel(
     E: tl.constexpr,
     G: tl.constexpr,
     GS: tl.constexpr,
-    G_PAD: tl.constexpr,
     GS_PAD: tl.constexpr,
+    NC: tl.constexpr,
+    RUN: tl.constexpr,
+    VEC: tl.constexpr,
+    SORT_RUNS: tl.constexpr,
+    SORT_MERGE: tl.constexpr,
     TOPK: tl.constexpr,
     K_R: tl.constexpr,
-    K_PAD: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
     SCORING: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -217,80 +283,138 @@ def _fused_gate_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     row_off = rows.to(tl.int64) * E
-    # [BLOCK_M, GS_PAD, G_PAD]: Triton's coalescing puts the lanes along the contiguous axis (j), so each thread
-    # holds one member of every group and whole-row reductions must reduce the group axis (in-thread) first.
-    j3 = tl.arange(0, GS_PAD)[None, :, None]
-    g3 = tl.arange(0, G_PAD)[None, None, :]
-    col = g3 * GS + j3  # expert id of each tile position, [1, GS_PAD, G_PAD]
-    col_ok = (g3 < G) & (j3 < GS)
+    # Slot c of lane l is padded position p = l·NC + c: a thread holds NC consecutive positions, so its slots
+    # fall in one group (or hold whole groups), and lanes in expert order.
+    lane = tl.arange(0, 32)[None, :]
+    cols = ()
+    oks = ()
+    for c in tl.static_range(NC):
+        cols = cols + (_column(lane * NC + c, G, GS, GS_PAD),)
+        oks = oks + (_valid(lane * NC + c, E, G, GS, GS_PAD),)
 
+    # loads of VEC consecutive slots per thread, vectorised, then split into slots. The tile is [32, BLOCK_M, VEC]
+    # and permuted after the load: Triton's coalescing orders equally strided axes by position, and the lanes
+    # must come first (rows first would cost a layout conversion per slot).
+    p3 = tl.arange(0, 32)[:, None, None] * NC + tl.arange(0, VEC)[None, None, :]
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    x = tl.load(scores_ptr + row_off[:, None, None] + col, mask=row_ok[:, None, None] & col_ok, other=0.0)
-    x = x.to(tl.float32)
-    if HAS_BIAS:
-        b = tl.load(bias_ptr + col, mask=col_ok, other=0.0)
+    xs = ()
+    bs = ()
+    for v in tl.static_range(NC // VEC):
+        col3 = _column(p3 + v * VEC, G, GS, GS_PAD)
+        ok3 = _valid(p3 + v * VEC, E, G, GS, GS_PAD)
+        x3 = tl.load(scores_ptr + row_off[None, :, None] + col3, mask=row_ok[None, :, None] & ok3, other=0.0)
+        xs = xs + _slots(tl.permute(x3.to(tl.float32), (1, 0, 2)), VEC)
+        if HAS_BIAS:
+            bs = bs + _slots(tl.permute(tl.load(bias_ptr + col3, mask=ok3, other=0.0), (1, 0, 2)), VEC)
     if NTNP_FROM_PTR:
         n_valid = tl.load(ntnp_ptr).to(tl.int32)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
-    # ---- activation a and selection key s = a + bias --------------------------------------------------------
+    # ---- activation a and selection key s = a + bias, one int64 key per slot --------------------------------
     row_max = tl.zeros([BLOCK_M], dtype=tl.float32)  # used by softmax only
     row_sum = tl.full([BLOCK_M], 1.0, tl.float32)
     if SCORING == 2:
-        if HAS_SOFTCAP:
-            x = softcap * _tanh(tl.math.div_rn(x, softcap))
-        xm = tl.where(col_ok, x, float("-inf"))
         # tl.max's NaN behaviour differs between GPU and interpreter: take the max of the rest and then make
         # it NaN explicitly when the row holds a NaN, as torch.amax does.
-        row_nan = tl.max(tl.max((xm != xm).to(tl.int32), axis=2), axis=1)
-        row_max = tl.max(tl.max(tl.where(xm != xm, float("-inf"), xm), axis=2), axis=1)
-        row_max = tl.where(row_nan > 0, float("nan"), row_max)
-        e = tl.where(col_ok, _exp(xm - row_max[:, None, None]), 0.0)
-        row_sum = tl.sum(tl.sum(e, axis=2), axis=1)
-        a = e * (1.0 / row_sum)[:, None, None]  # monotone in e, so ranking is unchanged; <= 1.5 ulp
-    else:
-        a = _activate(x, row_max, row_sum, softcap, SCORING, False)
-    s = a + b if HAS_BIAS else a
+        lane_nan = tl.zeros([BLOCK_M, 32], dtype=tl.int32)
+        lane_max = tl.full([BLOCK_M, 32], float("-inf"), tl.float32)
+        for c in tl.static_range(NC):
+            x = xs[c]
+            if HAS_SOFTCAP:
+                x = softcap * _tanh(tl.math.div_rn(x, softcap))
+            x = tl.where(oks[c], x, float("-inf"))
+            xs = _set(xs, c, x)
+            lane_nan = tl.maximum(lane_nan, (x != x).to(tl.int32))
+            lane_max = tl.maximum(lane_max, tl.where(x != x, float("-inf"), x))
+        row_max = tl.max(lane_max, axis=1)
+        row_max = tl.where(tl.max(lane_nan, axis=1) > 0, float("nan"), row_max)
+        lane_sum = tl.zeros([BLOCK_M, 32], dtype=tl.float32)  # in slot order, as Triton sums in-thread
+        for c in tl.static_range(NC):
+            xs = _set(xs, c, tl.where(oks[c], _exp(xs[c] - row_max[:, None]), 0.0))
+            lane_sum = lane_sum + xs[c]
+        row_sum = tl.sum(lane_sum, axis=1)
+    keys = ()
+    for c in tl.static_range(NC):
+        if SCORING == 2:
+            a = xs[c] * (1.0 / row_sum)[:, None]  # monotone in e, so ranking is unchanged; <= 1.5 ulp
+        else:
+            a = _activate(xs[c], row_max, row_sum, softcap, SCORING, False)
+        s = a + bs[c] if HAS_BIAS else a
+        keys = keys + (tl.where(oks[c], _key(s, cols[c]), _KEY_MIN),)
 
-    key = tl.where(col_ok, _key(s, col), _KEY_MIN)
+    # ---- per-thread sort: each run of RUN slots in descending key order (the whole thread when G == 1) -----
+    keys = _sort(keys, SORT_RUNS)
 
     # ---- grouped selection: group score = sum of the two largest keys; keep the TOPK_GROUP best groups -----
     if G > 1:
-        v = tl.where(col_ok, _mono(s), _MONO_MIN)
-        if GS > 1:
-            # one reduction of (largest, second largest) int32 pairs: a repeated value survives as both
-            first, second = tl.reduce((v, tl.full(v.shape, _MONO_MIN, tl.int32)), 1, _top2)  # [BLOCK_M, G_PAD]
-            gscore = _unmono(first) + _unmono(second)
-        else:
-            gscore = _unmono(tl.max(v, axis=1))
-        g2 = tl.arange(0, G_PAD)[None, :]
-        gkey = tl.where(g2 < G, _key(gscore, g2), _KEY_MIN)
+        # A run's first two keys are its largest; a group spans GS_PAD // RUN lanes, whose pairs are combined.
+        LG: tl.constexpr = GS_PAD // RUN
+        gks = ()
+        gids = ()
+        for r in tl.static_range(NC // RUN):
+            first = _hi(keys[r * RUN])
+            if RUN > 1:
+                second = _hi(keys[r * RUN + 1])
+            else:
+                second = tl.full(first.shape, _MONO_MIN, tl.int32)
+            if LG > 1:
+                first, second = tl.reduce((tl.reshape(first, [BLOCK_M, 32 // LG, LG]),
+                                           tl.reshape(second, [BLOCK_M, 32 // LG, LG])), 2, _top2)
+                first = tl.reshape(tl.broadcast_to(first[:, :, None], [BLOCK_M, 32 // LG, LG]), [BLOCK_M, 32])
+                second = tl.reshape(tl.broadcast_to(second[:, :, None], [BLOCK_M, 32 // LG, LG]), [BLOCK_M, 32])
+            gscore = _unmono(first) + _unmono(second) if GS > 1 else _unmono(first)
+            gid = (lane * NC + r * RUN) // GS_PAD
+            gks = gks + (tl.where(gid < G, _mono(gscore), _MONO_MIN),)
+            gids = gids + (gid,)
+        # one int32 max per kept group, then the lowest group id holding it; the chosen group drops to _MONO_MIN
         for _ in tl.static_range(TOPK_GROUP):
-            best = tl.max(gkey, axis=1)
-            gkey = tl.where(gkey == best[:, None], _KEY_MIN, gkey)
-        kept = (gkey == _KEY_MIN) & (g2 < G)  # real groups never start at _KEY_MIN
-        key = tl.where(col_ok, _key(tl.where(kept[:, None, :], s, float("-inf")), col), _KEY_MIN)
+            m = gks[0]
+            for r in tl.static_range(1, NC // RUN):
+                m = tl.maximum(m, gks[r])
+            m = tl.max(m, axis=1)[:, None]
+            best = tl.where(gks[0] == m, gids[0], G)
+            for r in tl.static_range(1, NC // RUN):
+                best = tl.minimum(best, tl.where(gks[r] == m, gids[r], G))
+            best = tl.min(best, axis=1)[:, None]
+            for r in tl.static_range(NC // RUN):
+                gks = _set(gks, r, tl.where(gids[r] == best, _MONO_MIN, gks[r]))
+        # dropped groups' experts get key (-inf, id): their runs become the (sorted) slot order
+        for c in tl.static_range(NC):
+            kept = (gks[c // RUN] == _MONO_MIN) & (gids[c // RUN] < G)  # real groups never start at _MONO_MIN
+            dropped = tl.where(oks[c], _key(tl.full(cols[c].shape, float("-inf"), tl.float32), cols[c]), _KEY_MIN)
+            keys = _set(keys, c, tl.where(kept, keys[c], dropped))
 
-    # ---- exact top-K_R: one int64 max per slot (group axis first: in-thread), then knock the winner
-    # out by its id: a 32-bit compare, where comparing whole keys costs two ----------------------------------
-    kk = tl.arange(0, K_PAD)[None, :]
-    ids = tl.zeros([BLOCK_M, K_PAD], dtype=tl.int32)
+    # ---- merge the runs: each thread's first min(NC, K_R) keys in descending order -------------------------
+    keys = _sort(keys, SORT_MERGE)
+
+    # ---- exact top-K_R: the best list head is one int32 max of the value words, then one int32 max of the index
+    # words among the heads holding it (both REDUX); the winning thread shifts its list up -----------------------
+    ids = tl.zeros([BLOCK_M, 32], dtype=tl.int32)  # slot k in lane k (TOPK <= 32): the layout of the keys
     for k in tl.static_range(K_R):
-        idx = _key_index(tl.max(tl.max(key, axis=2), axis=1))
-        key = tl.where(col == idx[:, None, None], _KEY_MIN, key)
-        ids = tl.where(kk == k, idx[:, None], ids)
+        hi = _hi(keys[0])
+        lo = keys[0].to(tl.int32)
+        m = tl.max(hi, axis=1)[:, None]
+        best = tl.max(tl.where(hi == m, lo, -1), axis=1)[:, None]
+        win = lo == best
+        for i in tl.static_range(NC):
+            if i < K_R - 1 - k:  # positions a later pass can still read
+                if i + 1 < NC:
+                    keys = _set(keys, i, tl.where(win, keys[i + 1], keys[i]))
+                else:
+                    keys = _set(keys, i, tl.where(win, _KEY_MIN, keys[i]))
+        ids = tl.where(lane == k, 0x7FFFFFFF - best, ids)
 
     # ---- weights: recompute a at the chosen ids (the row is in L1/L2), fused shared slots, scaling --------------
-    routed = kk < K_R
+    routed = lane < K_R
     xk = tl.load(scores_ptr + row_off[:, None] + ids, mask=row_ok[:, None] & routed, other=0.0).to(tl.float32)
     w = _activate(xk, row_max[:, None], row_sum[:, None], softcap, SCORING, HAS_SOFTCAP)
     w = tl.where(routed, w, 0.0)
     routed_sum = tl.sum(w, axis=1)[:, None]
-    is_shared = (kk >= K_R) & (kk < TOPK)
+    is_shared = (lane >= K_R) & (lane < TOPK)
     w = tl.where(is_shared, tl.math.div_rn(routed_sum, routed_scaling_factor), w)
-    ids = tl.where(is_shared, E + kk - K_R, ids)
+    ids = tl.where(is_shared, E + lane - K_R, ids)
     if RENORMALIZE:
         w = tl.math.div_rn(w, tl.where(routed_sum > 0, routed_sum, 1.0))
     if SCALE_OUTPUT:
@@ -299,8 +423,8 @@ def _fused_gate_kernel(
     w = tl.where(padded, 0.0, w)
     ids = tl.where(padded, -1, ids)
 
-    out_off = rows.to(tl.int64)[:, None] * TOPK + kk
-    out_mask = row_ok[:, None] & (kk < TOPK)
+    out_off = rows.to(tl.int64)[:, None] * TOPK + lane
+    out_mask = row_ok[:, None] & (lane < TOPK)
     tl.store(weights_ptr + out_off, w, mask=out_mask)
     tl.store(ids_ptr + out_off, ids, mask=out_mask)
 
@@ -324,6 +448,90 @@ def launch_config(num_tokens: int, num_experts: int, num_expert_group: int = 1) 
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _sort_network(n: int, run: int, keep: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Comparators of Batcher's odd-even merge sort of ``n`` keys (descending), as flat ``(i0, j0, i1, j1, ...)``.
+
+    Returns ``(runs, merge)``: ``runs`` sorts each run of ``run`` consecutive keys, ``merge`` merges the sorted
+    runs. Only comparators that reach the first ``keep`` outputs are kept, and, when ``run > 1``, the first two
+    keys of every run after ``runs`` (the group top-2). Padding past ``n`` would hold the smallest key, so its
+    comparators do nothing and are left out.
+    """
+    size = _pow2_at_least(n)
+    comparators = []  # (p, i, j): the merge of sorted blocks of p into blocks of 2p
+    p = 1
+    while p < size:
+        k = p
+        while k:
+            for j in range(k % p, size - k, 2 * k):
+                for i in range(j, min(j + k, size - k)):
+                    if i // (2 * p) == (i + k) // (2 * p) and i + k < n:
+                        comparators.append((p, i, i + k))
+            k //= 2
+        p *= 2
+    live = set(range(min(keep, n)))
+    runs, merge = [], []
+    for p, i, j in reversed(comparators):
+        if p < run and not runs:  # entering the run sort: the group top-2 reads every run's first two keys
+            live |= {h for r in range(0, n, run) for h in (r, r + 1) if h < n}
+        if i in live or j in live:
+            live |= {i, j}
+            (runs if p < run else merge).append((i, j))
+    return tuple(x for c in reversed(runs) for x in c), tuple(x for c in reversed(merge) for x in c)
+
+
+def gate_constexprs(
+    E: int,
+    topk: int,
+    num_fused_shared_experts: int,
+    num_expert_group: int,
+    topk_group: int,
+    scoring_func: str,
+    *,
+    has_softcap: bool,
+    has_bias: bool,
+    renormalize: bool,
+    scale_output: bool,
+    ntnp_from_ptr: bool,
+    block_m: int,
+    use_pdl: bool,
+) -> dict:
+    """The compile-time arguments of ``_fused_gate_kernel`` for one router problem (also used by
+    ``scripts/router_sass.py``)."""
+    G = num_expert_group
+    gs = E // G
+    gs_pad = _pow2_at_least(gs)
+    if G > 1:  # padded positions g·GS_PAD + j, so that groups align with threads
+        nc = max(1, _pow2_at_least(G) * gs_pad // 32)
+        run = min(nc, gs_pad)
+    else:
+        nc, run = -(-E // 32), 1
+    k_r = topk - num_fused_shared_experts
+    sort_runs, sort_merge = _sort_network(nc, run, k_r)
+    return dict(
+        E=E,
+        G=G,
+        GS=gs,
+        GS_PAD=gs_pad,
+        NC=nc,
+        RUN=run,
+        VEC=4 if nc % 4 == 0 else 2 if nc % 2 == 0 else 1,  # slots per vector load (16 bytes of fp32)
+        SORT_RUNS=sort_runs,
+        SORT_MERGE=sort_merge,
+        TOPK=topk,
+        K_R=k_r,
+        TOPK_GROUP=topk_group,
+        SCORING=SCORING_CODES[scoring_func],
+        HAS_SOFTCAP=has_softcap,
+        HAS_BIAS=has_bias,
+        RENORMALIZE=renormalize,
+        SCALE_OUTPUT=scale_output,
+        NTNP_FROM_PTR=ntnp_from_ptr,
+        BLOCK_M=block_m,
+        USE_PDL=use_pdl,
+    )
 
 
 def fused_gate(
@@ -354,7 +562,6 @@ def fused_gate(
         return
     scores = scores.contiguous()
     block_m, num_warps = launch_config(M, E, num_expert_group)
-    gs = E // num_expert_group
     extra = {}
     if _runtime.pdl_enabled(None, scores.device):
         extra["launch_pdl"] = True
@@ -368,23 +575,21 @@ def fused_gate(
         n_valid,
         float(routed_scaling_factor),
         float(moe_softcapping),
-        E=E,
-        G=num_expert_group,
-        GS=gs,
-        G_PAD=_pow2_at_least(num_expert_group),
-        GS_PAD=_pow2_at_least(gs),
-        TOPK=topk,
-        K_R=topk - num_fused_shared_experts,
-        K_PAD=_pow2_at_least(topk),
-        TOPK_GROUP=topk_group,
-        SCORING=SCORING_CODES[scoring_func],
-        HAS_SOFTCAP=scoring_func == "softmax" and moe_softcapping > 0,
-        HAS_BIAS=bias is not None,
-        RENORMALIZE=bool(renormalize),
-        SCALE_OUTPUT=bool(apply_routed_scaling_factor_on_output),
-        NTNP_FROM_PTR=num_token_non_padded is not None,
-        BLOCK_M=block_m,
-        USE_PDL="launch_pdl" in extra,
+        **gate_constexprs(
+            E,
+            topk,
+            num_fused_shared_experts,
+            num_expert_group,
+            topk_group,
+            scoring_func,
+            has_softcap=scoring_func == "softmax" and moe_softcapping > 0,
+            has_bias=bias is not None,
+            renormalize=bool(renormalize),
+            scale_output=bool(apply_routed_scaling_factor_on_output),
+            ntnp_from_ptr=num_token_non_padded is not None,
+            block_m=block_m,
+            use_pdl="launch_pdl" in extra,
+        ),
         num_warps=num_warps,
         **extra,
     )

@@ -126,11 +126,15 @@ def _sqrtsoftplus(x):
 
     With z = e^-|x| and L = log1p(z)/z: x >= 0 gives sqrt(x + z·L); x < 0 gives e^(x/2)·sqrt(L), which never
     forms the (possibly subnormal) softplus itself. L = 2/(2+z)·(1 + t²/3 + t⁴/5 + ...), t = z/(2+z) <= 1/3,
-    truncated after t^14 (error < 2e-9).
+    truncated after t^14 (error < 2e-9). The reciprocal and the square root are hardware approximations
+    refined by one Newton step each (FMA residuals): as accurate as ``div_rn``/``sqrt_rn`` to within an ulp,
+    without their branches to a slow path, which serialised the 8 keys per thread.
     """
     h = _exp(-0.5 * tl.abs(x))  # e^(-|x|/2)
     z = h * h  # e^-|x|; its rounding in the subnormal range only touches L's 1 - z/2
-    rd = tl.math.div_rn(1.0, 2.0 + z)  # one correctly rounded reciprocal serves both quotients below
+    d = 2.0 + z
+    rd = 1.0 / d  # div.full (<= 2 ulp), then one Newton step on the exact residual: <= 1 ulp, no slow path
+    rd = tl.fma(rd, tl.fma(-d, rd, 1.0), rd)
     t = z * rd
     t2 = t * t
     series = 0.06666666666666667  # Horner from 1/15 down to 1/1
@@ -142,9 +146,13 @@ def _sqrtsoftplus(x):
     series = 0.3333333333333333 + t2 * series
     series = 1.0 + t2 * series
     log1p_over_z = (2.0 * series) * rd
-    pos = tl.sqrt_rn(tl.maximum(x, 0.0) + z * log1p_over_z)  # max() only keeps the unused x < 0 lanes quiet
-    neg = h * tl.sqrt_rn(log1p_over_z)
-    return tl.where(x >= 0, pos, neg)  # NaN takes the second branch and stays NaN
+    # One square root serves both signs: y > 0 always (x + z·L >= log 2 for x >= 0, L > 0.69 for x < 0).
+    y = tl.where(x >= 0, x + z * log1p_over_z, log1p_over_z)
+    r = tl.math.rsqrt(y)  # MUFU.RSQ, then one Newton step on the exact residual: <= 1 ulp, no slow path
+    root = y * r
+    root = tl.fma(tl.fma(-root, root, y), 0.5 * r, root)
+    root = tl.where(y == float("inf"), y, root)  # rsqrt(inf) = 0 would give inf·0
+    return tl.where(x >= 0, root, h * root)  # NaN takes the second branch and stays NaN
 
 
 @triton.jit
@@ -432,18 +440,22 @@ def _fused_gate_kernel(
 def launch_config(num_tokens: int, num_experts: int, num_expert_group: int = 1) -> tuple[int, int]:
     """``(BLOCK_M, num_warps)`` for a router launch: rows per program and warps per program.
 
-    Always one warp: a multi-warp tile reduces across warps through shared memory with barriers on every
-    top-k pass, and a sweep on one H200 (scripts/sweep_router.py, CUDA-graph replay, M = 8192) found
-    (rows, warps) = (4, 4) at 33.7 µs against (1, 1) at 18.9 µs for 256 experts top-8; 1-warp shapes won at
-    every size measured (M = 1: (1, 1) 2.96 µs, (2, 4) 3.97 µs). One row per program below 4096 tokens (short
-    programs, lowest latency); from 4096 tokens up to 512 keys per program (16 per thread): 2 rows for 256
-    experts (DSV3 grouped 25.2 µs against 25.8 for one row; DSV4 sqrtsoftplus 19.5), 4 for 128 (Qwen3 softmax
-    12.7 against 13.7), one row from 384 experts up (Kimi-K2 24.0). Those numbers are for the previous kernel
-    body; the shape rule is what they support.
+    Always one warp: the kernel spreads a row over the 32 lanes of one warp, so a multi-row program only adds
+    independent work per thread (overlap), never shorter chains. One row per program below 4096 tokens
+    (shortest latency). Above, a sweep on one H200 (``scripts/sweep_router.py``, CUDA-graph replay, this
+    kernel; µs for 1 / 2 / 4 rows) picked: up to 128 experts, 4 rows at M = 4096 (128 top-8 sigmoid 5.98 /
+    5.73 / 4.10) and 2 from 8192 (10.94 / 6.40 / 7.55); 256 experts, one row at 4096 (256 top-8 5.97 / 6.67,
+    DSV3 6.19 / 6.69) and 2 from 8192 (256 top-8 11.05 / 9.68, DSV3 10.96 / 10.60, DeepSeek-V4 sqrt-softplus
+    12.16 / 12.55); one row from 384 experts up (Kimi-K2 at 8192: 12.98 / 13.62). The sweep's run-to-run noise
+    is a few tenths of a µs, so only gaps well above that shaped the rule.
     """
-    tile = _pow2_at_least(num_expert_group) * _pow2_at_least(num_experts // num_expert_group)
-    block_m = max(1, min(4, 512 // tile)) if num_tokens >= 4096 else 1
-    return block_m, 1
+    del num_expert_group  # the padded row width decides, grouped or not
+    width = _pow2_at_least(num_experts)
+    if num_tokens < 4096 or width > 256:
+        return 1, 1
+    if width <= 128:
+        return (4 if num_tokens < 8192 else 2), 1
+    return (1 if num_tokens < 8192 else 2), 1
 
 
 def _pow2_at_least(n: int) -> int:

@@ -211,7 +211,7 @@ class MoELayer(nn.Module):
         self._check_input(hidden_states)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.config.hidden_size)
-        weights, ids = self.gate(x, num_token_non_padded)
+        # The shared expert forks first, so that it also overlaps the router linear and the router.
         on_side_stream = x.is_cuda and self.shared_experts is not None and not torch.compiler.is_compiling()
         if on_side_stream:
             main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
@@ -220,6 +220,7 @@ class MoELayer(nn.Module):
                 shared = self.shared_experts(x)
         else:
             shared = self.shared_experts(x) if self.shared_experts is not None else None
+        weights, ids = self.gate(x, num_token_non_padded)
         if self.supports_deferred_finalize:
             routed: torch.Tensor | DeferredFinalizeOutput = self.forward_deferred_finalize(x, weights, ids)
         else:

@@ -171,7 +171,7 @@ def test_table_entries_are_valid():
 def test_heuristic_without_arch_and_forced_block_m():
     decode = pick(1, 256, 7168, 2048, 8, torch.bfloat16, None)
     prefill = pick(4096, 256, 7168, 2048, 8, torch.bfloat16, None)
-    assert decode.block_m == 16 and decode.gemm1.num_warps == 4
+    assert decode.block_m == 16 and decode.gemm1.block_k == 128 and decode.gemm2.num_warps == 4
     assert prefill.block_m == 128 and prefill.gemm1.num_warps == 8
     assert pick(4096, 256, 7168, 2048, 8, torch.bfloat16, (9, 0), block_m=32).block_m == 32
     tiny = pick(7, E, H, I, 2, torch.float32, None)

@@ -170,7 +170,8 @@ def test_activation_relative_error_dense_grid(name, device):
     code, truth, (lo, hi) = ACTIVATIONS[name]
     x = torch.cat([torch.linspace(lo, hi, 400_001), torch.tensor(SPECIALS)]).to(device)
     y = torch.empty_like(x)
-    _activation_kernel[(triton.cdiv(x.numel(), 1 << 16),)](x, y, x.numel(), FN=code, BLOCK=1 << 16)
+    block = 1 << 16 if x.device.type == "cpu" else 1024  # few interpreted programs; a GPU compiles small blocks fast
+    _activation_kernel[(triton.cdiv(x.numel(), block),)](x, y, x.numel(), FN=code, BLOCK=block)
     want = truth(x.double())
     finite = want.isfinite() & (want != 0)
     rel = ((y.double() - want).abs() / want.abs())[finite]

@@ -512,7 +512,7 @@ def gate_constexprs(
     use_pdl: bool,
 ) -> dict:
     """The compile-time arguments of ``_fused_gate_kernel`` for one router problem (also used by
-    ``scripts/router_sass.py``)."""
+    ``scripts/sass.py router``)."""
     G = num_expert_group
     gs = E // G
     gs_pad = _pow2_at_least(gs)

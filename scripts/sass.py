@@ -1,0 +1,222 @@
+"""Static sm_90 reports of moefuse's Triton kernels, compiled offline (no GPU needed).
+
+    python scripts/sass.py router [--dump DIR] [--check]
+    python scripts/sass.py experts [--preset NAME ...] [--dtype bf16 fp32] [--check]
+
+``router``: per model config and rows per program (BLOCK_M from ``launch_config`` at M = 8192, and 1): SASS
+instructions (NOPs and the out-of-line slow paths after the last EXIT left out), instructions per row, SHFL and
+REDUX counts, registers and stack bytes (non-zero means spills). The kernel's loops are unrolled and its only
+branches skip the rare slow paths of ``div_rn``/``sqrt_rn``, so the count is close to what one program executes
+(those skipped branch bodies, a few instructions each, are still in it). ``--dump DIR`` writes each config's ttgir
+and SASS there.
+
+``experts``: every distinct launch of the two grouped GEMMs that the tile table or the heuristic picks for the
+SPEC §4 presets on sm_90 (``configs.pick`` at the table's token buckets), compiled as ``gemm1_swiglu`` / ``gemm2``
+launch them (TMA weights, PDL): shared memory, registers, stack bytes, and the HGMMA (wgmma) and HMMA (mma.sync)
+instructions in the SASS.
+
+``--check`` exits with status 1 when a kernel fails to compile, needs more shared memory than a Hopper block
+may have (227 KB; on a GPU that is an ``OutOfResources`` at launch), or, for the experts, when a 16-bit tile of
+64 rows or more is not on wgmma. The tests run it, so a tile-table edit that would only break on a GPU fails CI.
+
+Static counts and sizes, not GPU timings. Run with ``TRITON_INTERPRET`` unset: the kernels must be compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from moefuse import _runtime  # noqa: E402
+from moefuse.config import PRESETS  # noqa: E402
+from moefuse.experts import configs  # noqa: E402
+from moefuse.experts import kernel as experts_kernel  # noqa: E402
+from moefuse.route import kernel as route_kernel  # noqa: E402
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+SM90 = GPUTarget("cuda", 90, 32)
+HOPPER_SMEM = 227 * 1024  # the most shared memory one block may opt in to on sm_90
+
+# name: (E, topk, fused shared, G, topk_group, scoring, bias, renormalize, scale on output)
+ROUTER_CONFIGS = {
+    "256 top-8 sigmoid": (256, 8, 0, 1, 1, "sigmoid", True, True, False),
+    "DSV3 256 g8k4 top-8": (256, 8, 0, 8, 4, "sigmoid", True, True, True),
+    "DSV3 + 1 fused shared": (256, 9, 1, 8, 4, "sigmoid", True, True, True),
+    "Kimi-K2 384 top-8": (384, 8, 0, 1, 1, "sigmoid", True, True, False),
+    "DSV4 256 top-6 sqrtsoftplus": (256, 6, 0, 1, 1, "sqrtsoftplus", True, True, False),
+    "DSV4 384 top-6 sqrtsoftplus": (384, 6, 0, 1, 1, "sqrtsoftplus", True, True, False),
+    "Qwen3 128 top-8 softmax": (128, 8, 0, 1, 1, "softmax", False, True, False),
+    "512 top-8 sigmoid": (512, 8, 0, 1, 1, "sigmoid", True, True, False),
+    "1024 top-32 (the kernel's limits)": (1024, 32, 1, 1, 1, "sigmoid", True, True, True),
+}
+ROUTER_POINTERS = {"scores_ptr": "*fp32", "bias_ptr": "*fp32", "ntnp_ptr": "*i32", "weights_ptr": "*fp32",
+                   "ids_ptr": "*i32"}
+ROUTER_SCALARS = {"M": "i32", "n_valid": "i32", "routed_scaling_factor": "fp32", "softcap": "fp32"}
+UNIT_STRIDES = ("stride_hk", "stride_wk", "stride_in", "stride_ik", "stride_on")  # of contiguous experts tensors
+TYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 3):
+    """``fn`` compiled for sm_90 with these argument types; pointers 16-byte aligned, as torch allocates."""
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name, ty in signature.items() if ty.startswith("*")}
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def sass_stats(cubin: bytes) -> tuple[str, dict]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.check_output([str(CUOBJDUMP), "-sass", f.name], text=True)
+        res = subprocess.check_output([str(CUOBJDUMP), "-res-usage", f.name], text=True)
+    ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)]
+    ops = [op for op in ops if op != "NOP"]
+    ops = ops[: len(ops) - ops[::-1].index("EXIT")]  # after the last EXIT: out-of-line slow paths (div_rn, sqrt_rn)
+    stats = {
+        "instr": len(ops),
+        "shfl": sum(op.startswith("SHFL") for op in ops),
+        "redux": sum(op.startswith("REDUX") for op in ops),
+        "hgmma": sum(op.startswith("HGMMA") for op in ops),
+        "hmma": sum(op.startswith("HMMA") for op in ops),
+        "regs": int(re.search(r"REG:(\d+)", res).group(1)),
+        "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
+    }
+    return sass, stats
+
+
+def compile_router(E, topk, shared, G, topk_group, scoring, bias, renormalize, scale_output, block_m):
+    """``_fused_gate_kernel`` as ``fused_gate`` launches it on an H200 (PDL and a device ``num_token_non_padded``)."""
+    constexprs = route_kernel.gate_constexprs(
+        E, topk, shared, G, topk_group, scoring, has_softcap=False, has_bias=bias, renormalize=renormalize,
+        scale_output=scale_output, ntnp_from_ptr=True, block_m=block_m, use_pdl=True)
+    _, warps = route_kernel.launch_config(8192, E, G)
+    return compile_sm90(route_kernel._fused_gate_kernel, {**ROUTER_POINTERS, **ROUTER_SCALARS}, constexprs, warps)
+
+
+def router(args: argparse.Namespace) -> list[str]:
+    problems = []
+    print(f"{'config':34s} {'BLOCK_M':>7s} {'instr':>6s} {'/row':>6s} {'SHFL':>5s} {'REDUX':>5s} {'regs':>4s} "
+          f"{'stack':>5s} {'smem':>6s}")
+    for name, cfg in ROUTER_CONFIGS.items():
+        E, G = cfg[0], cfg[3]
+        for block_m in sorted({route_kernel.launch_config(8192, E, G)[0], 1}):
+            compiled = compile_router(*cfg, block_m)
+            sass, s = sass_stats(compiled.asm["cubin"])
+            smem = compiled.metadata.shared
+            print(f"{name:34s} {block_m:7d} {s['instr']:6d} {s['instr'] / block_m:6.0f} {s['shfl']:5d} "
+                  f"{s['redux']:5d} {s['regs']:4d} {s['stack']:5d} {smem:6d}", flush=True)
+            if smem > HOPPER_SMEM:
+                problems.append(f"router {name}, BLOCK_M {block_m}: {smem} bytes of shared memory")
+            if args.dump:
+                args.dump.mkdir(parents=True, exist_ok=True)
+                stem = re.sub(r"\W+", "_", name) + f"_m{block_m}"
+                (args.dump / f"{stem}.ttgir").write_text(compiled.asm["ttgir"])
+                (args.dump / f"{stem}.sass").write_text(sass)
+    return problems
+
+
+def compile_gemm(gemm: int, dtype: torch.dtype, block_m: int, tiles: configs.GemmTiles, k: int, has_limit: bool):
+    """GEMM1 (``gemm=1``) or GEMM2 of reduction length ``k``, as ``gemm1_swiglu`` / ``gemm2`` launch it on sm_90
+    for contiguous weights: TMA weight loads, PDL, short tails at half height for tall tiles."""
+    fn = experts_kernel._gemm1_swiglu_kernel if gemm == 1 else experts_kernel._gemm2_kernel
+    ty = TYPE_NAMES[dtype]
+    constexprs = {
+        **experts_kernel._dtype_flags(dtype),
+        "EVEN_K": k % tiles.block_k == 0, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
+        "GROUP_M": tiles.group_m, "W_TMA": True, "SPLIT_TAIL": block_m >= experts_kernel.SPLIT_TAIL_MIN_BLOCK_M,
+        "USE_PDL": True,
+        # Contiguous tensors: the launcher passes these strides as 1, which Triton specialises to a constant.
+        **{name: 1 for name in UNIT_STRIDES if name in fn.arg_names},
+        **({"HAS_LIMIT": has_limit} if gemm == 1 else {}),
+    }
+    index_pointers = ("tile_expert_ptr", "tile_row_start_ptr", "expert_offsets_ptr", "p2e_ptr")
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            continue
+        if name in index_pointers:
+            signature[name] = "*i32"
+        elif name.endswith("_ptr"):
+            signature[name] = f"*{ty}"
+        elif name == "w_desc":
+            signature[name] = f"tensordesc<{ty}[{tiles.block_n}, {tiles.block_k}]>"
+        elif name == "limit":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    return compile_sm90(fn, signature, constexprs, tiles.num_warps, tiles.num_stages)
+
+
+def experts(args: argparse.Namespace) -> list[str]:
+    problems = []
+    buckets = sorted({int(m) for entry in configs.load_table(configs.TABLES[(9, 0)])["entries"]
+                      for m in entry["buckets"]})
+    dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[d] for d in args.dtype]
+    print(f"{'preset':18s} {'dtype':5s} {'M':>5s} {'GEMM':4s} {'BLOCK_M':>7s} {'N x K':>9s} {'group':>5s} "
+          f"{'warps':>5s} {'stages':>6s} {'smem':>6s} {'regs':>4s} {'stack':>5s} {'HGMMA':>5s} {'HMMA':>5s}")
+    seen = set()
+    for name in args.preset:
+        c = PRESETS[name]
+        for dtype in dtypes:
+            for M in buckets:
+                cfg = configs.pick(M, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, dtype, (9, 0))
+                for gemm, tiles, k in ((1, cfg.gemm1, c.hidden_size), (2, cfg.gemm2, c.intermediate_size)):
+                    has_limit = gemm == 1 and c.swiglu_limit is not None
+                    key = (gemm, dtype, cfg.block_m, tiles, k % tiles.block_k == 0, has_limit)
+                    if key in seen:  # N and K are run-time arguments: the same launch compiles the same
+                        continue
+                    seen.add(key)
+                    where = f"{name} {TYPE_NAMES[dtype]} M={M} GEMM{gemm}"
+                    try:
+                        compiled = compile_gemm(gemm, dtype, cfg.block_m, tiles, k, has_limit)
+                    except Exception as error:  # any compiler error is a finding: reported, and --check fails
+                        problems.append(f"{where}: does not compile ({type(error).__name__}: {error})")
+                        print(problems[-1], flush=True)
+                        continue
+                    _, s = sass_stats(compiled.asm["cubin"])
+                    smem = compiled.metadata.shared
+                    print(f"{name:18s} {TYPE_NAMES[dtype]:5s} {M:5d} {gemm:4d} {cfg.block_m:7d} "
+                          f"{tiles.block_n:4d}x{tiles.block_k:<4d} {tiles.group_m:5d} {tiles.num_warps:5d} "
+                          f"{tiles.num_stages:6d} {smem:6d} {s['regs']:4d} {s['stack']:5d} {s['hgmma']:5d} "
+                          f"{s['hmma']:5d}", flush=True)
+                    if smem > HOPPER_SMEM:
+                        problems.append(f"{where}: {smem} bytes of shared memory (a block may have {HOPPER_SMEM})")
+                    if dtype != torch.float32 and cfg.block_m >= 64 and s["hgmma"] == 0:
+                        problems.append(f"{where}: a {cfg.block_m}-row tile without wgmma (HGMMA)")
+    return problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="kernel", required=True)
+    p_router = sub.add_parser("router", help="the fused router kernel, per model config")
+    p_router.add_argument("--dump", type=Path, help="write ttgir and SASS per config into this folder")
+    p_experts = sub.add_parser("experts", help="the grouped GEMMs, per tile config the presets pick")
+    p_experts.add_argument("--preset", nargs="+", default=sorted(PRESETS), choices=sorted(PRESETS))
+    p_experts.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp16", "fp32"],
+                           help="activation dtypes (fp16 compiles like bf16; the table serves both)")
+    for p in (p_router, p_experts):
+        p.add_argument("--check", action="store_true", help="exit 1 on a kernel that would fail on an H200")
+    args = parser.parse_args()
+    if _runtime.interpreting():
+        parser.error("TRITON_INTERPRET is set: the kernels must be compiled, not interpreted")
+    problems = router(args) if args.kernel == "router" else experts(args)
+    for problem in problems:
+        print(f"PROBLEM: {problem}")
+    return 1 if args.check and problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -223,8 +223,8 @@ def heuristic(
     """First-principles tiles for a Hopper-class GPU (any GPU gets a valid, if untuned, config).
 
     1. Tile height: the average rows per touched expert, ``M*K / min(E, M*K)``, rounded up to a power of
-       two in [16, 128]. Each tile reads its expert's whole weight slab, so a tile much taller than an
-       expert's rows wastes tensor-core work, and a much shorter one re-reads the weights.
+       two in [16, 128] ([16, 32] in fp32, item 4). Each tile reads its expert's whole weight slab, so a tile
+       much taller than an expert's rows wastes tensor-core work, and a much shorter one re-reads the weights.
     2. Short tiles (<= 32 rows: decode and small batches) are bound by reading the weights once: long
        reduction steps (BLOCK_K 128) and BLOCK_N 128, halved (down to 64) until there is a program per SM;
        GEMM1 8 warps and 3 stages (two weight operands), GEMM2 4 warps and 4 stages. Tuning DeepSeek-V3,
@@ -235,18 +235,28 @@ def heuristic(
        up accumulators) or 256 (GEMM2, one accumulator, when 128 rows tall), BLOCK_K 64, 4 stages (TMA
        weight loads leave room for them: 192 KB), and groups of 4 tiles sharing a column block so one
        expert's weight tiles are read from L2 by its tiles.
-    4. Every block is capped by its dimension (next power of two, at least 16: the smallest ``tl.dot``);
-       stages and BLOCK_K shrink until the operand buffers fit in shared memory (fp32 needs this).
+    4. fp32 operands take IEEE products on the FMA units, not the tensor cores, so the operand tiles live in
+       registers: tiles of at most 32 rows, BLOCK_N 64, BLOCK_K 32, 8 warps. Compiled for sm_90, those are
+       the largest that do not spill (``scripts/sass.py experts``; the 16-bit tiles above spilled up to 23 KB
+       per thread in fp32).
+    5. Every block is capped by its dimension (next power of two, at least 16: the smallest ``tl.dot``);
+       stages and BLOCK_K shrink until the operand buffers fit in shared memory.
     """
     M = int(M)
     rows = max(M * K, 1)
     touched = min(E, rows)
     per_expert = -(-rows // touched)
+    fp32 = dtype == torch.float32
     if block_m is None:
-        block_m = min(128, max(16, _next_pow2(per_expert)))
+        block_m = min(32 if fp32 else 128, max(16, _next_pow2(per_expert)))
     num_tiles = touched * -(-per_expert // block_m)
     size = dtype.itemsize
-    if block_m <= 32:
+    if fp32:
+        gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=64, block_k=32, group_m=1, num_warps=8,
+                     num_stages=3, spread=False)
+        gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=64, block_k=32, group_m=1, num_warps=8,
+                     num_stages=3, spread=False)
+    elif block_m <= 32:
         gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=128, group_m=1, num_warps=8,
                      num_stages=3, spread=True)
         gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=128, block_k=128, group_m=1, num_warps=4,

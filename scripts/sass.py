@@ -45,7 +45,6 @@ from moefuse.route import kernel as route_kernel  # noqa: E402
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 SM90 = GPUTarget("cuda", 90, 32)
-HOPPER_SMEM = 227 * 1024  # the most shared memory one block may opt in to on sm_90
 
 # name: (E, topk, fused shared, G, topk_group, scoring, bias, renormalize, scale on output)
 ROUTER_CONFIGS = {
@@ -117,7 +116,7 @@ def router(args: argparse.Namespace) -> list[str]:
             smem = compiled.metadata.shared
             print(f"{name:34s} {block_m:7d} {s['instr']:6d} {s['instr'] / block_m:6.0f} {s['shfl']:5d} "
                   f"{s['redux']:5d} {s['regs']:4d} {s['stack']:5d} {smem:6d}", flush=True)
-            if smem > HOPPER_SMEM:
+            if smem > configs.HOPPER_SMEM:
                 problems.append(f"router {name}, BLOCK_M {block_m}: {smem} bytes of shared memory")
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)
@@ -191,8 +190,8 @@ def experts(args: argparse.Namespace) -> list[str]:
                           f"{tiles.block_n:4d}x{tiles.block_k:<4d} {tiles.group_m:5d} {tiles.num_warps:5d} "
                           f"{tiles.num_stages:6d} {smem:6d} {s['regs']:4d} {s['stack']:5d} {s['hgmma']:5d} "
                           f"{s['hmma']:5d}", flush=True)
-                    if smem > HOPPER_SMEM:
-                        problems.append(f"{where}: {smem} bytes of shared memory (a block may have {HOPPER_SMEM})")
+                    if smem > configs.HOPPER_SMEM:
+                        problems.append(f"{where}: {smem} bytes of shared memory (at most {configs.HOPPER_SMEM})")
                     if dtype != torch.float32 and cfg.block_m >= 64 and s["hgmma"] == 0:
                         problems.append(f"{where}: a {cfg.block_m}-row tile without wgmma (HGMMA)")
     return problems

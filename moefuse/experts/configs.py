@@ -32,7 +32,8 @@ from .. import _runtime
 
 TABLES = {(9, 0): Path(__file__).resolve().parent.parent / "configs" / "experts_h200.json"}
 NUM_SMS = 132  # H100/H200; the heuristic's target for how many programs keep the GPU busy
-SMEM_BUDGET = 212 * 1024  # bytes of pipelined operand buffers per program (Hopper has 227 KB per SM)
+HOPPER_SMEM = 227 * 1024  # the most shared memory one block may opt in to on sm_90
+SMEM_BUDGET = 212 * 1024  # the heuristic's limit on smem_bytes (an upper model; see there)
 
 Arch = Optional[tuple[int, int]]
 
@@ -183,9 +184,22 @@ _INDEX = {arch: _index_table(path) for arch, path in TABLES.items()}
 
 
 def smem_bytes(block_m: int, tiles: GemmTiles, operands: int, element_size: int) -> int:
-    """Shared memory of the pipelined operand buffers: ``stages x (A tile + operands x B tile)``."""
+    """An upper model of the pipelined operand buffers: ``stages x (A tile + operands x B tile)``.
+
+    What the compiler allocates is less (on sm_90 with TMA weights, Triton 3.6 to 3.9: ``stages - 1``
+    buffers of the weight tiles, and of the activation tile for wgmma tiles, a single one below 64 rows), so a
+    launch inside this model fits; the heuristic keeps to it. ``scripts/sass.py experts`` reads the real size.
+    """
     per_stage = block_m * tiles.block_k + operands * tiles.block_k * tiles.block_n
     return tiles.num_stages * per_stage * element_size
+
+
+def weight_buffer_bytes(tiles: GemmTiles, operands: int, element_size: int) -> int:
+    """A lower bound on a TMA launch's shared memory: the ``stages - 1`` weight-tile buffers it always gets.
+
+    A launch above :data:`HOPPER_SMEM` by this bound cannot fit; one below may (the compiler decides).
+    """
+    return max(1, tiles.num_stages - 1) * operands * tiles.block_k * tiles.block_n * element_size
 
 
 def _fit(
@@ -199,7 +213,8 @@ def _fit(
     while spread and block_n > 64 and num_tiles * -(-n // block_n) < NUM_SMS:
         block_n //= 2
     # Give up pipeline depth beyond 3 first, then long reduction steps, then the last stage, then width.
-    while block_m * block_k + operands * block_k * block_n > SMEM_BUDGET // (num_stages * element_size):
+    while smem_bytes(block_m, GemmTiles(block_n, block_k, group_m, num_warps, num_stages), operands,
+                     element_size) > SMEM_BUDGET:
         if num_stages > 3:
             num_stages -= 1
         elif block_k > 64:

@@ -186,9 +186,9 @@ _INDEX = {arch: _index_table(path) for arch, path in TABLES.items()}
 def smem_bytes(block_m: int, tiles: GemmTiles, operands: int, element_size: int) -> int:
     """An upper model of the pipelined operand buffers: ``stages x (A tile + operands x B tile)``.
 
-    What the compiler allocates is less (on sm_90 with TMA weights, Triton 3.6 to 3.9: ``stages - 1``
-    buffers of the weight tiles, and of the activation tile for wgmma tiles, a single one below 64 rows), so a
-    launch inside this model fits; the heuristic keeps to it. ``scripts/sass.py experts`` reads the real size.
+    The compiler allocates less (sm_90, TMA weights, Triton 3.6 to 3.9): ``stages - 1`` buffers of each weight
+    tile, as many of the activation tile for wgmma tiles (64 rows or more) and a single one below. So a launch
+    inside this model fits; the heuristic keeps to it. ``scripts/sass.py experts`` reads the compiled size.
     """
     per_stage = block_m * tiles.block_k + operands * tiles.block_k * tiles.block_n
     return tiles.num_stages * per_stage * element_size

@@ -162,7 +162,7 @@ def experts(args: argparse.Namespace) -> list[str]:
     problems = []
     buckets = sorted({int(m) for entry in configs.load_table(configs.TABLES[(9, 0)])["entries"]
                       for m in entry["buckets"]})
-    dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[d] for d in args.dtype]
+    dtypes = [dtype for dtype, ty in TYPE_NAMES.items() if ty in args.dtype]
     print(f"{'preset':18s} {'dtype':5s} {'M':>5s} {'GEMM':4s} {'BLOCK_M':>7s} {'N x K':>9s} {'group':>5s} "
           f"{'warps':>5s} {'stages':>6s} {'smem':>6s} {'regs':>4s} {'stack':>5s} {'HGMMA':>5s} {'HMMA':>5s}")
     seen = set()
@@ -204,7 +204,7 @@ def main() -> int:
     p_router.add_argument("--dump", type=Path, help="write ttgir and SASS per config into this folder")
     p_experts = sub.add_parser("experts", help="the grouped GEMMs, per tile config the presets pick")
     p_experts.add_argument("--preset", nargs="+", default=sorted(PRESETS), choices=sorted(PRESETS))
-    p_experts.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp16", "fp32"],
+    p_experts.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=list(TYPE_NAMES.values()),
                            help="activation dtypes (fp16 compiles like bf16; the table serves both)")
     for p in (p_router, p_experts):
         p.add_argument("--check", action="store_true", help="exit 1 on a kernel that would fail on an H200")

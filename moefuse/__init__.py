@@ -2,7 +2,8 @@
 
 Stages (each a public op with a PyTorch reference beside its Triton kernel; SPEC.md is the contract):
 
-- route:    ``moe_fused_gate``            logits -> top-k weights and expert ids
+- route:    ``router_logits``             hidden states -> fp32 router logits
+            ``moe_fused_gate``            logits -> top-k weights and expert ids
 - dispatch: ``moe_dispatch``              expert ids -> rows sorted by expert and a GEMM tile schedule
 - experts:  ``moe_experts``               grouped GEMM1 + SwiGLU + GEMM2 -> one row per (token, slot)
 - finalize: ``moe_finalize_fuse_shared``  weighted combine of each token's rows + shared expert output
@@ -24,7 +25,7 @@ from moefuse.finalize import (
 )
 from moefuse.hf import patch, register_experts_implementation, unpatch
 from moefuse.layer import MoELayer, moe_layer_torch
-from moefuse.route import moe_fused_gate, moe_fused_gate_torch
+from moefuse.route import moe_fused_gate, moe_fused_gate_torch, router_logits, router_logits_torch
 
 __version__ = "0.1.0"
 
@@ -49,5 +50,7 @@ __all__ = [
     "patch",
     "preset",
     "register_experts_implementation",
+    "router_logits",
+    "router_logits_torch",
     "unpatch",
 ]

@@ -25,7 +25,7 @@ from moefuse.finalize import (
     deferred_finalize_enabled,
     finalize_deferred_output,
 )
-from moefuse.route import moe_fused_gate, moe_fused_gate_torch
+from moefuse.route import moe_fused_gate, moe_fused_gate_torch, router_logits
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -47,8 +47,8 @@ class MoERouter(nn.Module):
         self.register_buffer("e_score_correction_bias", bias)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """[M, H] -> fp32 logits [M, E]."""
-        return F.linear(x.float(), self.weight.float())
+        """[M, H] -> fp32 logits [M, E] (:func:`moefuse.route.router_logits`)."""
+        return router_logits(x, self.weight, backend=self.backend)
 
     def forward(self, x: torch.Tensor, num_token_non_padded: int | torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:

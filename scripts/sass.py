@@ -42,6 +42,7 @@ from moefuse.config import PRESETS  # noqa: E402
 from moefuse.experts import configs  # noqa: E402
 from moefuse.experts import kernel as experts_kernel  # noqa: E402
 from moefuse.route import kernel as route_kernel  # noqa: E402
+from moefuse.route import linear as route_linear  # noqa: E402
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 SM90 = GPUTarget("cuda", 90, 32)
@@ -123,6 +124,21 @@ def router(args: argparse.Namespace) -> list[str]:
                 stem = re.sub(r"\W+", "_", name) + f"_m{block_m}"
                 (args.dump / f"{stem}.ttgir").write_text(compiled.asm["ttgir"])
                 (args.dump / f"{stem}.sass").write_text(sass)
+    print(f"\n{'router linear (bf16 x, fp32 weight)':34s} {'M':>7s} {'H':>6s} {'regs':>4s} {'stack':>5s} {'smem':>6s}")
+    for H in (2048, 7168):
+        for M in (1, route_linear.MAX_TOKENS):
+            block_m, block_k = route_linear.block_shape(M, H)
+            compiled = compile_sm90(
+                route_linear._router_logits_kernel,
+                {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "M": "i32", "H": "i32",
+                 "stride_xm": "i32", "stride_we": "i32", "stride_om": "i32"},
+                {"stride_xk": 1, "stride_wk": 1, "stride_oe": 1, "BLOCK_M": block_m, "BLOCK_K": block_k},
+                route_linear.NUM_WARPS)
+            _, s = sass_stats(compiled.asm["cubin"])
+            smem = compiled.metadata.shared
+            print(f"{'':34s} {M:7d} {H:6d} {s['regs']:4d} {s['stack']:5d} {smem:6d}", flush=True)
+            if smem > configs.HOPPER_SMEM:
+                problems.append(f"router linear M={M} H={H}: {smem} bytes of shared memory")
     return problems
 
 

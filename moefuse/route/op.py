@@ -7,7 +7,7 @@ import math
 import torch
 
 from moefuse import _checks, _runtime
-from moefuse.route import kernel, reference
+from moefuse.route import kernel, linear, reference
 
 SCORING_FUNCS = ("sigmoid", "sqrtsoftplus", "softmax")
 
@@ -255,4 +255,58 @@ def _fused_gate(
 
 @_fused_gate.register_fake
 def _(scores, bias, weights, ids, *args) -> None:
+    return None
+
+
+def router_logits(
+    x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None, backend: str = "auto"
+) -> torch.Tensor:
+    """The router linear: fp32 logits ``x @ weight^T`` for :func:`moe_fused_gate`.
+
+    Args:
+        x: hidden states [M, H], fp32, bf16 or fp16, any strides.
+        weight: router weight [E, H], fp32 (as checkpoints store it), bf16 or fp16, on x's device.
+        out: optional fp32 [M, E] to write into.
+        backend: ``"auto"``, ``"reference"`` or ``"triton"``. With ``"triton"``, batches of at most
+            ``moefuse.route.linear.MAX_TOKENS`` (16) tokens run the Triton kernel, which reads 16-bit inputs
+            without an upcast copy; larger batches run cuBLAS's fp32 GEMM on upcast inputs, as the reference does.
+
+    Returns:
+        ``out``: fp32 [M, E]. Products and sums are fp32 on every backend; only the summation order differs.
+
+    Raises:
+        TypeError / ValueError naming the argument, before any launch.
+    """
+    resolved = _validate_logits(x, weight, out, backend)
+    if out is None:
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    torch.ops.moefuse.router_logits(x, weight, resolved, out)
+    return out
+
+
+def _validate_logits(x, weight, out, backend) -> str:
+    """Every argument check of ``router_logits``; returns the resolved backend."""
+    _checks.check_tensor("x", x, dtypes=_checks.FLOAT_DTYPES, ndim=2)
+    device = x.device
+    resolved = _runtime.resolve_backend(backend, device)
+    M, H = x.shape
+    _checks.check_tensor("weight", weight, dtypes=_checks.FLOAT_DTYPES, ndim=2, device=device)
+    if weight.shape[1] != H:
+        raise ValueError(f"weight must be [E, {H}] to match x [M, {H}], got shape {tuple(weight.shape)}")
+    if out is not None:
+        _checks.check_tensor("out", out, dtypes=(torch.float32,), shape=(M, weight.shape[0]), device=device)
+    return resolved
+
+
+@torch.library.custom_op("moefuse::router_logits", mutates_args=("out",))
+def _router_logits(x: torch.Tensor, weight: torch.Tensor, backend: str, out: torch.Tensor) -> None:
+    """Write the logits into ``out`` (arguments already validated)."""
+    if backend == "triton" and x.shape[0] <= linear.MAX_TOKENS:
+        linear.router_logits_triton(x, weight, out)
+        return
+    reference.router_logits_torch(x, weight, out=out)
+
+
+@_router_logits.register_fake
+def _(x, weight, backend, out) -> None:
     return None

@@ -271,3 +271,9 @@ def compare_to_reference(
         "tie_rows": int((~same & excused).sum()),
         "weight_err": float(row_err[same].max()) if bool(same.any()) else 0.0,
     }
+
+
+def router_logits_torch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Router logits ``x @ weight^T`` in fp32 (the models' router linear): [M, H] x [E, H] -> fp32 [M, E]."""
+    logits = torch.nn.functional.linear(x.float(), weight.float())
+    return logits if out is None else out.copy_(logits)

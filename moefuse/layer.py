@@ -6,6 +6,8 @@ checkpoint's tensors load as they are and ``MoELayer.from_hf`` can share a trans
 
 On CUDA the shared expert runs on a side stream while the routed experts run on the current one; with deferred
 finalize (SPEC §3, on by default) the experts runner skips its own combine and one kernel does combine + shared add.
+At decode sizes where the tile table says it measured faster, the shared expert runs instead as one more slot of the
+grouped GEMMs (its weights are allocated as expert E of the routed tensors): see ``shared_slot_max_tokens``.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moefuse._checks import check_int
 from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
 from moefuse.dispatch import moe_dispatch
-from moefuse.experts import moe_experts, pick_block_m
+from moefuse.experts import configs, moe_experts, pick_block_m
 from moefuse.finalize import (
     DeferredFinalizeOutput,
     deferred_finalize_allowed,
@@ -50,19 +53,20 @@ class MoERouter(nn.Module):
         """[M, H] -> fp32 logits [M, E] (:func:`moefuse.route.router_logits`)."""
         return router_logits(x, self.weight, backend=self.backend)
 
-    def forward(self, x: torch.Tensor, num_token_non_padded: int | torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[M, H] -> (weights fp32 [M, top_k], ids int32 [M, top_k]); the scaling factor is in the weights.
+    def forward(self, x: torch.Tensor, num_token_non_padded: int | torch.Tensor | None = None,
+                num_fused_shared_experts: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """[M, H] -> (weights fp32 [M, top_k + n], ids int32 [M, top_k + n]); the scaling factor is in the weights.
 
-        Rows at or past ``num_token_non_padded`` get ids -1 and weights 0: they reach no expert.
+        Rows at or past ``num_token_non_padded`` get ids -1 and weights 0: they reach no expert. With
+        ``num_fused_shared_experts = n``, slots ``top_k..top_k+n-1`` hold ids ``E..E+n-1`` (SPEC §1).
         """
         c = self.config
         bias = self.e_score_correction_bias
         if bias is not None and bias.dtype != torch.float32:
             bias = bias.float()  # model.to(bf16) casts buffers too; the router takes its bias in fp32 (SPEC §1)
         return moe_fused_gate(
-            self.logits(x), bias, c.top_k, c.scoring_func,
-            renormalize=c.renormalize, routed_scaling_factor=c.routed_scaling_factor,
+            self.logits(x), bias, c.top_k + num_fused_shared_experts, c.scoring_func,
+            num_fused_shared_experts=num_fused_shared_experts, renormalize=c.renormalize, routed_scaling_factor=c.routed_scaling_factor,
             apply_routed_scaling_factor_on_output=True, num_expert_group=c.num_expert_group,
             topk_group=c.topk_group, moe_softcapping=c.moe_softcapping,
             num_token_non_padded=num_token_non_padded, backend=self.backend,
@@ -136,24 +140,100 @@ class MoELayer(nn.Module):
         device: where to allocate the parameters (uninitialised: load a checkpoint or call ``init_random_``).
         backend: ``"auto"`` (Triton on CUDA tensors, the PyTorch reference elsewhere), ``"triton"`` or
             ``"reference"``; passed to every stage.
+        shared_slot_max_tokens: batches of at most this many tokens run the shared expert as one more slot of the
+            grouped GEMMs (router ``num_fused_shared_experts=1``, weight 1) instead of on the side stream. None:
+            the tile table's measured value for this shape on this GPU (0, never, without one). It applies when
+            the layer has one shared expert as wide as a routed one, ``renormalize`` is on (so the slot's weight
+            is 1), no ``num_token_non_padded`` is given (padded tokens keep their shared expert), outside
+            ``torch.compile``, and while :meth:`shared_slot_weights` finds the shared weights where this layer
+            put them: right behind the routed experts' (not after ``from_hf``, or once ``.to()`` copied them).
 
     ``forward`` takes hidden states [..., H] in ``dtype`` and returns the same shape. A fixed-size decode step
-    does no host synchronisation and can be captured in a CUDA graph.
+    does no host synchronisation and can be captured in a CUDA graph. With one shared expert as wide as a routed
+    one (every SPEC §4 model that has one), its weights are allocated as expert E of the routed tensors, and
+    ``shared_experts.*`` and ``experts.*`` are views into them: a state dict loads into both as usual.
     """
 
     def __init__(self, config: MoEConfig, *, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str | None = None, backend: Backend = "auto"):
+                 device: torch.device | str | None = None, backend: Backend = "auto",
+                 shared_slot_max_tokens: int | None = None):
         super().__init__()
         self.config = config
         self.backend = backend
         self.gate = MoERouter(config, device=device, backend=backend)
-        self.experts = MoEExperts(config, dtype=dtype, device=device, backend=backend)
+        # With one shared expert as wide as a routed one, its weights are allocated right behind the routed
+        # experts' (expert E of the same tensors), so the grouped GEMMs can run it as one more slot.
+        stack = config.num_shared_experts == 1
+        self.experts = MoEExperts(config, dtype=dtype, device="meta" if stack else device, backend=backend)
         self.shared_experts = (
             SharedExpert(config.hidden_size, config.shared_intermediate_size, config.swiglu_limit,
-                         dtype=dtype, device=device)
+                         dtype=dtype, device="meta" if stack else device)
             if config.num_shared_experts else None
         )
+        if stack:
+            self._stack_shared_behind_routed(dtype, device)
+        if shared_slot_max_tokens is not None:
+            check_int("shared_slot_max_tokens", shared_slot_max_tokens, low=0)
+        self.shared_slot_max_tokens = shared_slot_max_tokens
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def _stack_shared_behind_routed(self, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        E, I, H = self.config.num_experts, self.config.intermediate_size, self.config.hidden_size
+        gate_up = torch.empty(E + 1, 2 * I, H, dtype=dtype, device=device)
+        down = torch.empty(E + 1, H, I, dtype=dtype, device=device)
+        self.experts.gate_up_proj = nn.Parameter(gate_up[:E])
+        self.experts.down_proj = nn.Parameter(down[:E])
+        shared = self.shared_experts
+        shared.gate_proj.weight = nn.Parameter(gate_up[E, :I])
+        shared.up_proj.weight = nn.Parameter(gate_up[E, I:])
+        shared.down_proj.weight = nn.Parameter(down[E])
+
+    def shared_slot_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(gate_up_proj [E+1, 2I, H], down_proj [E+1, H, I])``: the routed experts with the shared expert as
+        expert E, viewed over the same storage, when the shared weights still sit right behind the routed ones
+        (as this layer allocates them; not after ``from_hf``, or once a parameter was replaced); else None."""
+        shared, routed_gu, routed_dn = self.shared_experts, self.experts.gate_up_proj, self.experts.down_proj
+        if shared is None or routed_gu.device.type == "meta":
+            return None
+        gate, up, down = shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight
+        E, two_i, H = routed_gu.shape
+
+        def behind(tensor: torch.Tensor, base: torch.Tensor, offset: int) -> bool:
+            return (tensor.is_contiguous() and tensor.dtype == base.dtype
+                    and tensor.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+                    and tensor.data_ptr() == base.data_ptr() + offset * base.element_size())
+
+        if not (routed_gu.is_contiguous() and routed_dn.is_contiguous() and gate.shape == up.shape == (two_i // 2, H)
+                and behind(gate, routed_gu, routed_gu.numel()) and behind(up, gate, gate.numel())
+                and down.shape == routed_dn.shape[1:] and behind(down, routed_dn, routed_dn.numel())):
+            return None
+        return (routed_gu.as_strided((E + 1, *routed_gu.shape[1:]), routed_gu.stride()),
+                routed_dn.as_strided((E + 1, *routed_dn.shape[1:]), routed_dn.stride()))
+
+    def _use_shared_slot(self, x: torch.Tensor, num_token_non_padded: object) -> bool:
+        """Whether this call runs the shared expert as a slot of the grouped GEMMs (see ``forward``)."""
+        c = self.config
+        if (self.shared_experts is None or not c.renormalize or num_token_non_padded is not None
+                or torch.compiler.is_compiling()):
+            return False
+        limit = self.shared_slot_max_tokens
+        if limit is None:
+            limit = configs.shared_slot_max_tokens(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k,
+                                                   configs.arch_of(x.device))
+        return 0 < x.shape[0] <= limit
+
+    def _forward_shared_slot(self, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+                             ) -> torch.Tensor:
+        """The shared expert as slot ``top_k`` (id E, weight 1 after renormalisation) of every token."""
+        c = self.config
+        weights, ids = self.gate(x, num_fused_shared_experts=1)
+        # The routed shape's tiles: that is the shape the table was tuned for, and one more slot barely moves it.
+        tiles = configs.pick(x.shape[0], c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, x.dtype,
+                             configs.arch_of(x.device))
+        with configs.override(tiles):
+            routed = routed_experts(x, gate_up_proj, down_proj, weights, ids, swiglu_limit=c.swiglu_limit,
+                                    defer=True, backend=self.backend)
+        return finalize_deferred_output(routed, None, backend=self.backend)
 
     @torch.no_grad()
     def init_random_(self, seed: int = 0, std: float = 0.02) -> "MoELayer":
@@ -211,6 +291,10 @@ class MoELayer(nn.Module):
         self._check_input(hidden_states)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.config.hidden_size)
+        if self._use_shared_slot(x, num_token_non_padded):
+            slot_weights = self.shared_slot_weights()
+            if slot_weights is not None:
+                return self._forward_shared_slot(x, *slot_weights).reshape(shape)
         # The shared expert forks first, so that it also overlaps the router linear and the router.
         on_side_stream = x.is_cuda and self.shared_experts is not None and not torch.compiler.is_compiling()
         if on_side_stream:

@@ -113,3 +113,72 @@ def test_bad_input_names_hidden_states(bad, exc):
     layer = _layer(SMALL, "reference", seed=13)
     with pytest.raises(exc, match="hidden_states"):
         layer(bad())
+
+
+def _no_side_stream_shared(layer: MoELayer) -> None:
+    """Make the shared expert's own MLP fail if called: the shared-slot path must not use it."""
+    def fail(*args, **kwargs):
+        raise AssertionError("the shared expert ran as an MLP, not as a slot of the grouped GEMMs")
+    layer.shared_experts.forward = fail
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_shared_slot_matches_float64_reference(backend, tokens, gen):
+    """The shared expert as slot top_k (id E, weight 1) of the grouped GEMMs: the same block function."""
+    layer = _layer(SMALL, backend, seed=int(torch.randint(1 << 30, (), generator=gen)))
+    x = torch.randn(tokens, SMALL.hidden_size, generator=gen)
+    with torch.no_grad():
+        side = layer(x)  # default on CPU: no table, so the side-stream path
+        layer.shared_slot_max_tokens = tokens
+        assert layer.shared_slot_weights() is not None
+        _no_side_stream_shared(layer)
+        slot = layer(x)
+    assert_rel_close(slot, moe_layer_torch(layer, x), 1e-5)
+    assert_rel_close(slot, side, 1e-6, "shared slot vs side stream")
+
+
+def test_shared_weights_are_views_behind_the_routed_ones(gen):
+    """Stacked storage: a state dict loads into the views, and the slot view reads the loaded values."""
+    src = _layer(SMALL, "reference", seed=17)
+    dst = MoELayer(SMALL, dtype=torch.float32, backend="reference")
+    dst.load_state_dict(src.state_dict())
+    gate_up, down = dst.shared_slot_weights()
+    E, I = SMALL.num_experts, SMALL.intermediate_size
+    assert torch.equal(gate_up[E, :I], src.shared_experts.gate_proj.weight)
+    assert torch.equal(gate_up[E, I:], src.shared_experts.up_proj.weight)
+    assert torch.equal(down[E], src.shared_experts.down_proj.weight)
+    assert torch.equal(gate_up[:E], src.experts.gate_up_proj)
+
+
+def test_shared_slot_falls_back_when_weights_move(gen):
+    """A replaced shared weight, a layer from transformers or a model without a shared expert: no slot view,
+    and the layer still computes the block (through the side-stream path) with the weights it now has."""
+    layer = _layer(SMALL, "reference", seed=19)
+    layer.shared_slot_max_tokens = 64
+    with torch.no_grad():
+        layer.shared_experts.down_proj.weight = torch.nn.Parameter(layer.shared_experts.down_proj.weight * 3)
+    assert layer.shared_slot_weights() is None
+    x = torch.randn(4, SMALL.hidden_size, generator=gen)
+    with torch.no_grad():
+        assert_rel_close(layer(x), moe_layer_torch(layer, x), 1e-5)
+    assert MoELayer.from_hf(block("deepseek-v3", gen)).shared_slot_weights() is None
+    no_shared = MoEConfig(hidden_size=40, intermediate_size=24, num_experts=12, top_k=3)
+    assert MoELayer(no_shared, dtype=torch.float32).shared_slot_weights() is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shared_slot_not_used_for_padded_tokens(backend, gen):
+    """With num_token_non_padded the side-stream path runs, so padded tokens keep their shared expert."""
+    layer = _layer(SMALL, backend, seed=23)
+    layer.shared_slot_max_tokens = 64
+    x = torch.randn(6, SMALL.hidden_size, generator=gen)
+    with torch.no_grad():
+        got = layer(x, num_token_non_padded=4)
+        assert_rel_close(got[4:], layer.shared_experts(x[4:]), 1e-6, "padded rows")
+
+
+@pytest.mark.parametrize("bad, exc", [(-1, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_bad_shared_slot_max_tokens(bad, exc):
+    with pytest.raises(exc, match="shared_slot_max_tokens"):
+        MoELayer(SMALL, dtype=torch.float32, shared_slot_max_tokens=bad)

@@ -1,8 +1,9 @@
 """The whole MoE layer on the GPU: router, dispatch, experts, shared expert on a side stream, fused finalize.
 
 For each model and token count: device time under CUDA-graph replay with deferred finalize (the default) and
-without it, the memory floor of every weight the batch touches (touched routed experts, shared expert, router)
-at the measured read bandwidth, the compute floor at the measured bf16 GEMM rate, and transformers' own block
+without it; at decode sizes also with the shared expert forced onto the side stream and forced into a slot of the
+grouped GEMMs (the default takes the tile table's choice, ``shared_slot_max_tokens``); the memory floor of
+every weight the batch touches (touched routed experts, shared expert, router) at the measured read bandwidth, the compute floor at the measured bf16 GEMM rate, and transformers' own block
 as measured on this GPU (``anchors_h200.json``; DeepSeek-V3 only).
 
 ``python -m moefuse.bench.layer`` runs it standalone.
@@ -20,8 +21,10 @@ from moefuse.testing import rel_error
 
 MODELS = ("deepseek-v3", "kimi-k2", "deepseek-v4-flash")
 TOKENS = (1, 16, 128, 1024, 4096)
+SLOT_TOKENS = 16  # decode sizes at which both ways of running the shared expert are timed
 COLUMNS = [
     ("model", "model"), ("M", "M"), ("experts", "experts touched"), ("us", "deferred µs"),
+    ("side_us", "shared on side stream µs"), ("slot_us", "shared as slot µs"),
     ("plain_us", "no deferral µs"), ("deferral_gain", "deferral saves µs"), ("mem_floor_us", "memory floor µs"),
     ("x_mem_floor", "× mem floor"), ("compute_floor_us", "compute floor µs"),
     ("hf_grouped_mm_us", "transformers grouped_mm µs"), ("x_hf", "speedup vs transformers"),
@@ -108,6 +111,11 @@ def run(ceilings: timing.Ceilings, quick: bool = False, models: tuple[str, ...] 
                     row["us"] = timing.graph_time_us([lambda: layer(x)], replays=20)
                 with _deferral(False):
                     row["plain_us"] = timing.graph_time_us([lambda: layer(x)], replays=20)
+                if tokens <= SLOT_TOKENS and layer.shared_slot_weights() is not None:
+                    for key, limit in (("side_us", 0), ("slot_us", tokens)):
+                        layer.shared_slot_max_tokens = limit
+                        row[key] = timing.graph_time_us([lambda: layer(x)], replays=20)
+                    layer.shared_slot_max_tokens = None  # back to the table's choice
             row["deferral_gain"] = row["plain_us"] - row["us"]
             row["x_mem_floor"] = row["us"] / row["mem_floor_us"]
             row["hf_grouped_mm_us"] = _hf_anchor(model, tokens)

@@ -12,6 +12,9 @@ Order of precedence:
    (E, H, I, K) and its token-count bucket nearest to M on a log scale. ``scripts/tune_experts.py`` writes
    the table; entries marked ``"untuned seed"`` are :func:`heuristic`'s choices written down.
 3. :func:`heuristic`, from first principles (see its docstring).
+
+A table entry may also carry ``shared_slot_max_tokens`` (:func:`shared_slot_max_tokens`): a layer-level choice
+measured per shape, kept here because it is a per-shape, per-GPU measurement like the tiles.
 """
 
 from __future__ import annotations
@@ -179,8 +182,25 @@ def _index_table(path: Path) -> dict[tuple[int, int, int, int], dict[int, TileCo
     }
 
 
+def _index_shared_slot(path: Path) -> dict[tuple[int, int, int, int], int]:
+    """(E, H, I, K) -> an entry's ``shared_slot_max_tokens`` (absent: 0) of a table file."""
+    if not path.exists():
+        return {}
+    return {(e["E"], e["H"], e["I"], e["K"]): int(e.get("shared_slot_max_tokens", 0)) for e in load_table(path)["entries"]}
+
+
 # Parsed once at import, so that tracing pick() (torch.compile) reads no files.
 _INDEX = {arch: _index_table(path) for arch, path in TABLES.items()}
+_SHARED_SLOT = {arch: _index_shared_slot(path) for arch, path in TABLES.items()}
+
+
+def shared_slot_max_tokens(E: int, H: int, I: int, K: int, arch: Arch) -> int:
+    """Up to how many tokens a layer of this shape runs its shared expert as one more slot of the grouped GEMMs.
+
+    A measured, per-shape choice kept in the tile table (``"shared_slot_max_tokens"`` of an entry; 0 when absent,
+    and with no table for ``arch``): ``moefuse bench layer`` times both ways at decode sizes.
+    """
+    return _SHARED_SLOT.get(arch, {}).get((E, H, I, K), 0)
 
 
 def smem_bytes(block_m: int, tiles: GemmTiles, operands: int, element_size: int) -> int:

@@ -57,10 +57,11 @@ def block_m_candidates(M: int, E: int, K: int) -> list[int]:
 
 def tile_candidates(block_m: int, n: int, k: int, operands: int, quick: bool) -> list[GemmTiles]:
     """Launch shapes for one GEMM: N x K block sizes, warps, stages and grouping, pruned by resources."""
+    # group_m 0: one group per expert (see experts/kernel.py)
     space = dict(block_n=(32, 64, 128, 256), block_k=(64, 128, 256), num_warps=(4, 8), num_stages=(3, 4, 5),
-                 group_m=(1, 4, 8))
+                 group_m=(0, 1, 4, 8))
     if quick:
-        space = dict(block_n=(64, 128), block_k=(64, 128), num_warps=(4, 8), num_stages=(3, 4), group_m=(1, 4))
+        space = dict(block_n=(64, 128), block_k=(64, 128), num_warps=(4, 8), num_stages=(3, 4), group_m=(0, 1, 4))
     found = []
     for bn, bk, warps, stages, group in itertools.product(*space.values()):
         if bn > max(16, configs._next_pow2(n)) or bk > max(16, configs._next_pow2(k)):

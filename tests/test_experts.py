@@ -64,6 +64,20 @@ def test_small_tiles_several_per_expert(dtype, gen, device):
     assert tiles.unique(return_counts=True)[1].max() >= 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_groups_of_one_expert(dtype, gen, device):
+    """GROUP_M = 0: each expert's tiles form a group (experts of 1 to 4 tiles, unused tiles after them); every
+    (tile, column block) program must still run exactly once: any that did not would leave NaN rows."""
+    x, w1, w2, _ = make_inputs(gen, 40, 3, dtype, scale=2.0)
+    t = torch.arange(40)
+    # expert 1: 40 rows (3 tiles of 16), expert 2: 10 (1), expert 3: 30 (2), expert 4: 5 (1), the rest -1
+    ids = torch.stack([torch.ones(40), torch.where(t < 10, 2, 3), torch.where(t < 5, 4, -1)], dim=1).int()
+    tiles = TileConfig(16, GemmTiles(16, 16, 0, 4, 2), GemmTiles(16, 32, 0, 4, 2))
+    with configs.override(tiles):
+        plan = check(x, w1, w2, ids, limit=1.5, device=device)
+    assert plan.tile_expert.tolist()[:8] == [1, 1, 1, 2, 3, 3, 4, -1]
+
+
 def test_block_m_32_and_wide_model(gen, device):
     """A taller plan tile and H, I > one column block, with the heuristic's tiles for those shapes."""
     x, w1, w2, ids = make_inputs(gen, 24, 3, torch.float32, num_experts=4, hidden=80, width=72)
@@ -196,7 +210,7 @@ def test_override_is_scoped():
             pass
 
 
-@pytest.mark.parametrize("bad", [dict(block_n=24), dict(block_k=8), dict(num_warps=3), dict(group_m=0),
+@pytest.mark.parametrize("bad", [dict(block_n=24), dict(block_k=8), dict(num_warps=3), dict(group_m=-1),
                                  dict(num_stages=0)])
 def test_gemm_tiles_checks(bad):
     args = dict(block_n=16, block_k=16, group_m=1, num_warps=4, num_stages=2) | bad

@@ -47,17 +47,17 @@ class GemmTiles:
 
     block_n: int  # output columns per program (GEMM1: of the gate and of the up projection each)
     block_k: int  # reduction step per pipeline stage
-    group_m: int  # consecutive tiles that share a column block, run together so weight tiles hit L2
+    group_m: int  # consecutive tiles that share a column block, run together so weight tiles hit L2; 0: an expert's
     num_warps: int
     num_stages: int  # software-pipeline depth (operand buffers in shared memory)
 
     def __post_init__(self) -> None:
         for name, low in (("block_n", 16), ("block_k", 16), ("num_warps", 1)):
             _check_pow2(f"GemmTiles.{name}", getattr(self, name), low)
-        for name in ("group_m", "num_stages"):
+        for name, low in (("group_m", 0), ("num_stages", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GemmTiles.{name} must be a positive int, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"GemmTiles.{name} must be an int >= {low}, got {value!r}")
 
 
 @dataclass(frozen=True)

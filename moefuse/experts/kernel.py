@@ -12,6 +12,7 @@ Grid, both GEMMs: one program per (tile, column block), ``T_max * cdiv(N, BLOCK_
 groups of GROUP_M consecutive tiles: within a group the tile index runs fastest, so the tiles of one expert
 (consecutive in the schedule) load the same weight tile at about the same time and share it through L2.
 With GROUP_M = 1 all column blocks of one tile run together instead (they share the gathered activations).
+GROUP_M = 0 makes each expert's tiles one group, so a group never splits an expert (see ``_program_tile``).
 A program whose tile is unused (expert -1) returns at once.
 
 Each program: rows ``[row_start, min(row_start + BLOCK_M, expert_end))`` of its expert's segment. With
@@ -48,9 +49,26 @@ from .configs import GemmTiles
 
 
 @triton.jit
-def _program_tile(num_tiles, num_col_blocks, GROUP_M: tl.constexpr):
-    """Map this program to (tile, column block): GROUP_M tiles per group, tile index fastest within it."""
+def _program_tile(num_tiles, num_col_blocks, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                  BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """Map this program to (tile, column block), the tile index fastest within a group of tiles.
+
+    GROUP_M > 0: groups of GROUP_M consecutive tiles. GROUP_M == 0: one group per expert (its tiles are
+    consecutive): programs ``[first·C, (first + size)·C)`` of C column blocks belong to the expert whose tiles
+    are ``first .. first + size - 1``, so ``pid // C`` is one of them, and it tells the expert, its first tile
+    and its tile count. Unused tiles come last; their programs map to themselves (and exit).
+    """
     pid = tl.program_id(0)
+    if GROUP_M == 0:
+        probe = pid // num_col_blocks
+        expert = tl.load(tile_expert_ptr + probe)
+        if expert < 0:
+            return probe, 0
+        expert_start = tl.load(expert_offsets_ptr + expert)
+        first_tile = probe - (tl.load(tile_row_start_ptr + probe) - expert_start) // BLOCK_M
+        group_size = tl.cdiv(tl.load(expert_offsets_ptr + expert + 1) - expert_start, BLOCK_M)
+        local = pid - first_tile * num_col_blocks
+        return first_tile + local % group_size, local // group_size
     per_group = GROUP_M * num_col_blocks
     first_tile = (pid // per_group) * GROUP_M
     group_size = tl.minimum(num_tiles - first_tile, GROUP_M)
@@ -147,7 +165,8 @@ def _gemm1_swiglu_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the plan and hidden come from earlier kernels
         tl.extra.cuda.gdc_launch_dependents()
-    tile, col_block = _program_tile(num_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
+    tile, col_block = _program_tile(num_tiles, tl.cdiv(N, BLOCK_N), tile_expert_ptr, tile_row_start_ptr,
+                                    expert_offsets_ptr, BLOCK_M, GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
         return
@@ -221,7 +240,8 @@ def _gemm2_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the intermediate comes from GEMM1
         tl.extra.cuda.gdc_launch_dependents()
-    tile, col_block = _program_tile(num_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
+    tile, col_block = _program_tile(num_tiles, tl.cdiv(N, BLOCK_N), tile_expert_ptr, tile_row_start_ptr,
+                                    expert_offsets_ptr, BLOCK_M, GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
         return

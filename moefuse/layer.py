@@ -66,9 +66,9 @@ class MoERouter(nn.Module):
             bias = bias.float()  # model.to(bf16) casts buffers too; the router takes its bias in fp32 (SPEC §1)
         return moe_fused_gate(
             self.logits(x), bias, c.top_k + num_fused_shared_experts, c.scoring_func,
-            num_fused_shared_experts=num_fused_shared_experts, renormalize=c.renormalize, routed_scaling_factor=c.routed_scaling_factor,
-            apply_routed_scaling_factor_on_output=True, num_expert_group=c.num_expert_group,
-            topk_group=c.topk_group, moe_softcapping=c.moe_softcapping,
+            num_fused_shared_experts=num_fused_shared_experts, renormalize=c.renormalize,
+            routed_scaling_factor=c.routed_scaling_factor, apply_routed_scaling_factor_on_output=True,
+            num_expert_group=c.num_expert_group, topk_group=c.topk_group, moe_softcapping=c.moe_softcapping,
             num_token_non_padded=num_token_non_padded, backend=self.backend,
         )
 

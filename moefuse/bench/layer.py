@@ -3,8 +3,9 @@
 For each model and token count: device time under CUDA-graph replay with deferred finalize (the default) and
 without it; at decode sizes also with the shared expert forced onto the side stream and forced into a slot of the
 grouped GEMMs (the default takes the tile table's choice, ``shared_slot_max_tokens``); the memory floor of
-every weight the batch touches (touched routed experts, shared expert, router) at the measured read bandwidth, the compute floor at the measured bf16 GEMM rate, and transformers' own block
-as measured on this GPU (``anchors_h200.json``; DeepSeek-V3 only).
+every weight the batch touches (touched routed experts, shared expert, router) at the measured read bandwidth,
+the compute floor at the measured bf16 GEMM rate, and transformers' own block as measured on this GPU
+(``anchors_h200.json``; DeepSeek-V3 only).
 
 ``python -m moefuse.bench.layer`` runs it standalone.
 """

@@ -47,7 +47,7 @@ class GemmTiles:
 
     block_n: int  # output columns per program (GEMM1: of the gate and of the up projection each)
     block_k: int  # reduction step per pipeline stage
-    group_m: int  # consecutive tiles that share a column block, run together so weight tiles hit L2; 0: an expert's
+    group_m: int  # consecutive tiles that share a column block, run together so weight tiles hit L2 (0: per expert)
     num_warps: int
     num_stages: int  # software-pipeline depth (operand buffers in shared memory)
 
@@ -186,7 +186,8 @@ def _index_shared_slot(path: Path) -> dict[tuple[int, int, int, int], int]:
     """(E, H, I, K) -> an entry's ``shared_slot_max_tokens`` (absent: 0) of a table file."""
     if not path.exists():
         return {}
-    return {(e["E"], e["H"], e["I"], e["K"]): int(e.get("shared_slot_max_tokens", 0)) for e in load_table(path)["entries"]}
+    return {(e["E"], e["H"], e["I"], e["K"]): int(e.get("shared_slot_max_tokens", 0))
+            for e in load_table(path)["entries"]}
 
 
 # Parsed once at import, so that tracing pick() (torch.compile) reads no files.

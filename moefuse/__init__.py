@@ -9,7 +9,7 @@ Stages (each a public op with a PyTorch reference beside its Triton kernel; SPEC
 - finalize: ``moe_finalize_fuse_shared``  weighted combine of each token's rows + shared expert output
 
 ``MoELayer`` composes them (with deferred finalize and the shared expert on a side stream);
-``moefuse.hf`` plugs them into transformers.
+``moefuse.hf`` plugs them into transformers; ``warmup`` compiles every kernel variant before serving.
 """
 
 from moefuse.config import PRESETS, MoEConfig, preset
@@ -26,6 +26,7 @@ from moefuse.finalize import (
 from moefuse.hf import patch, register_experts_implementation, unpatch
 from moefuse.layer import MoELayer, moe_layer_torch
 from moefuse.route import moe_fused_gate, moe_fused_gate_torch, router_logits, router_logits_torch
+from moefuse.warmup import WarmupReport, warmup
 
 __version__ = "0.1.0"
 
@@ -53,4 +54,6 @@ __all__ = [
     "router_logits",
     "router_logits_torch",
     "unpatch",
+    "warmup",
+    "WarmupReport",
 ]

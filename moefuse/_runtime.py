@@ -41,9 +41,24 @@ def resolve_backend(backend: str, device: torch.device) -> Literal["reference", 
     return backend  # type: ignore[return-value]
 
 
-@functools.lru_cache(maxsize=None)
+def direct_call() -> bool:
+    """Whether a public op may call its implementation directly instead of through ``torch.ops.moefuse``.
+
+    The custom op exists for tracing (``torch.compile``, fake tensors, export), and its dispatcher costs about
+    20 µs of host time per call, as much as the launch it wraps. So plain eager calls skip it; anything that
+    traces (Dynamo, or a dispatch mode such as ``FakeTensorMode`` or ``make_fx``) goes through the custom op.
+    """
+    return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+
+
+@functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of CUDA ``device`` (read once per device: the driver query costs microseconds)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def pdl_enabled(enable_pdl: bool | None, device: torch.device) -> bool:
@@ -54,7 +69,7 @@ def pdl_enabled(enable_pdl: bool | None, device: torch.device) -> bool:
     """
     if device.type != "cuda" or interpreting():
         return False
-    supported = _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+    supported = capability(device)[0] >= 9
     return supported if enable_pdl is None else bool(enable_pdl) and supported
 
 

@@ -28,19 +28,32 @@ def progress(message: str) -> None:
     print(f"[moefuse {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def _time_us(fn: Callable[[], object], device: torch.device) -> float:
-    """Device time of one call: CUDA-graph replay on a GPU, else the median wall time of a few runs."""
-    if device.type == "cuda":
+def _time_us(fn: Callable[[], object], device: torch.device, graph: bool) -> tuple[float, str]:
+    """Time of one call and how it was taken: CUDA-graph replay on a GPU when ``graph``; else the median wall time
+    of several synchronised eager calls after two warm-up calls (the reference backend reads values back to the
+    host, which a graph cannot capture)."""
+    if device.type == "cuda" and graph:
         from moefuse.bench.timing import graph_time_us
 
-        return graph_time_us([fn], replays=20)
-    fn()
+        return graph_time_us([fn], replays=20), "graph replay"
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(2):
+        fn()
     samples = []
-    for _ in range(3):
+    for _ in range(5):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         samples.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(samples)
+    return statistics.median(samples), "eager, wall clock"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def run_layer(args: argparse.Namespace) -> int:
@@ -97,13 +110,17 @@ def run_layer(args: argparse.Namespace) -> int:
             }
             if shared is not None:
                 stages["shared expert"] = lambda: layer.shared_experts(x)
+            graph = backend != "reference"  # the reference reads expert offsets back to the host
             for name, fn in stages.items():
-                rows.append({"stage": name, "us": _time_us(fn, device)})
+                us, how = _time_us(fn, device, graph)
+                rows.append({"stage": name, "us": us, "how": how})
 
-    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (wall-clock times)"
-    size = "" if config == preset(args.preset) else f", scaled down to H={config.hidden_size}, I={config.intermediate_size}"
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    scaled = f", scaled down to H={config.hidden_size}, I={config.intermediate_size}"
+    size = "" if config == preset(args.preset) else scaled
     title = f"{args.preset}{size}: {args.tokens} tokens on {where}, backend {backend}"
-    print(format_table(rows, [("stage", "stage"), ("us", "time (µs)")], title) if rows else f"### {title}")
+    columns = [("stage", "stage"), ("us", "time (µs)"), ("how", "timed by")]
+    print(format_table(rows, columns, title) if rows else f"### {title}")
     tol = 1e-2 if dtype != torch.float32 else 1e-5
     checks = [
         {"what": "layer vs float64 reference (max-normalised)", "error": rel_error(out, ref), "tolerance": tol},
@@ -118,6 +135,21 @@ def run_layer(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def run_warmup(args: argparse.Namespace) -> int:
+    from moefuse.layer import MoELayer
+    from moefuse.warmup import warmup
+
+    if not torch.cuda.is_available():
+        print("moefuse warmup needs a CUDA GPU (on the CPU nothing is compiled)", file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype or "bf16"]
+    progress(f"building {args.preset} layer ({str(dtype).removeprefix('torch.')})")
+    layer = MoELayer(preset(args.preset), dtype=dtype, device="cuda").init_random_(0)
+    report = warmup(layer, args.max_tokens)
+    print(report)
+    return 0
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from moefuse.bench.run import main as bench_main
 
@@ -130,20 +162,26 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run a MoE layer end to end and check it (the default)")
     for p in (parser, run):
         p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS), help="model (SPEC §4)")
-        p.add_argument("--tokens", type=int, default=128, help="tokens in the batch")
+        p.add_argument("--tokens", type=_positive_int, default=128, help="tokens in the batch (>= 1)")
         p.add_argument("--backend", default="auto", choices=("auto", "triton", "reference"))
         p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16 on GPU, fp32 on CPU")
         p.add_argument("--device", default=None, help="default: cuda when present, else cpu")
         p.add_argument("--full-size", action="store_true", help="on CPU, use the real widths too (slow)")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--no-timing", action="store_true", help="skip the per-stage timing")
+    warm = sub.add_parser("warmup", help="compile every kernel variant of a preset layer up to a token count (GPU)")
+    warm.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
+    warm.add_argument("--max-tokens", type=_positive_int, default=4096, help="largest batch to prepare for")
+    warm.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16")
     bench = sub.add_parser("bench", help="GPU benchmarks: tables, results file and plot")
-    bench.add_argument("stages", nargs="*", default=["router", "finalize", "experts", "layer"])
+    bench.add_argument("stages", nargs="*", default=["router", "finalize", "experts", "layer", "host"])
     bench.add_argument("--quick", action="store_true", help="fewer sizes")
     bench.add_argument("--results-dir", default="results", help="where <stage>.json, RESULTS.md and the plot go")
     args = parser.parse_args(argv)
     if args.command == "bench":
         return run_bench(args)
+    if args.command == "warmup":
+        return run_warmup(args)
     return run_layer(args)
 
 

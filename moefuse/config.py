@@ -50,7 +50,8 @@ class MoEConfig:
     def shared_intermediate_size(self) -> int:
         return self.intermediate_size * self.num_shared_experts
 
-    def scaled(self, *, hidden_size: int = 256, intermediate_size: int = 128, num_experts: int | None = None) -> "MoEConfig":
+    def scaled(self, *, hidden_size: int = 256, intermediate_size: int = 128,
+               num_experts: int | None = None) -> MoEConfig:
         """The same routing with small widths (and, if asked, fewer experts): for CPU runs and tests."""
         experts = self.num_experts if num_experts is None else num_experts
         return dataclasses.replace(

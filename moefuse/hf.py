@@ -100,17 +100,20 @@ class PatchReport:
 
     patched: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    warmup: object = None  # the WarmupReport when patch(..., warmup_tokens=N) warmed the model up
 
 
 def _looks_like_moe(module: nn.Module) -> bool:
     return hasattr(module, "experts") and hasattr(module, "gate")
 
 
-def patch(model: nn.Module, *, backend: Backend = "auto") -> PatchReport:
+def patch(model: nn.Module, *, backend: Backend = "auto", warmup_tokens: int | None = None) -> PatchReport:
     """Replace every supported sparse-MoE block of ``model`` by a MoELayer sharing its tensors; returns a report.
 
     Unsupported blocks are left alone and listed in ``report.skipped``. Patching twice is harmless (patched
-    layers are not MoE blocks any more). ``unpatch`` restores the original modules exactly.
+    layers are not MoE blocks any more). ``unpatch`` restores the original modules exactly. With
+    ``warmup_tokens``, :func:`moefuse.warmup` then compiles every kernel variant up to that many tokens (and
+    captures the decode graphs), so no request waits for a compile; its report is ``report.warmup``.
     """
     report = PatchReport()
     for name, module in list(model.named_modules()):
@@ -125,6 +128,10 @@ def patch(model: nn.Module, *, backend: Backend = "auto") -> PatchReport:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, layer)
         report.patched.append(name)
+    if warmup_tokens is not None:
+        from moefuse.warmup import warmup
+
+        report.warmup = warmup(model, warmup_tokens)
     return report
 
 

@@ -28,7 +28,10 @@ from moefuse.finalize import (
     deferred_finalize_enabled,
     finalize_deferred_output,
 )
+from moefuse.graphs import DecodeGraphs, state_key
 from moefuse.route import moe_fused_gate, moe_fused_gate_torch, router_logits
+
+GRAPH_MAX_TOKENS = 16  # default of MoELayer.graph_max_tokens: eager decode batches replay a captured graph
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -130,6 +133,17 @@ class SharedExpert(nn.Module):
         return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream the shared expert runs on, one per device for every layer (layers run one after another; and a
+    module holding no stream can be deep-copied and pickled)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
 class MoELayer(nn.Module):
     """A whole MoE block: ``out = Σ_k w_k · expert_{id_k}(x) + shared(x)`` for every token.
 
@@ -147,6 +161,10 @@ class MoELayer(nn.Module):
             is 1), no ``num_token_non_padded`` is given (padded tokens keep their shared expert), outside
             ``torch.compile``, and while :meth:`shared_slot_weights` finds the shared weights where this layer
             put them: right behind the routed experts' (not after ``from_hf``, or once ``.to()`` copied them).
+        graph_max_tokens: eager calls on CUDA with at most this many tokens, outside autograd, replay a CUDA
+            graph the layer captured of itself on the first call with that token count (``moefuse.graphs``: when
+            it re-captures, the memory it holds). An eager decode step then costs the host a copy in, one replay
+            and a copy out instead of a dozen launches. 0 turns it off; the reference backend never uses it.
 
     ``forward`` takes hidden states [..., H] in ``dtype`` and returns the same shape. A fixed-size decode step
     does no host synchronisation and can be captured in a CUDA graph. With one shared expert as wide as a routed
@@ -156,7 +174,7 @@ class MoELayer(nn.Module):
 
     def __init__(self, config: MoEConfig, *, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str | None = None, backend: Backend = "auto",
-                 shared_slot_max_tokens: int | None = None):
+                 shared_slot_max_tokens: int | None = None, graph_max_tokens: int = GRAPH_MAX_TOKENS):
         super().__init__()
         self.config = config
         self.backend = backend
@@ -175,7 +193,7 @@ class MoELayer(nn.Module):
         if shared_slot_max_tokens is not None:
             check_int("shared_slot_max_tokens", shared_slot_max_tokens, low=0)
         self.shared_slot_max_tokens = shared_slot_max_tokens
-        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.graphs = DecodeGraphs(check_int("graph_max_tokens", graph_max_tokens, low=0))
 
     def _stack_shared_behind_routed(self, dtype: torch.dtype, device: torch.device | str | None) -> None:
         E, I, H = self.config.num_experts, self.config.intermediate_size, self.config.hidden_size
@@ -210,8 +228,9 @@ class MoELayer(nn.Module):
         return (routed_gu.as_strided((E + 1, *routed_gu.shape[1:]), routed_gu.stride()),
                 routed_dn.as_strided((E + 1, *routed_dn.shape[1:]), routed_dn.stride()))
 
-    def _use_shared_slot(self, x: torch.Tensor, num_token_non_padded: object) -> bool:
-        """Whether this call runs the shared expert as a slot of the grouped GEMMs (see ``forward``)."""
+    def uses_shared_slot(self, num_tokens: int, device: torch.device, num_token_non_padded: object = None) -> bool:
+        """Whether a call on ``num_tokens`` tokens on ``device`` runs the shared expert as a slot of the grouped
+        GEMMs (see ``shared_slot_max_tokens``)."""
         c = self.config
         if (self.shared_experts is None or not c.renormalize or num_token_non_padded is not None
                 or torch.compiler.is_compiling()):
@@ -219,8 +238,8 @@ class MoELayer(nn.Module):
         limit = self.shared_slot_max_tokens
         if limit is None:
             limit = configs.shared_slot_max_tokens(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k,
-                                                   configs.arch_of(x.device))
-        return 0 < x.shape[0] <= limit
+                                                   configs.arch_of(device))
+        return 0 < num_tokens <= limit and self.shared_slot_weights() is not None
 
     def _forward_shared_slot(self, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
                              ) -> torch.Tensor:
@@ -236,7 +255,7 @@ class MoELayer(nn.Module):
         return finalize_deferred_output(routed, None, backend=self.backend)
 
     @torch.no_grad()
-    def init_random_(self, seed: int = 0, std: float = 0.02) -> "MoELayer":
+    def init_random_(self, seed: int = 0, std: float = 0.02) -> MoELayer:
         """Fill every weight with N(0, std²) and the expert bias with N(0, 0.01²), drawn on the weights' device.
 
         Drawn one expert slice at a time, so a full-size layer needs no host-side copy of its weights.
@@ -267,22 +286,19 @@ class MoELayer(nn.Module):
         with deferred_finalize_context():
             return self.experts(x, weights, ids)
 
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if device not in self._side_streams:
-            self._side_streams[device] = torch.cuda.Stream(device)
-        return self._side_streams[device]
-
     def _check_input(self, hidden_states: object) -> None:
         """The layer's own argument checks, before any stage runs (each stage checks its inputs too)."""
         dtype = self.experts.gate_up_proj.dtype
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
         if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.config.hidden_size:
-            raise ValueError(f"hidden_states must be [..., {self.config.hidden_size}], got {tuple(hidden_states.shape)}")
+            raise ValueError(
+                f"hidden_states must be [..., {self.config.hidden_size}], got {tuple(hidden_states.shape)}")
         if hidden_states.dtype != dtype:
             raise TypeError(f"hidden_states must have the layer's dtype {dtype}, got {hidden_states.dtype}")
         if hidden_states.device != self.experts.gate_up_proj.device:
-            raise ValueError(f"hidden_states is on {hidden_states.device}, the layer on {self.experts.gate_up_proj.device}")
+            raise ValueError(
+                f"hidden_states is on {hidden_states.device}, the layer on {self.experts.gate_up_proj.device}")
 
     def forward(self, hidden_states: torch.Tensor, num_token_non_padded: int | torch.Tensor | None = None,
                 input_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -291,14 +307,21 @@ class MoELayer(nn.Module):
         self._check_input(hidden_states)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.config.hidden_size)
-        if self._use_shared_slot(x, num_token_non_padded):
-            slot_weights = self.shared_slot_weights()
-            if slot_weights is not None:
-                return self._forward_shared_slot(x, *slot_weights).reshape(shape)
+        if num_token_non_padded is None and self.backend != "reference" and self.graphs.applies(x):
+            key = (state_key(self), x.device, self.backend, self.shared_slot_max_tokens,
+                   self.supports_deferred_finalize, torch.is_inference_mode_enabled())
+            return self.graphs.run(self._forward_tokens, x, key).reshape(shape)
+        return self._forward_tokens(x, num_token_non_padded).reshape(shape)
+
+    def _forward_tokens(self, x: torch.Tensor, num_token_non_padded: int | torch.Tensor | None = None
+                        ) -> torch.Tensor:
+        """The block on tokens ``x`` [M, H] -> [M, H]."""
+        if self.uses_shared_slot(x.shape[0], x.device, num_token_non_padded):
+            return self._forward_shared_slot(x, *self.shared_slot_weights())
         # The shared expert forks first, so that it also overlaps the router linear and the router.
         on_side_stream = x.is_cuda and self.shared_experts is not None and not torch.compiler.is_compiling()
         if on_side_stream:
-            main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
+            main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
             side.wait_stream(main)  # x (and everything before it) is ready
             with torch.cuda.stream(side):
                 shared = self.shared_experts(x)
@@ -313,13 +336,11 @@ class MoELayer(nn.Module):
             main.wait_stream(side)
             shared.record_stream(main)  # allocated on the side stream, freed after use on this one
         if isinstance(routed, DeferredFinalizeOutput):
-            out = finalize_deferred_output(routed, shared, backend=self.backend)
-        else:
-            out = routed if shared is None else routed + shared
-        return out.reshape(shape)
+            return finalize_deferred_output(routed, shared, backend=self.backend)
+        return routed if shared is None else routed + shared
 
     @classmethod
-    def from_hf(cls, module: nn.Module, *, backend: Backend = "auto") -> "MoELayer":
+    def from_hf(cls, module: nn.Module, *, backend: Backend = "auto") -> MoELayer:
         """A layer sharing (not copying) the tensors of a transformers sparse-MoE block; see ``moefuse.hf``."""
         from moefuse.hf import layer_from_hf
 

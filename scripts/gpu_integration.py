@@ -20,10 +20,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from test_hf import MODELS, _model  # noqa: E402
+
 import moefuse  # noqa: E402
 from moefuse.bench.report import format_table  # noqa: E402
 from moefuse.testing import rel_error  # noqa: E402
-from test_hf import MODELS, _model  # noqa: E402
 
 
 def _forward_us(fn, reps: int = 30) -> float:

@@ -29,8 +29,8 @@ def test_dispatch_and_experts_ops_pass_opcheck(gen):
     # torch.library.opcheck runs the schema, fake-tensor, autograd-registration and AOT-dispatch checks of a custom
     # op on real arguments (router and finalize have their own in their test files).
     from moefuse.dispatch import moe_dispatch
-    from moefuse.experts.op import _tiles_to_list
     from moefuse.experts import pick
+    from moefuse.experts.op import _tiles_to_list
 
     E, H, I, M, K, block_m = 6, 32, 16, 5, 2, 16
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(M)]).to(torch.int32)

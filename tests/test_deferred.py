@@ -10,7 +10,6 @@ import threading
 import pytest
 import torch
 
-from moefuse.testing import max_ulp_distance
 from moefuse.finalize import (
     DeferredFinalizeOutput,
     deferred_finalize_allowed,
@@ -20,6 +19,7 @@ from moefuse.finalize import (
     moe_finalize_fuse_shared,
     moe_finalize_fuse_shared_torch,
 )
+from moefuse.testing import max_ulp_distance
 
 
 def test_context_nests_and_restores():

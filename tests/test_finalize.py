@@ -19,10 +19,9 @@ import pytest
 import torch
 
 from moefuse import _runtime
-from moefuse.testing import max_ulp_distance
-from moefuse.finalize import moe_finalize_fuse_shared, moe_finalize_fuse_shared_torch
 from moefuse.finalize import kernel as finalize_kernel
-from moefuse.testing import assert_rel_close
+from moefuse.finalize import moe_finalize_fuse_shared, moe_finalize_fuse_shared_torch
+from moefuse.testing import assert_rel_close, max_ulp_distance
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)

@@ -51,9 +51,9 @@ def _model(name: str, seed: int) -> torch.nn.Module:
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_patched_logits_match(name, backend, gen):
-    model = _model(name, seed=int(torch.randint(1 << 30, (), generator=gen)))
-    ids = torch.randint(0, COMMON["vocab_size"], (2, 6), generator=gen)
+def test_patched_logits_match(name, backend, gen, device):
+    model = _model(name, seed=int(torch.randint(1 << 30, (), generator=gen))).to(device)
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 6), generator=gen).to(device)
     with torch.no_grad():
         want = model(ids).logits
         report = moefuse.patch(model, backend=backend)
@@ -97,10 +97,10 @@ def test_patch_shares_tensors_and_lists_unsupported():
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_experts_implementation(name, gen):
+def test_experts_implementation(name, gen, device):
     moefuse.register_experts_implementation()
-    model = _model(name, seed=int(torch.randint(1 << 30, (), generator=gen)))
-    ids = torch.randint(0, COMMON["vocab_size"], (2, 6), generator=gen)
+    model = _model(name, seed=int(torch.randint(1 << 30, (), generator=gen))).to(device)
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 6), generator=gen).to(device)
     with torch.no_grad():
         want = model(ids).logits
         model.set_experts_implementation("moefuse")

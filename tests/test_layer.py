@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_blocks import BLOCKS, block
+
 from moefuse import MoEConfig, MoELayer, moe_layer_torch
 from moefuse.finalize import deferred_finalize_context
 from moefuse.testing import assert_rel_close
@@ -15,10 +15,10 @@ BACKENDS = ["reference", "triton"]
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("model", sorted(BLOCKS))
-def test_matches_transformers_block(model, backend, gen):
-    hf = block(model, gen)
+def test_matches_transformers_block(model, backend, gen, device):
+    hf = block(model, gen).to(device)
     layer = MoELayer.from_hf(hf, backend=backend)
-    x = torch.randn(1, 7, hf.experts.gate_up_proj.shape[2], generator=gen)
+    x = torch.randn(1, 7, hf.experts.gate_up_proj.shape[2], generator=gen).to(device)
     with torch.no_grad():
         want = hf(x)
         got = layer(x)
@@ -40,15 +40,15 @@ SMALL = MoEConfig(hidden_size=40, intermediate_size=24, num_experts=12, top_k=3,
                   num_expert_group=4, topk_group=2, routed_scaling_factor=2.5)
 
 
-def _layer(config: MoEConfig, backend: str, seed: int) -> MoELayer:
-    return MoELayer(config, dtype=torch.float32, backend=backend).init_random_(seed, std=0.1)
+def _layer(config: MoEConfig, backend: str, seed: int, device: torch.device | str = "cpu") -> MoELayer:
+    return MoELayer(config, dtype=torch.float32, device=device, backend=backend).init_random_(seed, std=0.1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("tokens", [0, 1, 9], ids=["empty-batch", "one-token", "nine-tokens"])
-def test_matches_float64_reference(backend, tokens, gen):
-    layer = _layer(SMALL, backend, seed=int(torch.randint(1 << 30, (), generator=gen)))
-    x = torch.randn(tokens, SMALL.hidden_size, generator=gen)
+def test_matches_float64_reference(backend, tokens, gen, device):
+    layer = _layer(SMALL, backend, seed=int(torch.randint(1 << 30, (), generator=gen)), device=device)
+    x = torch.randn(tokens, SMALL.hidden_size, generator=gen).to(device)
     with torch.no_grad():
         got = layer(x)
     assert got.shape == x.shape
@@ -56,10 +56,10 @@ def test_matches_float64_reference(backend, tokens, gen):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_padded_tokens_get_only_the_shared_expert(backend, gen):
+def test_padded_tokens_get_only_the_shared_expert(backend, gen, device):
     # Rows at or past num_token_non_padded are routed to no expert (ids -1): only the shared expert remains.
-    layer = _layer(SMALL, backend, seed=3)
-    x = torch.randn(6, SMALL.hidden_size, generator=gen)
+    layer = _layer(SMALL, backend, seed=3, device=device)
+    x = torch.randn(6, SMALL.hidden_size, generator=gen).to(device)
     with torch.no_grad():
         got = layer(x, num_token_non_padded=4)
         want = moe_layer_torch(layer, x, num_token_non_padded=4)
@@ -69,9 +69,9 @@ def test_padded_tokens_get_only_the_shared_expert(backend, gen):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_deferred_equals_eager(backend, gen, monkeypatch):
-    layer = _layer(SMALL, backend, seed=5)
-    x = torch.randn(8, SMALL.hidden_size, generator=gen)
+def test_deferred_equals_eager(backend, gen, monkeypatch, device):
+    layer = _layer(SMALL, backend, seed=5, device=device)
+    x = torch.randn(8, SMALL.hidden_size, generator=gen).to(device)
     with torch.no_grad():
         deferred = layer(x)
         monkeypatch.setenv("MOEFUSE_ENABLE_DEFERRED_FINALIZE", "0")
@@ -124,12 +124,13 @@ def _no_side_stream_shared(layer: MoELayer) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("tokens", [1, 9])
-def test_shared_slot_matches_float64_reference(backend, tokens, gen):
+def test_shared_slot_matches_float64_reference(backend, tokens, gen, device):
     """The shared expert as slot top_k (id E, weight 1) of the grouped GEMMs: the same block function."""
-    layer = _layer(SMALL, backend, seed=int(torch.randint(1 << 30, (), generator=gen)))
-    x = torch.randn(tokens, SMALL.hidden_size, generator=gen)
+    layer = _layer(SMALL, backend, seed=int(torch.randint(1 << 30, (), generator=gen)), device=device)
+    x = torch.randn(tokens, SMALL.hidden_size, generator=gen).to(device)
     with torch.no_grad():
-        side = layer(x)  # default on CPU: no table, so the side-stream path
+        layer.shared_slot_max_tokens = 0
+        side = layer(x)
         layer.shared_slot_max_tokens = tokens
         assert layer.shared_slot_weights() is not None
         _no_side_stream_shared(layer)
@@ -168,11 +169,11 @@ def test_shared_slot_falls_back_when_weights_move(gen):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_shared_slot_not_used_for_padded_tokens(backend, gen):
+def test_shared_slot_not_used_for_padded_tokens(backend, gen, device):
     """With num_token_non_padded the side-stream path runs, so padded tokens keep their shared expert."""
-    layer = _layer(SMALL, backend, seed=23)
+    layer = _layer(SMALL, backend, seed=23, device=device)
     layer.shared_slot_max_tokens = 64
-    x = torch.randn(6, SMALL.hidden_size, generator=gen)
+    x = torch.randn(6, SMALL.hidden_size, generator=gen).to(device)
     with torch.no_grad():
         got = layer(x, num_token_non_padded=4)
         assert_rel_close(got[4:], layer.shared_experts(x[4:]), 1e-6, "padded rows")

@@ -32,7 +32,8 @@ def _cell(value: Any) -> str:
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]], title: str = "") -> str:
     """A Markdown table of ``rows``; ``columns`` is a sequence of ``(key, header)``. Missing keys print '-'."""
     cells = [[_cell(row.get(key)) for key, _ in columns] for row in rows]
-    numeric = [all(isinstance(row.get(key), (int, float)) or row.get(key) is None for row in rows) for key, _ in columns]
+    numeric = [all(isinstance(row.get(key), (int, float)) or row.get(key) is None for row in rows)
+               for key, _ in columns]
     headers = [header for _, header in columns]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
     lines = [f"### {title}", ""] if title else []

@@ -19,16 +19,18 @@ from typing import Any
 
 from moefuse.bench import report, timing
 
-STAGES = ("router", "finalize", "experts", "layer")
+STAGES = ("router", "finalize", "experts", "layer", "host")
 # x axis, series to draw and the key that splits a stage's rows into panels.
 PLOTS: dict[str, dict[str, Any]] = {
-    "router": {"x": "M", "group": "config", "series": {"us": "moefuse", "floor_us": "floor", "anchor_us": "best public"}},
+    "router": {"x": "M", "group": "config",
+               "series": {"us": "moefuse", "floor_us": "floor", "anchor_us": "best public"}},
     "finalize": {"x": "M", "group": "config", "series": {"us": "moefuse", "floor_us": "floor", "unfused_us": "unfused",
                                                          "torch_compile_us": "torch.compile"}},
     "experts": {"x": "M", "group": "stage", "series": {"us": "moefuse", "mem_floor_us": "memory floor",
                                                        "anchor_us": "best public Triton", "torch_us": "torch"}},
-    "layer": {"x": "M", "group": "model", "series": {"us": "moefuse", "plain_us": "no deferral",
-                                                     "mem_floor_us": "memory floor", "hf_grouped_mm_us": "transformers"}},
+    "layer": {"x": "M", "group": "model",
+              "series": {"us": "moefuse", "plain_us": "no deferral", "mem_floor_us": "memory floor",
+                         "hf_grouped_mm_us": "transformers"}},
 }
 
 
@@ -85,8 +87,9 @@ def _write_report(out: Path) -> None:
              "ceilings measured in the same run. Each stage says when and on what it ran.\n\n![results](results.png)"]
     for stage, record in records.items():
         env, module = record["environment"], importlib.import_module(f"moefuse.bench.{stage}")
+        ceilings = ", ".join(f"{k} {v:.3g}" for k, v in record["ceilings"].items())
         parts.append(f"## {stage}\n\n{env['date']}, {env['gpu']}, torch {env['torch']}, Triton {env['triton']}, "
-                     f"Python {env['python']}. Ceilings: " + ", ".join(f"{k} {v:.3g}" for k, v in record["ceilings"].items()))
+                     f"Python {env['python']}. Ceilings: {ceilings}")
         if record.get("checks"):
             parts.append(report.format_table(record["checks"], module.CHECK_COLUMNS, f"{stage}: checks"))
         parts.append(report.format_table(record["rows"], module.COLUMNS, module.TITLE))

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import max_tiles
+
 # A block of n pairs costs n * n key comparisons on one SM (about 0.7 us at n = 256 with 4 warps): one
 # program is worth it up to a few hundred pairs; beyond, small chunks keep that cost low and the grid wide
 # (M = 4096 at top-8 is 256 chunks, two per SM). Untuned; the GPU benchmark times dispatch on its own.
@@ -107,7 +109,8 @@ def _write_maps(bins, src, row, valid, num_experts, p2e_ptr, e2p_ptr):
     tl.store(e2p_ptr + src, tl.where(real, row, -1), mask=valid)
 
 
-@triton.jit
+# Integers that vary with the token count are not specialised: no new variant per batch size (moefuse.warmup).
+@triton.jit(do_not_specialize=["num_rows", "num_tiles"])
 def _dispatch_one_program(
     ids_ptr, offsets_ptr, p2e_ptr, e2p_ptr, tile_expert_ptr, tile_row_start_ptr,
     num_rows, num_experts, block_m, num_tiles,
@@ -136,7 +139,8 @@ def _dispatch_one_program(
     )
 
 
-@triton.jit
+# Integers that vary with the token count are not specialised: no new variant per batch size (moefuse.warmup).
+@triton.jit(do_not_specialize=["num_rows"])
 def _count_chunks(
     ids_ptr, hist_ptr, num_rows, num_experts,
     CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr,
@@ -151,7 +155,8 @@ def _count_chunks(
     tl.store(hist_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), counts)
 
 
-@triton.jit
+# Integers that vary with the token count are not specialised: no new variant per batch size (moefuse.warmup).
+@triton.jit(do_not_specialize=["num_chunks"])
 def _scan_chunks(
     hist_ptr, prefix_ptr, num_chunks,
     BLOCK_E: tl.constexpr, SCAN_E: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
@@ -173,7 +178,8 @@ def _scan_chunks(
     tl.store(prefix_ptr + num_chunks * BLOCK_E + bins, carry)
 
 
-@triton.jit
+# Integers that vary with the token count are not specialised: no new variant per batch size (moefuse.warmup).
+@triton.jit(do_not_specialize=["num_rows", "num_chunks", "num_tiles", "tiles_per_chunk"])
 def _scatter_chunks(
     ids_ptr, hist_ptr, prefix_ptr, offsets_ptr, p2e_ptr, e2p_ptr, tile_expert_ptr, tile_row_start_ptr,
     num_rows, num_chunks, num_experts, block_m, num_tiles, tiles_per_chunk,
@@ -218,6 +224,29 @@ def _launch_args(use_pdl: bool) -> dict:
     return {"launch_pdl": True} if use_pdl else {}
 
 
+def _one_program_shape(num_rows: int, num_experts: int, num_tiles: int) -> dict[str, int]:
+    block = max(16, triton.next_power_of_2(num_rows))
+    return {"BLOCK": block, "BLOCK_J": min(block, BLOCK_J), "BLOCK_E": max(16, triton.next_power_of_2(num_experts)),
+            "BLOCK_T": _block_t(num_tiles)}
+
+
+def _chunked_shape(num_rows: int, num_experts: int, num_tiles: int, chunk: int) -> dict[str, int]:
+    num_chunks = triton.cdiv(num_rows, chunk)
+    return {"CHUNK": chunk, "BLOCK_J": min(chunk, BLOCK_J),
+            "BLOCK_E": max(16, triton.next_power_of_2(num_experts + 1)),  # bins 0..E, E = overflow
+            "BLOCK_C": min(SCAN_C, triton.next_power_of_2(num_chunks)),
+            "BLOCK_T": _block_t(triton.cdiv(num_tiles, num_chunks))}
+
+
+def launch_shape(num_rows: int, num_experts: int, block_m: int) -> tuple:
+    """What dispatch compiles for N = ``num_rows`` pairs (default path): a new value is a new kernel variant.
+    ``moefuse.warmup`` enumerates these; the launcher below takes its constexprs from the same functions."""
+    num_tiles = max_tiles(num_rows, num_experts, block_m)
+    if num_rows <= ONE_PROGRAM_MAX:
+        return ("one program", *_one_program_shape(num_rows, num_experts, num_tiles).values())
+    return ("chunks", *_chunked_shape(num_rows, num_experts, num_tiles, CHUNK).values())
+
+
 def dispatch_triton(
     topk_ids: torch.Tensor,
     num_experts: int,
@@ -247,17 +276,14 @@ def dispatch_triton(
     num_tiles = tile_expert.numel()
     kw = _launch_args(use_pdl)
     if chunk is None and num_rows <= ONE_PROGRAM_MAX:
-        block = max(16, triton.next_power_of_2(num_rows))
         _dispatch_one_program[(1,)](
             ids, expert_offsets, permuted_to_expanded, expanded_to_permuted, tile_expert, tile_row_start,
-            num_rows, num_experts, block_m, num_tiles,
-            BLOCK=block, BLOCK_J=min(block, BLOCK_J), BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
-            BLOCK_T=_block_t(num_tiles), USE_PDL=use_pdl,
-            num_warps=4, **kw,
+            num_rows, num_experts, block_m, num_tiles, **_one_program_shape(num_rows, num_experts, num_tiles),
+            USE_PDL=use_pdl, num_warps=4, **kw,
         )
         return
-    chunk = CHUNK if chunk is None else chunk
-    block_e = max(16, triton.next_power_of_2(num_experts + 1))  # bins 0..E, E = overflow
+    shape = _chunked_shape(num_rows, num_experts, num_tiles, CHUNK if chunk is None else chunk)
+    chunk, block_e = shape["CHUNK"], shape["BLOCK_E"]
     num_chunks = triton.cdiv(num_rows, chunk)
     scratch = torch.empty(2 * num_chunks + 1, block_e, dtype=torch.int32, device=ids.device)
     hist, prefix = scratch[:num_chunks], scratch[num_chunks:]  # [NC, BLOCK_E], [NC + 1, BLOCK_E]
@@ -265,14 +291,12 @@ def dispatch_triton(
         ids, hist, num_rows, num_experts, CHUNK=chunk, BLOCK_E=block_e, USE_PDL=use_pdl, num_warps=4, **kw
     )
     _scan_chunks[(block_e // SCAN_E,)](
-        hist, prefix, num_chunks,
-        BLOCK_E=block_e, SCAN_E=SCAN_E, BLOCK_C=min(SCAN_C, triton.next_power_of_2(num_chunks)), USE_PDL=use_pdl,
+        hist, prefix, num_chunks, BLOCK_E=block_e, SCAN_E=SCAN_E, BLOCK_C=shape["BLOCK_C"], USE_PDL=use_pdl,
         num_warps=4, **kw,
     )
-    tiles_per_chunk = triton.cdiv(num_tiles, num_chunks)
     _scatter_chunks[(num_chunks,)](
         ids, hist, prefix, expert_offsets, permuted_to_expanded, expanded_to_permuted, tile_expert,
-        tile_row_start, num_rows, num_chunks, num_experts, block_m, num_tiles, tiles_per_chunk,
-        CHUNK=chunk, BLOCK_J=min(chunk, BLOCK_J), BLOCK_E=block_e,
-        BLOCK_T=_block_t(tiles_per_chunk), USE_PDL=use_pdl, num_warps=4, **kw,
+        tile_row_start, num_rows, num_chunks, num_experts, block_m, num_tiles, triton.cdiv(num_tiles, num_chunks),
+        CHUNK=chunk, BLOCK_J=shape["BLOCK_J"], BLOCK_E=block_e, BLOCK_T=shape["BLOCK_T"], USE_PDL=use_pdl,
+        num_warps=4, **kw,
     )

@@ -50,7 +50,8 @@ def moe_dispatch(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, back
         tile_expert=torch.empty(num_tiles, dtype=torch.int32, device=device),
         tile_row_start=torch.empty(num_tiles, dtype=torch.int32, device=device),
     )
-    torch.ops.moefuse.dispatch(
+    op = _dispatch_impl if _runtime.direct_call() else torch.ops.moefuse.dispatch
+    op(
         topk_ids, num_experts, block_m, _runtime.pdl_enabled(None, device), resolved,
         plan.expert_offsets, plan.permuted_to_expanded, plan.expanded_to_permuted,
         plan.tile_expert, plan.tile_row_start,
@@ -72,11 +73,7 @@ def _validate(topk_ids: object, num_experts: object, block_m: object, backend: s
     return _runtime.resolve_backend(backend, topk_ids.device)
 
 
-@torch.library.custom_op(
-    "moefuse::dispatch",
-    mutates_args=("expert_offsets", "permuted_to_expanded", "expanded_to_permuted", "tile_expert", "tile_row_start"),
-)
-def _dispatch_op(
+def _dispatch_impl(
     topk_ids: torch.Tensor,
     num_experts: int,
     block_m: int,
@@ -98,6 +95,12 @@ def _dispatch_op(
                plan.tile_expert, plan.tile_row_start)
     for dst, src in zip(outputs, results):
         dst.copy_(src)
+
+
+_dispatch_op = torch.library.custom_op(
+    "moefuse::dispatch", _dispatch_impl,
+    mutates_args=("expert_offsets", "permuted_to_expanded", "expanded_to_permuted", "tile_expert", "tile_row_start"),
+)
 
 
 @_dispatch_op.register_fake

@@ -75,7 +75,7 @@ class TileConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TileConfig":
+    def from_dict(cls, data: dict[str, Any]) -> TileConfig:
         return cls(data["block_m"], GemmTiles(**data["gemm1"]), GemmTiles(**data["gemm2"]))
 
 
@@ -103,7 +103,7 @@ def arch_of(device: torch.device) -> Arch:
     """Compute capability of a CUDA device; None on CPU or under Triton's interpreter."""
     if device.type != "cuda" or _runtime.interpreting():
         return None
-    return torch.cuda.get_device_capability(device)
+    return _runtime.capability(device)
 
 
 def _resolve_arch(arch: Union[Arch, Literal["auto"]]) -> Arch:
@@ -126,14 +126,24 @@ def pick(
     forces the tile height (the plan's): a table entry with another height is then replaced by the heuristic.
     """
     M = int(M)  # under torch.compile with dynamic shapes: specialize on the token count (a guard per M)
-    # torch.compile cannot follow a ContextVar (it traces this function): overrides are for eager callers.
-    forced = None if torch.compiler.is_compiling() else _OVERRIDE.get()
+    if torch.compiler.is_compiling():  # traced: no ContextVar, no cache
+        return _choose(M, E, H, I, K, dtype, _resolve_arch(arch), block_m)
+    forced = _OVERRIDE.get()
     if forced is not None:
         return forced if block_m is None else replace(forced, block_m=block_m)
-    config = _from_table(M, E, H, I, K, dtype, _resolve_arch(arch))
+    return _choose_cached(M, E, H, I, K, dtype, _resolve_arch(arch), block_m)
+
+
+def _choose(M: int, E: int, H: int, I: int, K: int, dtype: torch.dtype, arch: Arch,
+            block_m: Optional[int]) -> TileConfig:
+    config = _from_table(M, E, H, I, K, dtype, arch)
     if config is None or (block_m is not None and config.block_m != block_m):
         config = heuristic(M, E, H, I, K, dtype, block_m=block_m)
     return config
+
+
+# Eager calls choose once per shape: the table lookup and the heuristic cost tens of µs of host time per call.
+_choose_cached = functools.lru_cache(maxsize=4096)(_choose)
 
 
 def pick_block_m(
@@ -161,7 +171,7 @@ def _from_table(M: int, E: int, H: int, I: int, K: int, dtype: torch.dtype, arch
     return None if buckets is None else buckets[nearest_bucket(list(buckets), M)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_table(path: Path) -> dict[str, Any]:
     """A tile table: ``{"entries": [{"E", "H", "I", "K", "status", "buckets": {"<M>": config}}], ...}``.
 

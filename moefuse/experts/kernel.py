@@ -147,7 +147,8 @@ def _gemm1_tile(
     tl.store(out_ptrs, _round(act, inter_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+# Integers that vary with the token count are not specialised: no new variant per batch size (moefuse.warmup).
+@triton.jit(do_not_specialize=["num_tiles"])
 def _gemm1_swiglu_kernel(
     hidden_ptr, w_ptr, w_desc, inter_ptr,
     tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, p2e_ptr,
@@ -226,7 +227,8 @@ def _gemm2_tile(
     tl.store(out_ptrs, _round(acc, out_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+# Integers that vary with the token count are not specialised: no new variant per batch size (moefuse.warmup).
+@triton.jit(do_not_specialize=["num_tiles"])
 def _gemm2_kernel(
     inter_ptr, w_ptr, w_desc, out_ptr,
     tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
@@ -280,7 +282,7 @@ def weight_descriptor(weight: torch.Tensor, block_n: int, block_k: int) -> Optio
     """
     E, R, C = weight.shape
     size = weight.element_size()
-    if not _runtime.interpreting() and (weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device)[0] < 9):
+    if not _runtime.interpreting() and (weight.device.type != "cuda" or _runtime.capability(weight.device)[0] < 9):
         return None
     if weight.stride(2) != 1 or (R > 1 and E > 1 and weight.stride(0) != R * weight.stride(1)) or E * R == 0:
         return None
@@ -314,8 +316,8 @@ def gemm1_swiglu(
         hidden.stride(0), hidden.stride(1), *gate_up_proj.stride(), *intermediate.stride(),
         HAS_LIMIT=swiglu_limit is not None, EVEN_K=k % tiles.block_k == 0, **_dtype_flags(hidden.dtype),
         BLOCK_M=plan.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        W_TMA=desc is not None, SPLIT_TAIL=plan.block_m >= SPLIT_TAIL_MIN_BLOCK_M, USE_PDL=use_pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **({"launch_pdl": True} if use_pdl else {}),
+        W_TMA=desc is not None, SPLIT_TAIL=plan.block_m >= SPLIT_TAIL_MIN_BLOCK_M, USE_PDL=use_pdl,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
 
 
@@ -342,6 +344,6 @@ def gemm2(
         *intermediate.stride(), *down_proj.stride(), *out.stride(),
         EVEN_K=k % tiles.block_k == 0, **_dtype_flags(intermediate.dtype),
         BLOCK_M=plan.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        W_TMA=desc is not None, SPLIT_TAIL=plan.block_m >= SPLIT_TAIL_MIN_BLOCK_M, USE_PDL=use_pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **({"launch_pdl": True} if use_pdl else {}),
+        W_TMA=desc is not None, SPLIT_TAIL=plan.block_m >= SPLIT_TAIL_MIN_BLOCK_M, USE_PDL=use_pdl,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )

@@ -63,7 +63,8 @@ def moe_experts(
         out = torch.empty(plan.num_rows, hidden_size, dtype=hidden.dtype, device=device)
     config = configs.pick(num_tokens, num_experts, hidden_size, width, plan.top_k, hidden.dtype,
                           configs.arch_of(device), block_m=plan.block_m)
-    torch.ops.moefuse.experts(
+    op = _experts_impl if _runtime.direct_call() else torch.ops.moefuse.experts
+    op(
         hidden, gate_up_proj, down_proj,
         plan.expert_offsets, plan.permuted_to_expanded, plan.expanded_to_permuted,
         plan.tile_expert, plan.tile_row_start, plan.top_k, plan.block_m,
@@ -127,8 +128,7 @@ def _tiles_to_list(tiles: GemmTiles) -> list[int]:
     return [tiles.block_n, tiles.block_k, tiles.group_m, tiles.num_warps, tiles.num_stages]
 
 
-@torch.library.custom_op("moefuse::experts", mutates_args=("out",))
-def _experts_op(
+def _experts_impl(
     hidden: torch.Tensor,
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
@@ -157,6 +157,9 @@ def _experts_op(
     intermediate = torch.empty(plan.num_rows, gate_up_proj.shape[1] // 2, dtype=hidden.dtype, device=hidden.device)
     gemm1_swiglu(hidden, gate_up_proj, plan, intermediate, GemmTiles(*tiles[:5]), swiglu_limit, use_pdl=use_pdl)
     gemm2(intermediate, down_proj, plan, out, GemmTiles(*tiles[5:]), use_pdl=use_pdl)
+
+
+_experts_op = torch.library.custom_op("moefuse::experts", _experts_impl, mutates_args=("out",))
 
 
 @_experts_op.register_fake

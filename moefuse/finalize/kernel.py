@@ -59,7 +59,8 @@ def _to_bf16_rtne(x):
     return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
-@triton.jit
+# Integers that vary with the token count are not specialised: no new variant per batch size (moefuse.warmup).
+@triton.jit(do_not_specialize=["num_rows"])
 def _finalize_kernel(
     gemm2_ptr,
     idx_ptr,

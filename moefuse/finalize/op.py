@@ -62,7 +62,8 @@ def moe_finalize_fuse_shared(
     )
     if out is None:
         out = torch.empty(num_tokens, hidden, dtype=gemm2_out.dtype, device=gemm2_out.device)
-    torch.ops.moefuse.finalize_fuse_shared(
+    op = _finalize_impl if _runtime.direct_call() else torch.ops.moefuse.finalize_fuse_shared
+    op(
         gemm2_out, expanded_idx_to_permuted_idx, expert_weights, shared_output, top_k, use_pdl, resolved, out
     )
     return out
@@ -127,8 +128,7 @@ def _validate(
     return num_tokens, hidden, _runtime.pdl_enabled(enable_pdl, device), resolved
 
 
-@torch.library.custom_op("moefuse::finalize_fuse_shared", mutates_args=("out",))
-def _finalize_fuse_shared_op(
+def _finalize_impl(
     gemm2_out: torch.Tensor,
     expanded_idx_to_permuted_idx: torch.Tensor,
     expert_weights: torch.Tensor,
@@ -145,6 +145,11 @@ def _finalize_fuse_shared_op(
         moe_finalize_fuse_shared_torch(
             gemm2_out, expanded_idx_to_permuted_idx, expert_weights, shared_output, top_k, out=out
         )
+
+
+_finalize_fuse_shared_op = torch.library.custom_op(
+    "moefuse::finalize_fuse_shared", _finalize_impl, mutates_args=("out",)
+)
 
 
 @_finalize_fuse_shared_op.register_fake

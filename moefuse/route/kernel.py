@@ -257,7 +257,8 @@ def _slots(x, VEC: tl.constexpr):
     return out
 
 
-@triton.jit
+# Integers that vary with the token count are not specialised: no new variant per batch size (moefuse.warmup).
+@triton.jit(do_not_specialize=["M", "n_valid"])
 def _fused_gate_kernel(
     scores_ptr,
     bias_ptr,
@@ -463,7 +464,7 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sort_network(n: int, run: int, keep: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Comparators of Batcher's odd-even merge sort of ``n`` keys (descending), as flat ``(i0, j0, i1, j1, ...)``.
 

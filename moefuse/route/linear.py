@@ -22,7 +22,8 @@ _ELEMS = 8192  # accumulator elements per program: 32 fp32 registers per thread 
 NUM_WARPS = 8
 
 
-@triton.jit
+# Integers that vary with the token count are not specialised: no new variant per batch size (moefuse.warmup).
+@triton.jit(do_not_specialize=["M"])
 def _router_logits_kernel(
     x_ptr, w_ptr, out_ptr, M, H,
     stride_xm, stride_xk, stride_we, stride_wk, stride_om, stride_oe,

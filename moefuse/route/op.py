@@ -84,7 +84,8 @@ def moe_fused_gate(
         )
     ntnp_tensor = num_token_non_padded if isinstance(num_token_non_padded, torch.Tensor) else None
     n_valid = M if num_token_non_padded is None or ntnp_tensor is not None else min(max(num_token_non_padded, 0), M)
-    torch.ops.moefuse.fused_gate(
+    op = _fused_gate_impl if _runtime.direct_call() else torch.ops.moefuse.fused_gate
+    op(
         scores,
         bias,
         out[0],
@@ -196,8 +197,7 @@ def _check_real(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
 
 
-@torch.library.custom_op("moefuse::fused_gate", mutates_args=("weights", "ids"))
-def _fused_gate(
+def _fused_gate_impl(
     scores: torch.Tensor,
     bias: torch.Tensor | None,
     weights: torch.Tensor,
@@ -253,6 +253,9 @@ def _fused_gate(
     )
 
 
+_fused_gate = torch.library.custom_op("moefuse::fused_gate", _fused_gate_impl, mutates_args=("weights", "ids"))
+
+
 @_fused_gate.register_fake
 def _(scores, bias, weights, ids, *args) -> None:
     return None
@@ -280,7 +283,8 @@ def router_logits(
     resolved = _validate_logits(x, weight, out, backend)
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
-    torch.ops.moefuse.router_logits(x, weight, resolved, out)
+    op = _router_logits_impl if _runtime.direct_call() else torch.ops.moefuse.router_logits
+    op(x, weight, resolved, out)
     return out
 
 
@@ -298,13 +302,15 @@ def _validate_logits(x, weight, out, backend) -> str:
     return resolved
 
 
-@torch.library.custom_op("moefuse::router_logits", mutates_args=("out",))
-def _router_logits(x: torch.Tensor, weight: torch.Tensor, backend: str, out: torch.Tensor) -> None:
+def _router_logits_impl(x: torch.Tensor, weight: torch.Tensor, backend: str, out: torch.Tensor) -> None:
     """Write the logits into ``out`` (arguments already validated)."""
     if backend == "triton" and x.shape[0] <= linear.MAX_TOKENS:
         linear.router_logits_triton(x, weight, out)
         return
     reference.router_logits_torch(x, weight, out=out)
+
+
+_router_logits = torch.library.custom_op("moefuse::router_logits", _router_logits_impl, mutates_args=("out",))
 
 
 @_router_logits.register_fake

@@ -1,0 +1,176 @@
+"""Warm-up: compile every kernel variant a layer can launch up to a token count, before serving.
+
+Triton compiles a kernel the first time it sees a new combination of compile-time constants (tile shapes from the
+tile table, block sizes derived from the token count, ...). On the request path that is a stall of 0.1 to 2 s.
+Integer arguments that vary with the token count are marked ``do_not_specialize`` in every kernel, so a variant is
+decided by the launch-shape functions of the stages alone; :func:`launch_signature` collects them for one token
+count, and :func:`warmup` runs each layer once at the smallest token count of each distinct signature (never a
+full-size activation per bucket when a smaller batch compiles the same thing), and at every token count that the
+layer's self-captured decode graphs cover (``MoELayer.graph_max_tokens``), so those are captured too.
+
+Triton keeps what it compiled on disk (``TRITON_CACHE_DIR``, default ``~/.triton/cache``): a later process loads
+instead of compiling, which :func:`warmup` then does in a fraction of the time. Ship that folder with a container
+image (run the warm-up once while building it) and set ``TRITON_CACHE_DIR`` to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from moefuse.dispatch.kernel import launch_shape as dispatch_shape
+from moefuse.experts import configs
+from moefuse.finalize.kernel import finalize_tile
+from moefuse.layer import MoELayer
+from moefuse.route import kernel as gate_kernel
+from moefuse.route import linear
+
+
+@dataclass
+class WarmupReport:
+    """What :func:`warmup` did."""
+
+    layers: int = 0
+    token_counts: list[int] = field(default_factory=list)  # the batch sizes run on the first layer of each shape
+    compiled: int | None = None  # kernel variants compiled or loaded from the disk cache (None: no Triton hook)
+    graphs: int = 0  # decode graphs captured, over all layers
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        compiled = "?" if self.compiled is None else self.compiled
+        return (f"moefuse warm-up: {self.layers} layer(s), {len(self.token_counts)} batch sizes, {compiled} kernel "
+                f"variants compiled or loaded, {self.graphs} decode graphs captured, {self.seconds:.1f} s")
+
+
+def launch_signature(layer: MoELayer, num_tokens: int) -> tuple:
+    """Everything that decides which kernel variants a forward of ``num_tokens`` tokens launches (and, up to the
+    layer's ``graph_max_tokens``, the token count itself: each has its own decode graph)."""
+    c = layer.config
+    weight = layer.experts.gate_up_proj
+    device, dtype = weight.device, weight.dtype
+    slot = layer.uses_shared_slot(num_tokens, device)
+    top_k = c.top_k + slot
+    tiles = configs.pick(num_tokens, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, dtype,
+                         configs.arch_of(device))
+    return (
+        num_tokens if num_tokens <= layer.graphs.max_tokens else None,
+        slot,
+        layer.supports_deferred_finalize,
+        linear.block_shape(num_tokens, c.hidden_size) if num_tokens <= linear.MAX_TOKENS else None,
+        gate_kernel.launch_config(num_tokens, c.num_experts, c.num_expert_group),
+        dispatch_shape(num_tokens * top_k, c.num_experts + slot, tiles.block_m),
+        tiles,
+        finalize_tile(num_tokens, c.hidden_size, dtype),
+    )
+
+
+def token_counts(layer: MoELayer, max_tokens: int) -> list[int]:
+    """The smallest token count of each distinct :func:`launch_signature` in ``1..max_tokens``."""
+    seen: dict[tuple, int] = {}
+    for num_tokens in range(1, max_tokens + 1):
+        seen.setdefault(launch_signature(layer, num_tokens), num_tokens)
+    return sorted(seen.values())
+
+
+@contextlib.contextmanager
+def count_compilations() -> Iterator[list[str]]:
+    """Within the block, the names of the Triton kernels compiled (or loaded from the disk cache) are appended to
+    the yielded list, through Triton's ``jit_cache_hook``; the list stays empty where that hook does not exist."""
+    names: list[str] = []
+    try:
+        from triton import knobs
+    except ImportError:  # an older Triton without knobs
+        yield names
+        return
+    previous = knobs.runtime.jit_cache_hook
+
+    def hook(*args, **kwargs):
+        names.append(getattr(kwargs.get("fn"), "name", "?"))
+        return previous(*args, **kwargs) if previous is not None else False
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield names
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+
+
+def _layers(module: nn.Module) -> list[MoELayer]:
+    return [m for m in module.modules() if isinstance(m, MoELayer)]
+
+
+def _progress(message: str) -> None:
+    print(f"[moefuse warmup {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+@torch.no_grad()
+def warmup(module: nn.Module, max_tokens: int = 4096, *, progress: bool = True) -> WarmupReport:
+    """Compile every kernel variant the ``MoELayer`` s in ``module`` (a layer, or a model patched by
+    :func:`moefuse.patch`) can launch for 1 to ``max_tokens`` tokens, and capture their decode graphs.
+
+    Runs each layer shape once per distinct launch signature (on random activations of the smallest batch that
+    has it), and every further layer of the same shape only at its graph sizes. Layers on the CPU or with the
+    reference backend compile nothing and are skipped. Returns a :class:`WarmupReport`; with ``progress`` it
+    reports on stderr as it goes.
+    """
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+    start = time.perf_counter()
+    layers = [m for m in _layers(module) if m.experts.gate_up_proj.is_cuda and m.backend != "reference"]
+    report = WarmupReport(layers=len(layers))
+    done: dict[tuple, list[int]] = {}
+    with count_compilations() as compiled:
+        for i, layer in enumerate(layers, 1):
+            weight = layer.experts.gate_up_proj
+            shape = (layer.config, weight.dtype, weight.device, layer.graphs.max_tokens, layer.shared_slot_max_tokens,
+                     layer.shared_slot_weights() is not None)
+            first_of_shape = shape not in done
+            if first_of_shape:
+                done[shape] = token_counts(layer, max_tokens)
+                report.token_counts += done[shape]
+                counts = done[shape]
+            else:  # kernels compiled already: only this layer's own decode graphs are left to capture
+                counts = [m for m in done[shape] if m <= layer.graphs.max_tokens]
+            for j, num_tokens in enumerate(counts, 1):
+                if progress and (j == len(counts) or j % 8 == 1):
+                    _progress(f"layer {i}/{len(layers)}: batch size {num_tokens} ({j}/{len(counts)}), "
+                              f"{len(compiled)} variants so far")
+                x = torch.randn(num_tokens, layer.config.hidden_size, device=weight.device, dtype=weight.dtype)
+                layer(x)
+            if first_of_shape:
+                _prime_cublas(layer, max_tokens)
+            report.graphs += len(layer.graphs)
+            torch.cuda.synchronize(layer.experts.gate_up_proj.device)
+    report.compiled = len(compiled) if _has_hook() else None
+    report.seconds = time.perf_counter() - start
+    if progress:
+        _progress(str(report))
+    return report
+
+
+def _prime_cublas(layer: MoELayer, max_tokens: int) -> None:
+    """Run the layer's cuBLAS GEMMs (router linear past ``linear.MAX_TOKENS`` tokens, shared expert) at every token
+    count up to ``max_tokens`` that does not replay a graph. cuBLAS picks a kernel per shape and loads it on its
+    first use: 2.3 to 3.1 ms each on an H200 (torch 2.11), which a first call at a new batch size would
+    otherwise pay, once per GEMM. One activation buffer of ``max_tokens`` rows serves every count."""
+    weight = layer.experts.gate_up_proj
+    x = torch.randn(max_tokens, layer.config.hidden_size, device=weight.device, dtype=weight.dtype)
+    for num_tokens in range(layer.graphs.max_tokens + 1, max_tokens + 1):
+        if num_tokens > linear.MAX_TOKENS:
+            layer.gate.logits(x[:num_tokens])
+        if layer.shared_experts is not None and not layer.uses_shared_slot(num_tokens, weight.device):
+            layer.shared_experts(x[:num_tokens])
+
+
+def _has_hook() -> bool:
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    return hasattr(knobs.runtime, "jit_cache_hook")

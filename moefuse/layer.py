@@ -133,6 +133,23 @@ class SharedExpert(nn.Module):
         return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
+@torch.no_grad()
+def init_random_(module: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Fill every weight of a MoE module with N(0, std²) and the expert bias with N(0, 0.01²), on the weights' device.
+
+    Drawn one expert slice at a time, so a full-size layer needs no host-side copy of its weights.
+    """
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+        if tensor is None:
+            continue
+        if tensor.device not in gens:
+            gens[tensor.device] = torch.Generator(tensor.device).manual_seed(seed)
+        scale = 0.01 if name.endswith("e_score_correction_bias") else std
+        for part in tensor.view(-1, *tensor.shape[-1:]).split(4096):
+            part.normal_(0.0, scale, generator=gens[tensor.device])
+
+
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -254,22 +271,9 @@ class MoELayer(nn.Module):
                                     defer=True, backend=self.backend)
         return finalize_deferred_output(routed, None, backend=self.backend)
 
-    @torch.no_grad()
     def init_random_(self, seed: int = 0, std: float = 0.02) -> MoELayer:
-        """Fill every weight with N(0, std²) and the expert bias with N(0, 0.01²), drawn on the weights' device.
-
-        Drawn one expert slice at a time, so a full-size layer needs no host-side copy of its weights.
-        """
-        gens: dict[torch.device, torch.Generator] = {}
-        for name, tensor in list(self.named_parameters()) + list(self.named_buffers()):
-            if tensor is None:
-                continue
-            if tensor.device not in gens:
-                gens[tensor.device] = torch.Generator(tensor.device).manual_seed(seed)
-            gen = gens[tensor.device]
-            scale = 0.01 if name.endswith("e_score_correction_bias") else std
-            for part in tensor.view(-1, *tensor.shape[-1:]).split(4096):
-                part.normal_(0.0, scale, generator=gen)
+        """Random weights, in place (:func:`init_random_`); returns the layer."""
+        init_random_(self, seed, std)
         return self
 
     @property

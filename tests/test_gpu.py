@@ -212,3 +212,25 @@ def test_no_compiles_after_warmup_for_a_tuned_preset():
     counts = set(range(1, 65)) | set(range(65, 4097, 29))
     counts |= {p + d for p in (2**i for i in range(6, 13)) for d in (-1, 0, 1) if p + d <= 4096}
     assert _sweep(layer, sorted(counts)) == []
+
+
+def test_sharded_layer_on_a_nccl_group_of_one(tmp_path, gen):
+    """Every parallel mode through NCCL with one rank equals the layer; the fixed-capacity all-to-all has no host
+    sync, so a decode step captured in a CUDA graph replays to the same result."""
+    import torch.distributed as dist
+
+    from moefuse.parallel import ShardedMoELayer
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        layer = _layer(8)
+        x = torch.randn(5, CONFIG.hidden_size, generator=gen).to("cuda", torch.bfloat16)
+        with torch.no_grad():
+            want = _plain(layer, x).float()
+            for mode, capacity in (("ep", None), ("tp", None), ("ep-a2a", None), ("ep-a2a", 5 * CONFIG.top_k)):
+                sharded = ShardedMoELayer.from_layer(layer, mode, capacity=capacity)
+                assert_rel_close(sharded(x).float(), want, 1e-2, f"{mode} capacity={capacity}")
+            eager, replayed = _replayed(lambda: sharded(x))
+        assert torch.equal(eager, replayed)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,308 @@
+"""The MoE layer sharded over a torch.distributed process group: expert parallel and tensor parallel.
+
+``ShardedMoELayer.from_layer(layer, mode, group)`` keeps this rank's shard of a full :class:`moefuse.MoELayer`
+(every rank builds or loads the full layer, e.g. on the CPU, and keeps only its part on its device). The
+transport is torch.distributed's (NCCL on GPUs, gloo on CPUs); the stages are moefuse's own ops. Modes, with W
+ranks, E experts, H the model width and 2-byte activations (``docs/PARALLEL.md`` has the costs and when to
+pick which):
+
+- ``"ep"``, expert parallel, tokens replicated (attention tensor-parallel): rank r owns experts
+  ``[r·E/W, (r+1)·E/W)``. Every rank routes the same tokens; slots of experts elsewhere become -1 (dispatch
+  skips them); one fused finalize adds this rank's weighted rows and its part of the shared expert; one
+  all-reduce (``scatter_output=True``: a reduce-scatter, each rank keeping ``M/W`` rows).
+- ``"tp"``, expert tensor parallel, tokens replicated: every rank holds columns ``[r·I/W, (r+1)·I/W)`` of every
+  expert's intermediate (gate and up rows, down columns); the same finalize and one all-reduce.
+- ``"ep-a2a"``, expert parallel, tokens sharded (attention data-parallel): each rank routes its own tokens and
+  sends each (token, slot) row to the rank owning the expert (``all_to_all_single``), runs its experts on what
+  it received, and sends the results back; the source's finalize weights them and adds its own shared expert.
+  With ``capacity=None`` the exact row counts are exchanged first (one host sync per call: prefill). With
+  ``capacity=C`` every rank sends a fixed buffer of C rows to every rank (unused rows carry expert -1): no host
+  sync, so a decode step can be captured in a CUDA graph; C >= ``max tokens per rank × top_k`` can never
+  overflow, a smaller C raises (checked on the device only when checks are on; see ``capacity``).
+
+In ``"ep"`` and ``"tp"`` the shared expert is split like the routed ones by default (``shared="tp"``: rank r
+holds its slice of the shared intermediate, and its partial output joins the same finalize and reduction), or
+computed whole on rank 0 (``shared="rank0"``). In ``"ep-a2a"`` every rank runs the whole shared expert on its own
+tokens. E must divide by W (``"ep"``, ``"ep-a2a"``) and I by W (``"tp"``; the shared intermediate too with
+``shared="tp"``); anything else is a ``ValueError`` at construction, not an uneven split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moefuse._runtime import Backend, checks_enabled
+from moefuse.config import MoEConfig
+from moefuse.finalize import DeferredFinalizeOutput, finalize_deferred_output
+from moefuse.layer import MoELayer, MoERouter, SharedExpert, init_random_, routed_experts
+
+Mode = Literal["ep", "tp", "ep-a2a"]
+MODES: tuple[str, ...] = ("ep", "tp", "ep-a2a")
+
+
+def _rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not dist.is_initialized():
+        raise ValueError("group: torch.distributed is not initialised (call torch.distributed.init_process_group)")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class ShardedMoELayer(nn.Module):
+    """This rank's shard of a MoE block; ``forward`` returns the same as the full layer (see the module docstring).
+
+    Build it with :meth:`from_layer`. Parameter names follow :class:`moefuse.MoELayer` (``gate.*``, ``experts.*``,
+    ``shared_experts.*``), holding this rank's slices.
+    """
+
+    def __init__(self, config: MoEConfig, mode: Mode, group: dist.ProcessGroup | None = None, *,
+                 shared: Literal["tp", "rank0"] = "tp", capacity: int | None = None, scatter_output: bool = False,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
+                 backend: Backend = "auto"):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if shared not in ("tp", "rank0"):
+            raise ValueError(f"shared must be 'tp' or 'rank0', got {shared!r}")
+        rank, world = _rank_and_size(group)
+        E, I, S = config.num_experts, config.intermediate_size, config.shared_intermediate_size
+        if mode in ("ep", "ep-a2a") and E % world:
+            raise ValueError(f"mode={mode!r}: the {E} experts do not split evenly over {world} ranks")
+        if mode == "tp" and I % world:
+            raise ValueError(f"mode='tp': intermediate_size {I} does not split evenly over {world} ranks")
+        split_shared = mode != "ep-a2a" and shared == "tp" and S > 0
+        if split_shared and S % world:
+            raise ValueError(f"shared='tp': the shared intermediate {S} does not split over {world} ranks "
+                             "(use shared='rank0')")
+        if capacity is not None and (mode != "ep-a2a" or isinstance(capacity, bool) or not isinstance(capacity, int)
+                                     or capacity < 1):
+            raise ValueError(f"capacity must be None, or an int >= 1 with mode='ep-a2a', got {capacity!r}")
+        if scatter_output and mode == "ep-a2a":
+            raise ValueError("scatter_output applies to the token-replicated modes ('ep', 'tp')")
+        self.config, self.mode, self.group, self.rank, self.world = config, mode, group, rank, world
+        self.shared_mode, self.capacity, self.scatter_output, self.backend = shared, capacity, scatter_output, backend
+        self.num_local_experts = E // world if mode != "tp" else E
+        width = I // world if mode == "tp" else I
+        self.gate = MoERouter(config, device=device, backend=backend)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(
+            torch.empty(self.num_local_experts, 2 * width, config.hidden_size, dtype=dtype, device=device))
+        self.experts.down_proj = nn.Parameter(
+            torch.empty(self.num_local_experts, config.hidden_size, width, dtype=dtype, device=device))
+        runs_shared = S > 0 and (split_shared or mode == "ep-a2a" or rank == 0)
+        shared_width = S // world if split_shared else S
+        self.shared_experts = (SharedExpert(config.hidden_size, shared_width, config.swiglu_limit, dtype=dtype,
+                                            device=device) if runs_shared else None)
+
+    def init_random_(self, seed: int = 0, std: float = 0.02) -> ShardedMoELayer:
+        """Random weights for this shard (benchmarks; not the full layer's values: use :meth:`from_layer`)."""
+        init_random_(self, seed + self.rank, std)
+        return self
+
+    @classmethod
+    @torch.no_grad()
+    def from_layer(cls, layer: MoELayer, mode: Mode, group: dist.ProcessGroup | None = None, *,
+                   device: torch.device | str | None = None, **kwargs) -> ShardedMoELayer:
+        """This rank's shard of ``layer`` (copied to ``device``, default the layer's); ``kwargs`` as ``__init__``."""
+        if not isinstance(layer, MoELayer):
+            raise TypeError(f"layer must be a moefuse.MoELayer, got {type(layer).__name__}")
+        full_up = layer.experts.gate_up_proj
+        device = full_up.device if device is None else device
+        kwargs.setdefault("backend", layer.backend)
+        sharded = cls(layer.config, mode, group, dtype=full_up.dtype, device=device, **kwargs)
+        c, r, W = layer.config, sharded.rank, sharded.world
+        sharded.gate.weight.copy_(layer.gate.weight)
+        if layer.gate.e_score_correction_bias is not None:
+            sharded.gate.e_score_correction_bias.copy_(layer.gate.e_score_correction_bias)
+        if mode == "tp":
+            cols = _slice(c.intermediate_size, r, W)
+            gate, up = full_up[:, :c.intermediate_size], full_up[:, c.intermediate_size:]
+            sharded.experts.gate_up_proj.copy_(torch.cat([gate[:, cols], up[:, cols]], 1))
+            sharded.experts.down_proj.copy_(layer.experts.down_proj[:, :, cols])
+        else:
+            experts = _slice(c.num_experts, r, W)
+            sharded.experts.gate_up_proj.copy_(full_up[experts])
+            sharded.experts.down_proj.copy_(layer.experts.down_proj[experts])
+        if sharded.shared_experts is not None:
+            src, dst = layer.shared_experts, sharded.shared_experts
+            split = dst.gate_proj.weight.shape != src.gate_proj.weight.shape
+            rows = _slice(src.gate_proj.weight.shape[0], r, W) if split else slice(None)
+            dst.gate_proj.weight.copy_(src.gate_proj.weight[rows])
+            dst.up_proj.weight.copy_(src.up_proj.weight[rows])
+            dst.down_proj.weight.copy_(src.down_proj.weight[:, rows])
+        return sharded
+
+    def forward(self, hidden_states: torch.Tensor, num_token_non_padded: int | torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """[..., H] -> [..., H] (``scatter_output``: [M/W, H], this rank's rows of the flattened tokens).
+
+        Tokens at or past ``num_token_non_padded`` (of this rank's tokens in ``"ep-a2a"``) reach no routed expert
+        and get only the shared expert, as in :class:`moefuse.MoELayer`. The three phases are public so a
+        benchmark can time them: :meth:`dispatch`, :meth:`compute`, :meth:`combine`.
+        """
+        c = self.config
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
+        if hidden_states.shape[-1:] != (c.hidden_size,):
+            raise ValueError(f"hidden_states must be [..., {c.hidden_size}], got {tuple(hidden_states.shape)}")
+        x = hidden_states.reshape(-1, c.hidden_size)
+        if self.scatter_output and x.shape[0] % self.world:
+            raise ValueError(f"scatter_output: the {x.shape[0]} tokens do not split over {self.world} ranks")
+        out = self.combine(self.compute(self.dispatch(x, num_token_non_padded)))
+        return out if self.scatter_output else out.reshape(hidden_states.shape)
+
+    def dispatch(self, x: torch.Tensor, num_token_non_padded: int | torch.Tensor | None = None) -> Exchange:
+        """Route tokens ``x`` [M, H]; in ``"ep-a2a"`` also send each (token, slot) row to its expert's rank."""
+        weights, ids = self.gate(x, num_token_non_padded)
+        if self.mode == "tp":
+            return Exchange(x, weights, ids)
+        if self.mode == "ep":
+            return Exchange(x, weights, self._local_ids(ids))
+        K, W = self.config.top_k, self.world
+        pairs = ids.reshape(-1).long()  # [M·K], pair t·K + k
+        dest = torch.where(pairs >= 0, pairs // self.num_local_experts, W)  # rank W: no expert (-1 slot)
+        # Stable order by destination: each rank's rows together, in pair order. Counts by scatter_add, not
+        # bincount (which reads its input's maximum back to the host).
+        order = torch.sort(dest, stable=True).indices
+        counts = torch.zeros(W + 1, dtype=torch.int64, device=x.device).scatter_add_(0, dest, torch.ones_like(dest))
+        pack = self._pack_exact if self.capacity is None else self._pack_capacity
+        send_rows, position, send_ids, splits = pack(x, pairs, dest, order, counts[:W], K)
+        recv_splits = None if splits is None else _exchange_counts(splits, self.group)
+        recv_rows = _all_to_all(send_rows, splits, recv_splits, self.group)
+        recv_ids = _all_to_all(send_ids, splits, recv_splits, self.group)
+        return Exchange(x, weights, position, splits, recv_splits, recv_rows, recv_ids)
+
+    def compute(self, exchange: Exchange) -> Exchange:
+        """This rank's experts: on the replicated tokens, or on the rows it received."""
+        if self.mode != "ep-a2a":
+            exchange.routed = self._routed(exchange.x, exchange.weights, exchange.ids)
+            return exchange
+        # The received rows are (token, slot) pairs with top_k = 1: dispatch, experts, and back in the received
+        # order (a finalize of weight 1 would round; a gather does not).
+        ones = torch.ones(exchange.recv_ids.shape[0], 1, dtype=torch.float32, device=exchange.x.device)
+        deferred = self._routed(exchange.recv_rows, ones, exchange.recv_ids[:, None])
+        rows = deferred.expanded_idx_to_permuted_idx.long()
+        exchange.results = deferred.gemm2_out[rows.clamp(min=0)]  # rows of unused slots (-1) are never read back
+        return exchange
+
+    def combine(self, exchange: Exchange) -> torch.Tensor:
+        """Weighted sum with the shared expert: one finalize, then the reduction or the all-to-all back."""
+        shared = self.shared_experts(exchange.x) if self.shared_experts is not None else None
+        if self.mode == "ep-a2a":
+            back = _all_to_all(exchange.results, exchange.recv_splits, exchange.splits, self.group)
+            routed = DeferredFinalizeOutput(back, exchange.weights, exchange.ids, self.config.top_k)
+            return finalize_deferred_output(routed, shared, backend=self.backend)
+        out = finalize_deferred_output(exchange.routed, shared, backend=self.backend)
+        if self.scatter_output:
+            return _reduce_scatter(out, self.group)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+    def _local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids -> this rank's (0 .. E/W - 1), -1 for experts elsewhere (and for -1)."""
+        local = ids - self.rank * self.num_local_experts
+        return torch.where((local >= 0) & (local < self.num_local_experts), local, -1).to(torch.int32)
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> DeferredFinalizeOutput:
+        out = routed_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
+                             swiglu_limit=self.config.swiglu_limit, defer=True, backend=self.backend)
+        assert isinstance(out, DeferredFinalizeOutput)
+        return out
+
+    def _pack_exact(self, x, pairs, dest, order, counts, K):
+        """Send buffer of exactly the valid pairs, grouped by rank; ``position`` maps pair -> its row (or -1)."""
+        valid = order[: int(counts.sum())]  # the host sync of this variant: the counts decide the sizes
+        position = torch.full_like(pairs, -1)
+        position[valid] = torch.arange(valid.numel(), device=x.device)
+        local = (pairs[valid] % self.num_local_experts).to(torch.int32)
+        return x[valid // K], position.to(torch.int32), local, counts.tolist()
+
+    def _pack_capacity(self, x, pairs, dest, order, counts, K):
+        """A [W, C] send buffer: rank w's pairs in rows w·C .. w·C + count_w - 1, the rest carry expert -1."""
+        C, W = self.capacity, self.world
+        sorted_dest = dest[order]
+        first = torch.cumsum(counts, 0) - counts  # first sorted index of each rank's pairs
+        slot = torch.arange(order.numel(), device=x.device) - first.index_select(0, sorted_dest.clamp(max=W - 1))
+        ok = (sorted_dest < W) & (slot < C)
+        row = torch.where(ok, sorted_dest * C + slot, W * C)  # W·C: a trash row, cut off below
+        _check_capacity(counts, C, self.group)
+        position = torch.empty_like(pairs)
+        position[order] = torch.where(ok, row, -1)
+        send_ids = torch.full((W * C + 1,), -1, dtype=torch.int32, device=x.device)
+        send_ids[row] = (pairs[order] % self.num_local_experts).to(torch.int32)
+        send_rows = torch.zeros(W * C + 1, x.shape[1], dtype=x.dtype, device=x.device)
+        send_rows[row] = x[order // K]
+        return send_rows[:-1], position.to(torch.int32), send_ids[:-1], None
+
+
+@dataclass
+class Exchange:
+    """What passes between the phases of a sharded forward.
+
+    ``ids``: the experts of each (token, slot) for this rank's GEMMs (``"ep"``: local ids, -1 elsewhere), or in
+    ``"ep-a2a"`` the row of the send buffer each pair went to (-1: none), which the combine reads results from.
+    """
+
+    x: torch.Tensor  # [M, H] this rank's tokens
+    weights: torch.Tensor  # [M, K] routing weights
+    ids: torch.Tensor
+    splits: list[int] | None = None  # ep-a2a: rows sent to each rank (None: fixed capacity)
+    recv_splits: list[int] | None = None  # ep-a2a: rows received from each rank
+    recv_rows: torch.Tensor | None = None  # ep-a2a: [R, H] rows received
+    recv_ids: torch.Tensor | None = None  # ep-a2a: [R] their local experts (-1: unused capacity)
+    routed: DeferredFinalizeOutput | None = None  # ep, tp: this rank's expert rows
+    results: torch.Tensor | None = None  # ep-a2a: [R, H] expert outputs of the received rows, in received order
+
+
+def _slice(n: int, rank: int, world: int) -> slice:
+    return slice(rank * n // world, (rank + 1) * n // world)
+
+
+def _check_capacity(counts: torch.Tensor, capacity: int, group: dist.ProcessGroup | None) -> None:
+    """A row past the capacity would be dropped: an error on every rank where value checks are on (the CPU,
+    ``MOEFUSE_CHECK=1``; one more small all-reduce, so that all ranks raise together instead of some waiting in
+    the next collective), never during graph capture; elsewhere the caller sized C for the worst case."""
+    device = counts.device
+    if (torch.compiler.is_compiling() or not checks_enabled(device)
+            or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+        return
+    worst = counts.max().reshape(1)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+    worst = int(worst)
+    if worst > capacity:
+        raise ValueError(f"capacity {capacity} is too small: {worst} rows go to one rank "
+                         "(use capacity >= max tokens per rank × top_k)")
+
+
+def _exchange_counts(splits: list[int], group: dist.ProcessGroup | None) -> list[int]:
+    """Every rank's count of rows for this rank (a tiny all-to-all, then a host sync: the exact variant's)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    send = torch.tensor(splits, dtype=torch.int64, device=device)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.tolist()
+
+
+def _all_to_all(tensor: torch.Tensor, send_splits: list[int] | None, recv_splits: list[int] | None,
+                group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``all_to_all_single`` of rows; equal splits when ``send_splits`` is None (the fixed-capacity variant)."""
+    rows = tensor.shape[0] if recv_splits is None else sum(recv_splits)
+    out = torch.empty(rows, *tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
+    dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                           group=group)
+    return out
+
+
+def _reduce_scatter(out: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum over ranks and keep this rank's M/W rows (gloo has no reduce-scatter: all-reduce, then slice)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = out.shape[0] // world
+    if dist.get_backend(group) == "nccl":
+        mine = torch.empty(rows, *out.shape[1:], dtype=out.dtype, device=out.device)
+        dist.reduce_scatter_tensor(mine, out, group=group)
+        return mine
+    dist.all_reduce(out, group=group)
+    return out[rank * rows:(rank + 1) * rows].clone()

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moefuse import _runtime  # noqa: E402
 from moefuse.config import PRESETS  # noqa: E402
 from moefuse.experts import configs  # noqa: E402
+from moefuse.experts import fp8 as experts_fp8  # noqa: E402
 from moefuse.experts import kernel as experts_kernel  # noqa: E402
 from moefuse.route import kernel as route_kernel  # noqa: E402
 from moefuse.route import linear as route_linear  # noqa: E402
@@ -62,8 +63,10 @@ ROUTER_CONFIGS = {
 ROUTER_POINTERS = {"scores_ptr": "*fp32", "bias_ptr": "*fp32", "ntnp_ptr": "*i32", "weights_ptr": "*fp32",
                    "ids_ptr": "*i32"}
 ROUTER_SCALARS = {"M": "i32", "n_valid": "i32", "routed_scaling_factor": "fp32", "softcap": "fp32"}
-UNIT_STRIDES = ("stride_hk", "stride_wk", "stride_in", "stride_ik", "stride_on")  # of contiguous experts tensors
-TYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# of contiguous experts tensors (and of the fp8 path's scales)
+UNIT_STRIDES = ("stride_hk", "stride_wk", "stride_in", "stride_ik", "stride_on", "stride_sk", "stride_isg")
+TYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+              torch.float8_e4m3fn: "fp8"}  # fp8: block-scale e4m3 weights, bf16 activations
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 3):
@@ -88,7 +91,7 @@ def sass_stats(cubin: bytes) -> tuple[str, dict]:
         "instr": len(ops),
         "shfl": sum(op.startswith("SHFL") for op in ops),
         "redux": sum(op.startswith("REDUX") for op in ops),
-        "hgmma": sum(op.startswith("HGMMA") for op in ops),
+        "hgmma": sum(op.startswith(("HGMMA", "QGMMA")) for op in ops),  # wgmma: 16-bit and fp8 operands
         "hmma": sum(op.startswith("HMMA") for op in ops),
         "regs": int(re.search(r"REG:(\d+)", res).group(1)),
         "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
@@ -174,6 +177,24 @@ def compile_gemm(gemm: int, dtype: torch.dtype, block_m: int, tiles: configs.Gem
     return compile_sm90(fn, signature, constexprs, tiles.num_warps, tiles.num_stages)
 
 
+def compile_fp8_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_limit: bool):
+    """The fp8 block-scale GEMM1 or GEMM2 (``experts/fp8.py``) as ``experts_fp8`` launches it on sm_90 (bf16
+    activations, TMA weights, PDL); ``tiles`` already adapted by ``fp8_tiles``."""
+    fn = experts_fp8._gemm1_fp8_kernel if gemm == 1 else experts_fp8._gemm2_fp8_kernel
+    constexprs = {
+        "EMULATE_RTNE": False, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
+        "GROUP_M": tiles.group_m, "W_TMA": True, "USE_PDL": True,
+        **{name: 1 for name in UNIT_STRIDES if name in fn.arg_names},
+        **({"HAS_LIMIT": has_limit} if gemm == 1 else {}),
+    }
+    types = {"hidden_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*fp8e4nv", "inter_ptr": "*fp8e4nv",
+             "ws_ptr": "*fp32", "is_ptr": "*fp32", "limit": "fp32",
+             "w_desc": f"tensordesc<fp8e4nv[{tiles.block_n}, {tiles.block_k}]>"}
+    signature = {name: types.get(name, "*i32" if name.endswith("_ptr") else "i32")
+                 for name in fn.arg_names if name not in constexprs}
+    return compile_sm90(fn, signature, constexprs, tiles.num_warps, tiles.num_stages)
+
+
 def experts(args: argparse.Namespace) -> list[str]:
     problems = []
     buckets = sorted({int(m) for entry in configs.load_table(configs.TABLES[(9, 0)])["entries"]
@@ -186,8 +207,14 @@ def experts(args: argparse.Namespace) -> list[str]:
         c = PRESETS[name]
         for dtype in dtypes:
             for M in buckets:
-                cfg = configs.pick(M, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, dtype, (9, 0))
-                for gemm, tiles, k in ((1, cfg.gemm1, c.hidden_size), (2, cfg.gemm2, c.intermediate_size)):
+                fp8 = dtype == torch.float8_e4m3fn
+                cfg = configs.pick(M, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k,
+                                   torch.bfloat16 if fp8 else dtype, (9, 0))
+                gemms = [(1, cfg.gemm1, c.hidden_size), (2, cfg.gemm2, c.intermediate_size)]
+                if fp8:
+                    gemms = [(g, experts_fp8.fp8_tiles(t, cfg.block_m, g == 1, 2 if g == 1 else 1), k)
+                             for g, t, k in gemms]
+                for gemm, tiles, k in gemms:
                     has_limit = gemm == 1 and c.swiglu_limit is not None
                     key = (gemm, dtype, cfg.block_m, tiles, k % tiles.block_k == 0, has_limit)
                     if key in seen:  # N and K are run-time arguments: the same launch compiles the same
@@ -195,7 +222,8 @@ def experts(args: argparse.Namespace) -> list[str]:
                     seen.add(key)
                     where = f"{name} {TYPE_NAMES[dtype]} M={M} GEMM{gemm}"
                     try:
-                        compiled = compile_gemm(gemm, dtype, cfg.block_m, tiles, k, has_limit)
+                        compiled = (compile_fp8_gemm(gemm, cfg.block_m, tiles, has_limit) if fp8
+                                    else compile_gemm(gemm, dtype, cfg.block_m, tiles, k, has_limit))
                     except Exception as error:  # any compiler error is a finding: reported, and --check fails
                         problems.append(f"{where}: does not compile ({type(error).__name__}: {error})")
                         print(problems[-1], flush=True)
@@ -220,8 +248,9 @@ def main() -> int:
     p_router.add_argument("--dump", type=Path, help="write ttgir and SASS per config into this folder")
     p_experts = sub.add_parser("experts", help="the grouped GEMMs, per tile config the presets pick")
     p_experts.add_argument("--preset", nargs="+", default=sorted(PRESETS), choices=sorted(PRESETS))
-    p_experts.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=list(TYPE_NAMES.values()),
-                           help="activation dtypes (fp16 compiles like bf16; the table serves both)")
+    p_experts.add_argument("--dtype", nargs="+", default=["bf16", "fp32", "fp8"], choices=list(TYPE_NAMES.values()),
+                           help="activation dtypes (fp16 compiles like bf16; the table serves both); fp8: "
+                                "block-scale e4m3 weights with bf16 activations")
     for p in (p_router, p_experts):
         p.add_argument("--check", action="store_true", help="exit 1 on a kernel that would fail on an H200")
     args = parser.parse_args()

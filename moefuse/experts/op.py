@@ -9,16 +9,18 @@ import torch
 
 from .. import _checks, _runtime
 from ..dispatch import DispatchPlan
+from ..formats import BlockFP8, ExpertWeight
 from . import configs
 from .configs import GemmTiles
+from .fp8 import experts_fp8
 from .kernel import gemm1_swiglu, gemm2
-from .reference import moe_experts_torch
+from .reference import moe_experts_fp8_torch, moe_experts_torch
 
 
 def moe_experts(
     hidden: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
+    gate_up_proj: ExpertWeight,
+    down_proj: ExpertWeight,
     plan: DispatchPlan,
     *,
     swiglu_limit: Optional[float] = None,
@@ -34,8 +36,10 @@ def moe_experts(
 
     Args:
         hidden: [M, H] bf16, fp16 or fp32 activations, any strides.
-        gate_up_proj: [E, 2I, H] of hidden's dtype, gate rows 0..I-1 then up rows (Hugging Face layout).
-        down_proj: [E, H, I] of hidden's dtype.
+        gate_up_proj: [E, 2I, H] of hidden's dtype, gate rows 0..I-1 then up rows (Hugging Face layout); or a
+            :class:`moefuse.formats.BlockFP8` of that shape (then ``down_proj`` too, and hidden bf16 or fp16:
+            W8A8 with the activations quantized on the fly, SPEC §5).
+        down_proj: [E, H, I] of hidden's dtype, or a ``BlockFP8``.
         plan: from :func:`moefuse.dispatch.moe_dispatch` for these M tokens (M·K rows) and E experts, on
             hidden's device; its ``block_m`` is the GEMMs' tile height.
         swiglu_limit: None, or a finite number > 0 (DeepSeek-V4: 10).
@@ -54,6 +58,8 @@ def moe_experts(
     rounded once. Tiles: :func:`moefuse.experts.configs.pick` (tuned tables, heuristic fallback, overrides).
     CUDA graphs: capturable, no host sync; grids depend only on shapes and the plan's static tile count.
     """
+    if isinstance(gate_up_proj, BlockFP8) or isinstance(down_proj, BlockFP8):
+        return _moe_experts_fp8(hidden, gate_up_proj, down_proj, plan, swiglu_limit, out, backend)
     num_tokens, hidden_size, width, resolved = _validate(
         hidden, gate_up_proj, down_proj, plan, swiglu_limit, out, backend
     )
@@ -75,6 +81,35 @@ def moe_experts(
     return out
 
 
+def _moe_experts_fp8(hidden, gate_up_proj, down_proj, plan, swiglu_limit, out, backend) -> torch.Tensor:
+    """``moe_experts`` on :class:`BlockFP8` weights: validation, tiles, the ``moefuse::experts_fp8`` op."""
+    for name, weight in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if not isinstance(weight, BlockFP8):
+            raise TypeError(f"{name} must be a BlockFP8 like the other expert weight, got {type(weight).__name__}")
+    _checks.check_tensor("hidden", hidden, dtypes=(torch.bfloat16, torch.float16), ndim=2)
+    num_tokens, hidden_size, width, resolved = _validate(
+        hidden, gate_up_proj.values, down_proj.values, plan, swiglu_limit, out, backend, weight_dtype=None
+    )
+    for name, weight in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if weight.scales.device != hidden.device:
+            raise ValueError(f"{name}.scales is on {weight.scales.device}, expected {hidden.device}")
+    device = hidden.device
+    if out is None:
+        out = torch.empty(plan.num_rows, hidden_size, dtype=hidden.dtype, device=device)
+    config = configs.pick(num_tokens, gate_up_proj.shape[0], hidden_size, width, plan.top_k, hidden.dtype,
+                          configs.arch_of(device), block_m=plan.block_m)
+    op = _experts_fp8_impl if _runtime.direct_call() else torch.ops.moefuse.experts_fp8
+    op(
+        hidden, gate_up_proj.values, gate_up_proj.scales, down_proj.values, down_proj.scales,
+        plan.expert_offsets, plan.permuted_to_expanded, plan.expanded_to_permuted,
+        plan.tile_expert, plan.tile_row_start, plan.top_k, plan.block_m,
+        None if swiglu_limit is None else float(swiglu_limit),
+        _tiles_to_list(config.gemm1) + _tiles_to_list(config.gemm2),
+        _runtime.pdl_enabled(None, device), resolved, out,
+    )
+    return out
+
+
 def _validate(
     hidden: object,
     gate_up_proj: object,
@@ -83,12 +118,18 @@ def _validate(
     swiglu_limit: object,
     out: object,
     backend: str,
+    *,
+    weight_dtype: object = "hidden",
 ) -> tuple[int, int, int, str]:
-    """All checks of ``moe_experts``, before any allocation or launch; returns (M, H, I, backend)."""
+    """All checks of ``moe_experts``, before any allocation or launch; returns (M, H, I, backend).
+
+    The weights must have hidden's dtype (``weight_dtype="hidden"``) or are values already checked (None: fp8).
+    """
     hidden = _checks.check_tensor("hidden", hidden, dtypes=_checks.FLOAT_DTYPES, ndim=2)
     device = hidden.device
     num_tokens, hidden_size = hidden.shape
-    gate_up_proj = _checks.check_tensor("gate_up_proj", gate_up_proj, dtypes=(hidden.dtype,), ndim=3, device=device)
+    dtypes = (hidden.dtype,) if weight_dtype == "hidden" else None
+    gate_up_proj = _checks.check_tensor("gate_up_proj", gate_up_proj, dtypes=dtypes, ndim=3, device=device)
     num_experts, two_width, weight_h = gate_up_proj.shape
     if two_width == 0 or two_width % 2:
         raise ValueError(f"gate_up_proj must be [E, 2I, H] with 2I even and > 0, got shape {tuple(gate_up_proj.shape)}")
@@ -98,7 +139,7 @@ def _validate(
         raise ValueError("hidden must have H >= 1 columns")
     width = two_width // 2
     _checks.check_tensor(
-        "down_proj", down_proj, dtypes=(hidden.dtype,), shape=(num_experts, hidden_size, width), device=device
+        "down_proj", down_proj, dtypes=dtypes, shape=(num_experts, hidden_size, width), device=device
     )
     if not isinstance(plan, DispatchPlan):
         raise TypeError(f"plan must be a moefuse.dispatch.DispatchPlan, got {type(plan).__name__}")
@@ -160,6 +201,44 @@ def _experts_impl(
 
 
 _experts_op = torch.library.custom_op("moefuse::experts", _experts_impl, mutates_args=("out",))
+
+
+def _experts_fp8_impl(
+    hidden: torch.Tensor,
+    gate_up_values: torch.Tensor,
+    gate_up_scales: torch.Tensor,
+    down_values: torch.Tensor,
+    down_scales: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    permuted_to_expanded: torch.Tensor,
+    expanded_to_permuted: torch.Tensor,
+    tile_expert: torch.Tensor,
+    tile_row_start: torch.Tensor,
+    top_k: int,
+    block_m: int,
+    swiglu_limit: Optional[float],
+    tiles: list[int],
+    use_pdl: bool,
+    backend: str,
+    out: torch.Tensor,
+) -> None:
+    """Compute into ``out`` on fp8 block-scale weights (validated by the wrapper)."""
+    plan = DispatchPlan(gate_up_values.shape[0], top_k, block_m, expert_offsets, permuted_to_expanded,
+                        expanded_to_permuted, tile_expert, tile_row_start)
+    gate_up, down = BlockFP8(gate_up_values, gate_up_scales), BlockFP8(down_values, down_scales)
+    if backend != "triton":
+        moe_experts_fp8_torch(hidden, gate_up, down, plan, swiglu_limit=swiglu_limit, out=out)
+        return
+    experts_fp8(hidden, gate_up, down, plan, out, GemmTiles(*tiles[:5]), GemmTiles(*tiles[5:]), swiglu_limit,
+                use_pdl=use_pdl)
+
+
+_experts_fp8_op = torch.library.custom_op("moefuse::experts_fp8", _experts_fp8_impl, mutates_args=("out",))
+
+
+@_experts_fp8_op.register_fake
+def _(*args) -> None:
+    return None
 
 
 @_experts_op.register_fake

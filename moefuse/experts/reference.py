@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from ..dispatch import DispatchPlan
+from ..formats import BlockFP8, dequantize_rows, quantize_rows
 
 
 def moe_experts_torch(
@@ -61,4 +62,42 @@ def moe_experts_torch(
             up = up.clamp(-swiglu_limit, swiglu_limit)
         act = (torch.nn.functional.silu(gate) * up).to(hidden.dtype).to(dtype)  # [rows, I]
         out[start:end] = (act @ down_proj[expert].to(dtype).T).to(out.dtype)
+    return out
+
+
+def moe_experts_fp8_torch(
+    hidden: torch.Tensor,
+    gate_up_proj: BlockFP8,
+    down_proj: BlockFP8,
+    plan: DispatchPlan,
+    *,
+    swiglu_limit: Optional[float] = None,
+    out: Optional[torch.Tensor] = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The experts on fp8 block-scale weights (W8A8, SPEC §5), computed in ``dtype`` on the dequantized operands.
+
+    For each expert's rows: the activations are quantized per token and 128 columns (:func:`quantize_rows`),
+    ``gate_up = deq(x) @ deq(W1)^T`` (exactly the sum over 128-column blocks of the fp8 products times both
+    scales), the SwiGLU as in :func:`moe_experts_torch`, the intermediate quantized the same way from fp32, and
+    ``out = round(deq(act) @ deq(W2)^T)`` to out's dtype. float64 makes this the oracle of the kernels, which
+    differ only by their fp32 sums (and, rarely, by an e4m3 rounding of the intermediate flipped by them).
+    """
+    num_rows, width = plan.num_rows, gate_up_proj.shape[1] // 2
+    if out is None:
+        out = torch.empty(num_rows, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+    offsets = plan.expert_offsets.tolist()
+    for expert in range(plan.num_experts):
+        start, end = offsets[expert], offsets[expert + 1]
+        if start == end:
+            continue
+        tokens = plan.permuted_to_expanded[start:end].long() // plan.top_k
+        x = dequantize_rows(*quantize_rows(hidden[tokens]), dtype)  # [rows, H]
+        gate_up = x @ gate_up_proj[expert].dequantize(dtype)[0].T  # [rows, 2I]
+        gate, up = gate_up[:, :width], gate_up[:, width:]
+        if swiglu_limit is not None:
+            gate = gate.clamp(max=swiglu_limit)
+            up = up.clamp(-swiglu_limit, swiglu_limit)
+        act = dequantize_rows(*quantize_rows((torch.nn.functional.silu(gate) * up).float()), dtype)
+        out[start:end] = (act @ down_proj[expert].dequantize(dtype)[0].T).to(out.dtype)
     return out

@@ -1,0 +1,243 @@
+"""Triton grouped GEMMs of the routed experts on fp8 block-scale weights (W8A8, SPEC §5).
+
+Contract (inputs validated by :func:`moefuse.experts.moe_experts`):
+
+- ``hidden`` [M, H] bf16 or fp16, any strides; ``gate_up`` and ``down``: :class:`moefuse.formats.BlockFP8`
+  ([E, 2I, H] and [E, H, I] e4m3 values, fp32 scales per 128 x 128 block); ``plan`` as for the bf16 kernels.
+- GEMM1 writes the intermediate in e4m3, [M·K, I], with its fp32 scales [M·K, ceil(I/128)]; GEMM2 writes ``out``
+  [M·K, H] in hidden's dtype. Rows of no token are not written.
+
+What the peers run as separate kernels is fused here:
+
+- **GEMM1's prologue quantizes the activations.** It gathers each tile's token rows from ``hidden`` (as the bf16
+  kernel does), and per 128-column step computes each row's amax, scale and e4m3 values in registers: no
+  quantized copy of the activations is written.
+- **Both GEMMs promote per block.** Each 128-deep step is one fp8 ``tl.dot`` into a fresh fp32 tile, scaled by
+  the rows' activation scales and the columns' weight-block scales and added to the fp32 accumulator (Hopper's
+  fp8 MMA keeps fewer accumulator bits than fp32, so a step never sums more than 128 products).
+- **GEMM1's epilogue quantizes the intermediate**: SwiGLU (and the clamp) in fp32, then per row of the 128-column
+  tile the same quantization, written as e4m3 plus one scale per row.
+
+Grid and tile order are the bf16 kernels' (``_program_tile``). BLOCK_K is 128 (one scale step); GEMM1's BLOCK_N
+is 128 (one intermediate scale group per tile row); GEMM2's BLOCK_N is any power of two (a column's weight scale
+is read per column). Weights go through TMA on sm90+ where their layout allows, as in ``kernel.py``.
+
+Under Triton's interpreter the fp32 -> e4m3 cast does not round to nearest even for about 2% of values, so there
+the rounding is done on the bits first and the cast is then exact (``EMULATE_RTNE``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _runtime
+from ..dispatch import DispatchPlan
+from ..formats import BLOCK, BlockFP8
+from .configs import SMEM_BUDGET, GemmTiles
+from .kernel import _program_tile, _round, weight_descriptor
+
+
+@triton.jit
+def _to_e4m3(y, EMULATE_RTNE: tl.constexpr):
+    """fp32 ``y`` (within [-448, 448] or NaN) -> float8e4nv, rounded to nearest even."""
+    if EMULATE_RTNE:
+        bits = y.to(tl.uint32, bitcast=True)
+        normal = (bits & 0x7FFFFFFF) >= 0x3C800000  # |y| >= 2^-6: keep 3 of the 23 mantissa bits
+        kept = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        sub = ((y * 512.0 + 12582912.0) - 12582912.0) * 0.001953125  # subnormals: multiples of 2^-9
+        y = tl.where(y != y, y, tl.where(normal, kept, sub))
+    return y.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quantize(x, EMULATE_RTNE: tl.constexpr):
+    """Rows of fp32 ``x`` [BLOCK_M, 128] -> (e4m3 values, fp32 scale per row), SPEC §5 (all-zero row: scale 0)."""
+    amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_M]
+    inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax), 0.0)
+    y = x * inv[:, None]
+    # A NaN input stays NaN (the hardware's min/max would drop it).
+    y = tl.maximum(y, -448.0, propagate_nan=tl.PropagateNan.ALL)
+    y = tl.minimum(y, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    return _to_e4m3(y, EMULATE_RTNE), tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+
+
+@triton.jit(do_not_specialize=["num_tiles"])
+def _gemm1_fp8_kernel(
+    hidden_ptr, w_ptr, w_desc, ws_ptr, inter_ptr, is_ptr,
+    tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, p2e_ptr,
+    num_tiles, N, K, top_k, limit,
+    stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_im, stride_in, stride_ism, stride_isg,
+    HAS_LIMIT: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """intermediate[rows, n] = quant(SwiGLU(deq(q(x)) @ deq(W)[e, n]^T, ... [e, N + n]^T)). N = I, K = H."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    tile, col_block = _program_tile(num_tiles, tl.cdiv(N, BLOCK_N), tile_expert_ptr, tile_row_start_ptr,
+                                    expert_offsets_ptr, BLOCK_M, GROUP_M)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < 0:
+        return
+    row_start = tl.load(tile_row_start_ptr + tile)
+    row_end = tl.load(expert_offsets_ptr + expert + 1)
+    rows = row_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] permuted rows
+    row_ok = rows < row_end
+    tokens = tl.load(p2e_ptr + rows, mask=row_ok, other=0) // top_k  # rows past the end read token 0
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    col_ok = cols < N
+    wrapped = cols % N  # columns past N read real rows; the store drops them
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = hidden_ptr + tokens.to(tl.int64)[:, None] * stride_hm + ks[None, :] * stride_hk
+    w_expert = w_ptr + expert.to(tl.int64) * stride_we
+    gate_ptrs = w_expert + wrapped[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+    up_ptrs = gate_ptrs + N * stride_wn
+    gate_row = expert * 2 * N + col_block * BLOCK_N  # first weight row of the tile in the [E·2N, K] view
+    s_expert = ws_ptr + expert.to(tl.int64) * stride_se
+    gate_scale_ptrs = s_expert + (wrapped // 128) * stride_sn  # [BLOCK_N]: the weight block of each column
+    up_scale_ptrs = s_expert + ((N + wrapped) // 128) * stride_sn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0
+        a, a_scale = _quantize(tl.load(a_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32), EMULATE_RTNE)
+        if W_TMA:  # zero-filled past K
+            gate_w = w_desc.load([gate_row, k0]).T
+            up_w = w_desc.load([gate_row + N, k0]).T
+        else:
+            gate_w = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
+            up_w = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
+        step = k0 // BLOCK_K * stride_sk
+        gate_scale = tl.load(gate_scale_ptrs + step)  # [BLOCK_N]
+        up_scale = tl.load(up_scale_ptrs + step)
+        acc_gate += tl.dot(a, gate_w) * a_scale[:, None] * gate_scale[None, :]
+        acc_up += tl.dot(a, up_w) * a_scale[:, None] * up_scale[None, :]
+        a_ptrs += BLOCK_K * stride_hk
+        gate_ptrs += BLOCK_K * stride_wk
+        up_ptrs += BLOCK_K * stride_wk
+
+    if HAS_LIMIT:
+        acc_gate = tl.minimum(acc_gate, limit)
+        acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    act = tl.where(col_ok[None, :], act, 0.0)  # a partial last group: its missing columns must not set the amax
+    q, scale = _quantize(act, EMULATE_RTNE)
+    out_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_in
+    tl.store(out_ptrs, q, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(is_ptr + rows.to(tl.int64) * stride_ism + col_block * stride_isg, scale, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_tiles"])
+def _gemm2_fp8_kernel(
+    inter_ptr, is_ptr, w_ptr, w_desc, ws_ptr, out_ptr,
+    tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+    num_tiles, N, K,
+    stride_im, stride_ik, stride_ism, stride_isg, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_om, stride_on,
+    EMULATE_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, W_TMA: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """out[rows, n] = deq(intermediate[rows]) @ deq(down)[e, n]^T.  N = H, K = I."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    tile, col_block = _program_tile(num_tiles, tl.cdiv(N, BLOCK_N), tile_expert_ptr, tile_row_start_ptr,
+                                    expert_offsets_ptr, BLOCK_M, GROUP_M)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < 0:
+        return
+    row_start = tl.load(tile_row_start_ptr + tile)
+    row_end = tl.load(expert_offsets_ptr + expert + 1)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    a_rows = tl.where(row_ok, rows, row_start).to(tl.int64)  # rows past the end re-read the first one
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    wrapped = cols % N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = inter_ptr + a_rows[:, None] * stride_im + ks[None, :] * stride_ik
+    a_scale_ptrs = is_ptr + a_rows * stride_ism
+    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + wrapped[None, :].to(tl.int64) * stride_wn
+              + ks[:, None] * stride_wk)
+    w_row = expert * N + col_block * BLOCK_N
+    w_scale_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + (wrapped // 128) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        if W_TMA:
+            w = w_desc.load([w_row, k0]).T
+        else:
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        group = k0 // BLOCK_K
+        a_scale = tl.load(a_scale_ptrs + group * stride_isg)  # [BLOCK_M]
+        w_scale = tl.load(w_scale_ptrs + group * stride_sk)  # [BLOCK_N]
+        acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+        a_ptrs += BLOCK_K * stride_ik
+        w_ptrs += BLOCK_K * stride_wk
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
+    tl.store(out_ptrs, _round(acc, out_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def fp8_tiles(tiles: GemmTiles, block_m: int, gemm1: bool, a_bytes: int) -> GemmTiles:
+    """The bf16 tile choice adapted to the format: BLOCK_K 128 (one scale step), GEMM1's BLOCK_N 128 (one
+    intermediate scale group per tile row), GEMM2's BLOCK_N at most 128; pipeline stages cut until the operand
+    buffers (activation tile of ``a_bytes`` per element, fp8 weight tiles) fit in shared memory."""
+    block_n = 128 if gemm1 else min(tiles.block_n, 128)
+    operands = 2 if gemm1 else 1
+    stages = tiles.num_stages
+    while stages > 2 and stages * BLOCK * (block_m * a_bytes + operands * block_n) > SMEM_BUDGET:
+        stages -= 1
+    return GemmTiles(block_n, BLOCK, tiles.group_m, tiles.num_warps, stages)
+
+
+def experts_fp8(
+    hidden: torch.Tensor,
+    gate_up: BlockFP8,
+    down: BlockFP8,
+    plan: DispatchPlan,
+    out: torch.Tensor,
+    gemm1_tiles: GemmTiles,
+    gemm2_tiles: GemmTiles,
+    swiglu_limit: Optional[float] = None,
+    *,
+    use_pdl: bool = False,
+) -> None:
+    """Launch GEMM1 (+ activation quantization, SwiGLU, intermediate quantization), then GEMM2, into ``out``."""
+    num_tiles = plan.tile_expert.numel()
+    width, hidden_size = down.shape[2], hidden.shape[1]
+    if num_tiles == 0 or width == 0:
+        return
+    inter = torch.empty(plan.num_rows, width, dtype=torch.float8_e4m3fn, device=hidden.device)
+    inter_scales = torch.empty(plan.num_rows, triton.cdiv(width, BLOCK), dtype=torch.float32, device=hidden.device)
+    emulate = _runtime.interpreting()
+    launch = {"launch_pdl": True} if use_pdl else {}
+    t1 = fp8_tiles(gemm1_tiles, plan.block_m, True, hidden.element_size())
+    t2 = fp8_tiles(gemm2_tiles, plan.block_m, False, 1)
+    desc1 = weight_descriptor(gate_up.values, t1.block_n, t1.block_k)
+    _gemm1_fp8_kernel[(num_tiles * triton.cdiv(width, t1.block_n),)](
+        hidden, gate_up.values, gate_up.values if desc1 is None else desc1, gate_up.scales, inter, inter_scales,
+        plan.tile_expert, plan.tile_row_start, plan.expert_offsets, plan.permuted_to_expanded,
+        num_tiles, width, hidden_size, plan.top_k, 0.0 if swiglu_limit is None else float(swiglu_limit),
+        hidden.stride(0), hidden.stride(1), *gate_up.values.stride(), *gate_up.scales.stride(),
+        *inter.stride(), *inter_scales.stride(),
+        HAS_LIMIT=swiglu_limit is not None, EMULATE_RTNE=emulate, BLOCK_M=plan.block_m, BLOCK_N=t1.block_n,
+        BLOCK_K=t1.block_k, GROUP_M=t1.group_m, W_TMA=desc1 is not None, USE_PDL=use_pdl,
+        num_warps=t1.num_warps, num_stages=t1.num_stages, **launch,
+    )
+    desc2 = weight_descriptor(down.values, t2.block_n, t2.block_k)
+    _gemm2_fp8_kernel[(num_tiles * triton.cdiv(hidden_size, t2.block_n),)](
+        inter, inter_scales, down.values, down.values if desc2 is None else desc2, down.scales, out,
+        plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
+        num_tiles, hidden_size, width,
+        *inter.stride(), *inter_scales.stride(), *down.values.stride(), *down.scales.stride(), *out.stride(),
+        EMULATE_RTNE=emulate and out.dtype == torch.bfloat16, BLOCK_M=plan.block_m, BLOCK_N=t2.block_n,
+        BLOCK_K=t2.block_k, GROUP_M=t2.group_m, W_TMA=desc2 is not None, USE_PDL=use_pdl,
+        num_warps=t2.num_warps, num_stages=t2.num_stages, **launch,
+    )
+

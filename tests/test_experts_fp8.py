@@ -1,0 +1,167 @@
+"""fp8 block-scale experts (W8A8, SPEC §5): the quantizer against a float64 emulation, the format, the Triton
+kernels (interpreter on CPU, compiled on a GPU) against the float64 reference, edge shapes and errors."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from moefuse.dispatch import moe_dispatch
+from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts
+from moefuse.experts.reference import moe_experts_fp8_torch
+from moefuse.formats import BlockFP8, dequantize_rows, quantize_rows, ue8m0_to_float
+from moefuse.testing import assert_rel_close
+
+
+def _e4m3_grid() -> torch.Tensor:
+    """Every finite float8_e4m3fn value, from its bits, in float64 (independent of torch's cast)."""
+    values = []
+    for exponent in range(16):
+        for mantissa in range(8):
+            if exponent == 15 and mantissa == 7:
+                continue  # NaN
+            value = mantissa / 8 * 2.0**-6 if exponent == 0 else (1 + mantissa / 8) * 2.0 ** (exponent - 7)
+            values += [value, -value]
+    return torch.tensor(sorted(set(values)), dtype=torch.float64)
+
+
+GRID = _e4m3_grid()
+
+
+def _nearest_even_e4m3(y: torch.Tensor) -> torch.Tensor:
+    """Round float64 ``y`` (within [-448, 448]) to the e4m3 grid, ties to the even mantissa."""
+    idx = torch.searchsorted(GRID, y.clamp(-448, 448)).clamp(1, len(GRID) - 1)
+    lo, hi = GRID[idx - 1], GRID[idx]
+    pick_hi = (hi - y) < (y - lo)
+    tie = (hi - y) == (y - lo)
+    return torch.where(pick_hi | (tie & _mantissa_even(hi)), hi, lo)
+
+
+def _mantissa_even(value: torch.Tensor) -> torch.Tensor:
+    """Whether each e4m3 value's last mantissa bit is 0 (of two neighbours on the grid, exactly one is)."""
+    m = value.abs()
+    exponent = torch.floor(torch.log2(m.clamp(min=2.0**-9))).clamp(min=-6)
+    return (m == 0) | (torch.round(m / 2.0 ** (exponent - 3)) % 2 == 0)
+
+
+def test_quantizer_matches_a_float64_emulation(gen):
+    """Per token and 128 columns: amax, scale = amax/448, q = e4m3(x · 448/amax) to nearest even, saturating;
+    an all-zero group has scale 0; the last group of an odd width covers what is left."""
+    x = torch.randn(64, 300, generator=gen) * torch.logspace(-3, 3, 64)[:, None]
+    x[1, 128:256] = 0  # an all-zero group
+    x[2, 5] = 1e-9  # far below the group's amax: a subnormal or zero
+    q, scales = quantize_rows(x.bfloat16())
+    x64 = x.bfloat16().double()
+    for g in range(3):
+        cols = slice(128 * g, min(128 * (g + 1), 300))
+        # fp32 arithmetic, as specified, each operation rounded once: numpy's float32 division (torch's
+        # ``448 / tensor`` multiplies by a reciprocal, which rounds twice)
+        amax = x64[:, cols].abs().amax(dim=1).float().numpy()
+        assert torch.equal(scales[:, g], torch.from_numpy(amax / np.float32(448)))
+        with np.errstate(divide="ignore"):
+            inv = np.where(amax > 0, np.float32(448) / amax, np.float32(0)).astype(np.float32)
+        y = x64[:, cols].float().numpy() * inv[:, None]
+        want = _nearest_even_e4m3(torch.from_numpy(y).double())
+        assert torch.equal(q[:, cols].double(), want), f"group {g}"
+    assert (q[1, 128:256].float() == 0).all() and scales[1, 1] == 0
+    assert_rel_close(dequantize_rows(q, scales), x.bfloat16().float(), 2**-4, "dequantized")
+
+
+def test_quantizer_nan_and_saturation():
+    x = torch.tensor([[float("nan")] + [1.0] * 127, [448.0 * 3] + [-1e30] + [0.5] * 126])
+    q, scales = quantize_rows(x)
+    assert q[0].float().isnan().all() and scales[0].isnan()
+    assert q[1].float().abs().max() == 448 and not q[1].float().isnan().any()
+
+
+def test_ue8m0_scales():
+    exps = torch.tensor([0, 1, 126, 127, 128, 254, 255], dtype=torch.uint8)
+    want = torch.tensor([2.0**-127, 2.0**-126, 0.5, 1.0, 2.0, 2.0**127, float("nan")])
+    assert torch.equal(ue8m0_to_float(exps).nan_to_num(-1), want.nan_to_num(-1))
+    assert torch.equal(ue8m0_to_float(exps.view(torch.float8_e8m0fnu)).nan_to_num(-1), want.nan_to_num(-1))
+    values = torch.randn(2, 130, 140).clamp(-400, 400).to(torch.float8_e4m3fn)
+    fmt = BlockFP8.from_checkpoint(values, torch.full((2, 2, 2), 127, dtype=torch.uint8))
+    assert fmt.scales.dtype == torch.float32 and (fmt.scales == 1).all()
+    with pytest.raises(TypeError, match="ue8m0"):
+        ue8m0_to_float(torch.zeros(3, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda: BlockFP8(torch.zeros(2, 130, 140), torch.ones(2, 2, 2)), "values"),  # not e4m3
+    (lambda: BlockFP8(torch.zeros(2, 130, 140).to(torch.float8_e4m3fn), torch.ones(2, 1, 2)), "scales"),  # shape
+    (lambda: BlockFP8(torch.zeros(2, 130, 140).to(torch.float8_e4m3fn), torch.ones(2, 2, 2).double()), "scales"),
+], ids=["values-dtype", "scales-shape", "scales-dtype"])
+def test_format_errors(bad, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        bad()
+
+
+def _inputs(gen, M, K, E, H, I, *, invalid=0.0, ue8m0=False, device="cpu"):
+    x = torch.randn(M, H, generator=gen).bfloat16()
+    w1 = torch.randn(E, 2 * I, H, generator=gen) / math.sqrt(H)
+    w2 = torch.randn(E, H, I, generator=gen) / math.sqrt(I)
+    if ue8m0:  # power-of-two scales, as DeepSeek-V3.1 ships: quantize against them
+        formats = []
+        for w in (w1, w2):
+            q = BlockFP8.quantize(w)
+            exps = (torch.log2(q.scales).ceil() + 127).to(torch.uint8)
+            scales = ue8m0_to_float(exps)
+            blocks = scales.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, : w.shape[1], : w.shape[2]]
+            formats.append(BlockFP8.from_checkpoint((w / blocks).clamp(-448, 448).to(torch.float8_e4m3fn), exps))
+        f1, f2 = formats
+    else:
+        f1, f2 = BlockFP8.quantize(w1), BlockFP8.quantize(w2)
+    ids = torch.rand(M, E, generator=gen).argsort(dim=1)[:, :K].int()
+    ids = torch.where(torch.rand(M, K, generator=gen) < invalid, -1, ids)
+    move = lambda f: BlockFP8(f.values.to(device), f.scales.to(device))  # noqa: E731
+    return x.to(device), move(f1), move(f2), ids.to(device)
+
+
+def _check(x, w1, w2, ids, *, limit=None, block_m=16):
+    plan = moe_dispatch(ids, w1.shape[0], block_m, backend="triton")
+    out = torch.full((plan.num_rows, x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
+    moe_experts(x, w1, w2, plan, swiglu_limit=limit, out=out, backend="triton")
+    ref = moe_experts_fp8_torch(x, w1, w2, plan, swiglu_limit=limit, dtype=torch.float64,
+                                out=torch.zeros(plan.num_rows, x.shape[1], dtype=torch.float64, device=x.device))
+    n_valid = int(plan.expert_offsets[-1])
+    assert_rel_close(out[:n_valid], ref[:n_valid], 1e-2, "fp8 gemm2_out")
+    assert out[n_valid:].isnan().all(), "rows with no token must be left unwritten"
+    return plan
+
+
+@pytest.mark.parametrize("M", [0, 1, 7, 33])
+@pytest.mark.parametrize("shape", [(5, 200, 136), (3, 256, 128)], ids=["edges", "whole-blocks"])
+def test_triton_matches_float64(M, shape, gen, device):
+    """H and I not multiples of 128 (partial blocks and groups; a scale block that straddles the gate and up rows),
+    E not a power of two, -1 slots, and whole blocks."""
+    E, H, I = shape
+    _check(*_inputs(gen, M, 2 + M % 2, E, H, I, invalid=0.1, device=device), limit=1.5 if M % 2 else None)
+
+
+def test_ue8m0_scales_and_empty_experts(gen, device):
+    x, w1, w2, ids = _inputs(gen, 9, 2, 6, 200, 136, ue8m0=True, device=device)
+    ids = torch.where(ids == 3, 4, ids)  # expert 3 gets no row
+    plan = _check(x, w1, w2, ids)
+    assert int(plan.expert_offsets[4] - plan.expert_offsets[3]) == 0
+
+
+def test_tall_tiles(gen, device):
+    """128-row tiles with several tiles per expert and short tails, and a 64-wide GEMM2."""
+    x, w1, w2, _ = _inputs(gen, 70, 2, 3, 200, 136, device=device)
+    ids = torch.stack([torch.zeros(70, dtype=torch.int32), (torch.arange(70) >= 40).int() + 1], dim=1).to(device)
+    with configs.override(TileConfig(128, GemmTiles(128, 128, 0, 4, 2), GemmTiles(64, 128, 2, 4, 2))):
+        _check(x, w1, w2, ids, block_m=128)
+
+
+def test_errors_name_the_argument(gen, device):
+    x, w1, w2, ids = _inputs(gen, 3, 2, 4, 64, 32, device=device)
+    plan = moe_dispatch(ids, 4, 16)
+    with pytest.raises(TypeError, match="down_proj"):
+        moe_experts(x, w1, w2.dequantize(torch.bfloat16), plan)
+    with pytest.raises(TypeError, match="hidden"):
+        moe_experts(x.float(), w1, w2, plan)
+    with pytest.raises(ValueError, match="gate_up_proj"):
+        moe_experts(x[:, :32], w1, w2, plan)

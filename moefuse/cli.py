@@ -64,13 +64,13 @@ def run_layer(args: argparse.Namespace) -> int:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     config = preset(args.preset)
-    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" or args.quant else "fp32")]
     if device.type != "cuda" and not args.full_size:
         config = config.scaled()  # same routing, small widths: the CPU runs the reference in seconds
     backend = args.backend
     progress(f"building {args.preset} layer on {device} (H={config.hidden_size}, I={config.intermediate_size}, "
              f"E={config.num_experts}, top-{config.top_k}, {str(dtype).removeprefix('torch.')}, backend={backend})")
-    layer = MoELayer(config, dtype=dtype, device=device, backend=backend).init_random_(args.seed)
+    layer = MoELayer(config, dtype=dtype, device=device, backend=backend, quant=args.quant).init_random_(args.seed)
     gen = torch.Generator(device).manual_seed(args.seed + 1)
     x = torch.randn(args.tokens, config.hidden_size, generator=gen, device=device, dtype=dtype)
 
@@ -89,9 +89,9 @@ def run_layer(args: argparse.Namespace) -> int:
             weights, ids = layer.gate(x)
             plan = moe_dispatch(ids, c.num_experts, pick_block_m(x.shape[0], c.num_experts, c.hidden_size,
                                                                  c.intermediate_size, c.top_k, dtype), backend=backend)
-            gemm2_out = moe_experts(x, layer.experts.gate_up_proj, layer.experts.down_proj, plan,
-                                    swiglu_limit=c.swiglu_limit, backend=backend)
-            shared = layer.shared_experts(x) if layer.shared_experts is not None else None
+            gate_up, down = layer.experts.weights()
+            gemm2_out = moe_experts(x, gate_up, down, plan, swiglu_limit=c.swiglu_limit, backend=backend)
+            shared = layer._shared(x) if layer.shared_experts is not None else None
 
             def plain_layer() -> torch.Tensor:
                 with env_override("MOEFUSE_ENABLE_DEFERRED_FINALIZE", "0"):
@@ -101,15 +101,14 @@ def run_layer(args: argparse.Namespace) -> int:
                 "router (linear + fused gate)": lambda: layer.gate(x),
                 "dispatch": lambda: moe_dispatch(ids, c.num_experts, plan.block_m, backend=backend),
                 "experts (GEMM1 + SwiGLU + GEMM2)": lambda: moe_experts(
-                    x, layer.experts.gate_up_proj, layer.experts.down_proj, plan, swiglu_limit=c.swiglu_limit,
-                    backend=backend),
+                    x, gate_up, down, plan, swiglu_limit=c.swiglu_limit, backend=backend),
                 "finalize + shared add": lambda: moe_finalize_fuse_shared(
                     gemm2_out, plan.expanded_to_permuted, weights, shared, c.top_k, backend=backend),
                 "layer, deferred finalize": lambda: layer(x),
                 "layer, no deferral": plain_layer,
             }
             if shared is not None:
-                stages["shared expert"] = lambda: layer.shared_experts(x)
+                stages["shared expert"] = lambda: layer._shared(x)
             graph = backend != "reference"  # the reference reads expert offsets back to the host
             for name, fn in stages.items():
                 us, how = _time_us(fn, device, graph)
@@ -118,7 +117,8 @@ def run_layer(args: argparse.Namespace) -> int:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     scaled = f", scaled down to H={config.hidden_size}, I={config.intermediate_size}"
     size = "" if config == preset(args.preset) else scaled
-    title = f"{args.preset}{size}: {args.tokens} tokens on {where}, backend {backend}"
+    quant = f", {args.quant} experts" if args.quant else ""
+    title = f"{args.preset}{size}{quant}: {args.tokens} tokens on {where}, backend {backend}"
     columns = [("stage", "stage"), ("us", "time (µs)"), ("how", "timed by")]
     print(format_table(rows, columns, title) if rows else f"### {title}")
     tol = 1e-2 if dtype != torch.float32 else 1e-5
@@ -164,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS), help="model (SPEC §4)")
         p.add_argument("--tokens", type=_positive_int, default=128, help="tokens in the batch (>= 1)")
         p.add_argument("--backend", default="auto", choices=("auto", "triton", "reference"))
-        p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16 on GPU, fp32 on CPU")
+        p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                       help="activations (and unquantized weights); default: bf16 on GPU or with --quant, else fp32")
+        p.add_argument("--quant", default=None, choices=["fp8"], help="expert weights in fp8 block-scale (SPEC §5)")
         p.add_argument("--device", default=None, help="default: cuda when present, else cpu")
         p.add_argument("--full-size", action="store_true", help="on CPU, use the real widths too (slow)")
         p.add_argument("--seed", type=int, default=0)

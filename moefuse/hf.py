@@ -44,6 +44,9 @@ def unsupported_reason(block: nn.Module) -> str | None:
         return "hash-routed layer (experts fixed by token id)"
     if kind == "config" and type(block.gate.score_fn).__name__ not in _ACTIVATION_SCORING:
         return f"router activation {type(block.gate.score_fn).__name__}"
+    if block.experts.gate_up_proj.element_size() == 1:  # e4m3 values (FP8Experts) or packed e2m1 (FP4)
+        return (f"quantized experts ({type(block.experts).__name__}, {block.experts.gate_up_proj.dtype}): from_hf "
+                "does not take them yet; build MoELayer(config, quant='fp8') and load the block's state dict")
     act = getattr(block.experts, "act_fn", None)
     if act is not None and type(act).__name__ not in ("SiLU", "SiLUActivation"):
         return f"expert activation {type(act).__name__} (only SiLU)"

@@ -12,6 +12,10 @@ grouped GEMMs (its weights are allocated as expert E of the routed tensors): see
 
 from __future__ import annotations
 
+import math
+import sys
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,6 +32,7 @@ from moefuse.finalize import (
     deferred_finalize_enabled,
     finalize_deferred_output,
 )
+from moefuse.formats import BLOCK, BlockFP8, ExpertWeight, dequantize_rows, quantize_rows
 from moefuse.graphs import DecodeGraphs, state_key
 from moefuse.route import moe_fused_gate, moe_fused_gate_torch, router_logits
 
@@ -76,7 +81,7 @@ class MoERouter(nn.Module):
         )
 
 
-def routed_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, weights: torch.Tensor,
+def routed_experts(x: torch.Tensor, gate_up_proj: ExpertWeight, down_proj: ExpertWeight, weights: torch.Tensor,
                    ids: torch.Tensor, *, swiglu_limit: float | None = None, defer: bool = False,
                    backend: Backend = "auto") -> torch.Tensor | DeferredFinalizeOutput:
     """Dispatch + grouped GEMM1/SwiGLU/GEMM2 for tokens ``x`` [M, H] routed by ``ids`` int32 [M, K] with ``weights``
@@ -98,13 +103,25 @@ class MoEExperts(nn.Module):
     """
 
     def __init__(self, config: MoEConfig, *, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str | None = None, backend: Backend = "auto"):
+                 device: torch.device | str | None = None, backend: Backend = "auto", quant: Quant = None):
         super().__init__()
         self.config = config
         self.backend = backend
+        self.quant = quant
         E, H, I = config.num_experts, config.hidden_size, config.intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H, dtype=dtype, device=device))
-        self.down_proj = nn.Parameter(torch.empty(E, H, I, dtype=dtype, device=device))
+        if quant == "fp8":  # transformers' FP8Experts names: a checkpoint's tensors load as they are
+            self.gate_up_proj, self.gate_up_proj_scale_inv = _fp8_params(E, 2 * I, H, device)
+            self.down_proj, self.down_proj_scale_inv = _fp8_params(E, H, I, device)
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H, dtype=dtype, device=device))
+            self.down_proj = nn.Parameter(torch.empty(E, H, I, dtype=dtype, device=device))
+
+    def weights(self) -> tuple[ExpertWeight, ExpertWeight]:
+        """``(gate_up_proj, down_proj)`` as the experts op takes them: tensors, or :class:`BlockFP8` s."""
+        if self.quant == "fp8":
+            return (BlockFP8(self.gate_up_proj, self.gate_up_proj_scale_inv),
+                    BlockFP8(self.down_proj, self.down_proj_scale_inv))
+        return self.gate_up_proj, self.down_proj
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, defer: bool | None = None
                 ) -> torch.Tensor | DeferredFinalizeOutput:
@@ -114,22 +131,56 @@ class MoEExperts(nn.Module):
         """
         if defer is None:
             defer = deferred_finalize_enabled()
-        return routed_experts(x, self.gate_up_proj, self.down_proj, weights, ids,
-                              swiglu_limit=self.config.swiglu_limit, defer=defer, backend=self.backend)
+        return routed_experts(x, *self.weights(), weights, ids, swiglu_limit=self.config.swiglu_limit, defer=defer,
+                              backend=self.backend)
+
+
+Quant = Literal[None, "fp8"]
+QUANTS: tuple[str | None, ...] = (None, "fp8")
+
+
+def _fp8_params(E: int, N: int, K: int, device: torch.device | str | None) -> tuple[nn.Parameter, nn.Parameter]:
+    """Empty e4m3 values [E, N, K] and fp32 block scales [E, ceil(N/128), ceil(K/128)] (no gradients)."""
+    values = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=device)
+    scales = torch.empty(E, math.ceil(N / BLOCK), math.ceil(K / BLOCK), dtype=torch.float32, device=device)
+    return nn.Parameter(values, requires_grad=False), nn.Parameter(scales, requires_grad=False)
+
+
+class FP8Projection(nn.Module):
+    """``weight`` (e4m3) and ``weight_scale_inv`` (fp32 per 128 x 128 block) of one projection, named as
+    transformers' FP8Linear names them. Not callable: :class:`MoELayer` runs it through the grouped GEMMs."""
+
+    def __init__(self, in_features: int, out_features: int, *, device: torch.device | str | None = None):
+        super().__init__()
+        weight, scales = _fp8_params(1, out_features, in_features, device)
+        self.weight = nn.Parameter(weight[0], requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scales[0], requires_grad=False)
 
 
 class SharedExpert(nn.Module):
-    """An ordinary SwiGLU MLP (``gate_proj``, ``up_proj``, ``down_proj``), not scaled by the routing factor."""
+    """An ordinary SwiGLU MLP (``gate_proj``, ``up_proj``, ``down_proj``), not scaled by the routing factor.
+
+    With ``quant="fp8"`` the projections are :class:`FP8Projection` s, which the layer runs (as one more expert of
+    its grouped GEMMs); calling the module itself is then an error.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None, *,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None):
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None, quant: Quant = None):
         super().__init__()
         self.limit = swiglu_limit
+        self.quant = quant
+        if quant == "fp8":
+            self.gate_proj = FP8Projection(hidden_size, intermediate_size, device=device)
+            self.up_proj = FP8Projection(hidden_size, intermediate_size, device=device)
+            self.down_proj = FP8Projection(intermediate_size, hidden_size, device=device)
+            return
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, device=device)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, device=device)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            raise TypeError("an fp8 shared expert runs inside its MoELayer (as one more expert of the grouped GEMMs)")
         return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
@@ -141,13 +192,30 @@ def init_random_(module: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """
     gens: dict[torch.device, torch.Generator] = {}
     for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
-        if tensor is None:
+        if tensor is None or tensor.element_size() == 1:  # e4m3 values: MoELayer quantizes drawn weights itself
             continue
         if tensor.device not in gens:
             gens[tensor.device] = torch.Generator(tensor.device).manual_seed(seed)
         scale = 0.01 if name.endswith("e_score_correction_bias") else std
         for part in tensor.view(-1, *tensor.shape[-1:]).split(4096):
             part.normal_(0.0, scale, generator=gens[tensor.device])
+
+
+def _stacked(base: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor | None:
+    """``base`` [E, ...] extended by one expert over the same storage, when ``parts`` fill that expert exactly,
+    one after the other (the shared expert as this layer allocates it); else None."""
+    offset = base.numel()
+    if not base.is_contiguous():
+        return None
+    for part in parts:
+        if not (part.is_contiguous() and part.dtype == base.dtype
+                and part.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+                and part.data_ptr() == base.data_ptr() + offset * base.element_size()):
+            return None
+        offset += part.numel()
+    if offset != base.numel() // base.shape[0] * (base.shape[0] + 1):
+        return None
+    return base.as_strided((base.shape[0] + 1, *base.shape[1:]), base.stride())
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -167,6 +235,12 @@ class MoELayer(nn.Module):
     Args:
         config: shapes and routing options (``moefuse.config.PRESETS`` has the SPEC §4 models).
         dtype: dtype of the expert and shared weights and of the activations (bf16, fp16 or fp32).
+        quant: None, or ``"fp8"``: expert and shared weights in e4m3 with fp32 scales per 128 x 128 block (SPEC
+            §5; ``experts.gate_up_proj`` / ``gate_up_proj_scale_inv`` ... and ``shared_experts.*.weight`` /
+            ``weight_scale_inv``, as transformers names an FP8 checkpoint's tensors); activations in ``dtype``
+            (bf16 or fp16), quantized on the fly. A shared expert then needs I to be a multiple of 128 and is
+            always run by the grouped GEMMs: as one more slot when it can (every batch size by default), else as
+            a one-expert grouped GEMM (padded tokens).
             The router weight is fp32 and its logits are computed in fp32.
         device: where to allocate the parameters (uninitialised: load a checkpoint or call ``init_random_``).
         backend: ``"auto"`` (Triton on CUDA tensors, the PyTorch reference elsewhere), ``"triton"`` or
@@ -191,18 +265,30 @@ class MoELayer(nn.Module):
 
     def __init__(self, config: MoEConfig, *, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str | None = None, backend: Backend = "auto",
-                 shared_slot_max_tokens: int | None = None, graph_max_tokens: int = GRAPH_MAX_TOKENS):
+                 shared_slot_max_tokens: int | None = None, graph_max_tokens: int = GRAPH_MAX_TOKENS,
+                 quant: Quant = None):
         super().__init__()
+        if quant not in QUANTS:
+            raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+        if quant == "fp8":
+            if dtype not in (torch.bfloat16, torch.float16):
+                raise TypeError(f"quant='fp8' takes bf16 or fp16 activations (dtype), got {dtype}")
+            if config.num_shared_experts > 1 or (config.num_shared_experts and config.intermediate_size % BLOCK):
+                raise ValueError("quant='fp8' needs no shared expert, or one whose width I is a multiple of 128 (its "
+                                 f"gate and up blocks are separate in a checkpoint), got {config}")
         self.config = config
         self.backend = backend
+        self.quant = quant
+        self._fp8_activation_dtype = dtype
         self.gate = MoERouter(config, device=device, backend=backend)
         # With one shared expert as wide as a routed one, its weights are allocated right behind the routed
         # experts' (expert E of the same tensors), so the grouped GEMMs can run it as one more slot.
         stack = config.num_shared_experts == 1
-        self.experts = MoEExperts(config, dtype=dtype, device="meta" if stack else device, backend=backend)
+        self.experts = MoEExperts(config, dtype=dtype, device="meta" if stack else device, backend=backend,
+                                  quant=quant)
         self.shared_experts = (
             SharedExpert(config.hidden_size, config.shared_intermediate_size, config.swiglu_limit,
-                         dtype=dtype, device="meta" if stack else device)
+                         dtype=dtype, device="meta" if stack else device, quant=quant)
             if config.num_shared_experts else None
         )
         if stack:
@@ -214,36 +300,49 @@ class MoELayer(nn.Module):
 
     def _stack_shared_behind_routed(self, dtype: torch.dtype, device: torch.device | str | None) -> None:
         E, I, H = self.config.num_experts, self.config.intermediate_size, self.config.hidden_size
-        gate_up = torch.empty(E + 1, 2 * I, H, dtype=dtype, device=device)
-        down = torch.empty(E + 1, H, I, dtype=dtype, device=device)
-        self.experts.gate_up_proj = nn.Parameter(gate_up[:E])
-        self.experts.down_proj = nn.Parameter(down[:E])
         shared = self.shared_experts
-        shared.gate_proj.weight = nn.Parameter(gate_up[E, :I])
-        shared.up_proj.weight = nn.Parameter(gate_up[E, I:])
-        shared.down_proj.weight = nn.Parameter(down[E])
+        if self.quant == "fp8":
+            gate_up, gate_up_scales = _fp8_params(E + 1, 2 * I, H, device)
+            down, down_scales = _fp8_params(E + 1, H, I, device)
+            self.experts.gate_up_proj_scale_inv = nn.Parameter(gate_up_scales[:E], requires_grad=False)
+            self.experts.down_proj_scale_inv = nn.Parameter(down_scales[:E], requires_grad=False)
+            blocks = I // BLOCK
+            shared.gate_proj.weight_scale_inv = nn.Parameter(gate_up_scales[E, :blocks], requires_grad=False)
+            shared.up_proj.weight_scale_inv = nn.Parameter(gate_up_scales[E, blocks:], requires_grad=False)
+            shared.down_proj.weight_scale_inv = nn.Parameter(down_scales[E], requires_grad=False)
+        else:
+            gate_up = torch.empty(E + 1, 2 * I, H, dtype=dtype, device=device)
+            down = torch.empty(E + 1, H, I, dtype=dtype, device=device)
+        grad = self.quant is None
+        self.experts.gate_up_proj = nn.Parameter(gate_up[:E], requires_grad=grad)
+        self.experts.down_proj = nn.Parameter(down[:E], requires_grad=grad)
+        shared.gate_proj.weight = nn.Parameter(gate_up[E, :I], requires_grad=grad)
+        shared.up_proj.weight = nn.Parameter(gate_up[E, I:], requires_grad=grad)
+        shared.down_proj.weight = nn.Parameter(down[E], requires_grad=grad)
 
-    def shared_slot_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def shared_slot_weights(self) -> tuple[ExpertWeight, ExpertWeight] | None:
         """``(gate_up_proj [E+1, 2I, H], down_proj [E+1, H, I])``: the routed experts with the shared expert as
         expert E, viewed over the same storage, when the shared weights still sit right behind the routed ones
-        (as this layer allocates them; not after ``from_hf``, or once a parameter was replaced); else None."""
-        shared, routed_gu, routed_dn = self.shared_experts, self.experts.gate_up_proj, self.experts.down_proj
-        if shared is None or routed_gu.device.type == "meta":
+        (as this layer allocates them; not after ``from_hf``, or once a parameter was replaced); else None.
+        ``BlockFP8`` s (values and scales each stacked so) with ``quant="fp8"``."""
+        shared, experts = self.shared_experts, self.experts
+        if shared is None or experts.gate_up_proj.device.type == "meta":
             return None
-        gate, up, down = shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight
-        E, two_i, H = routed_gu.shape
-
-        def behind(tensor: torch.Tensor, base: torch.Tensor, offset: int) -> bool:
-            return (tensor.is_contiguous() and tensor.dtype == base.dtype
-                    and tensor.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
-                    and tensor.data_ptr() == base.data_ptr() + offset * base.element_size())
-
-        if not (routed_gu.is_contiguous() and routed_dn.is_contiguous() and gate.shape == up.shape == (two_i // 2, H)
-                and behind(gate, routed_gu, routed_gu.numel()) and behind(up, gate, gate.numel())
-                and down.shape == routed_dn.shape[1:] and behind(down, routed_dn, routed_dn.numel())):
-            return None
-        return (routed_gu.as_strided((E + 1, *routed_gu.shape[1:]), routed_gu.stride()),
-                routed_dn.as_strided((E + 1, *routed_dn.shape[1:]), routed_dn.stride()))
+        parts = [("gate_up_proj", "down_proj", "weight")]
+        if self.quant == "fp8":
+            parts.append(("gate_up_proj_scale_inv", "down_proj_scale_inv", "weight_scale_inv"))
+        stacked = []
+        for gate_up_name, down_name, shared_name in parts:
+            gate_up = _stacked(getattr(experts, gate_up_name), getattr(shared.gate_proj, shared_name),
+                               getattr(shared.up_proj, shared_name))
+            down = _stacked(getattr(experts, down_name), getattr(shared.down_proj, shared_name))
+            if gate_up is None or down is None:
+                return None
+            stacked.append((gate_up, down))
+        if self.quant == "fp8":
+            (gate_up, down), (gate_up_scales, down_scales) = stacked
+            return BlockFP8(gate_up, gate_up_scales), BlockFP8(down, down_scales)
+        return stacked[0]
 
     def uses_shared_slot(self, num_tokens: int, device: torch.device, num_token_non_padded: object = None) -> bool:
         """Whether a call on ``num_tokens`` tokens on ``device`` runs the shared expert as a slot of the grouped
@@ -253,12 +352,14 @@ class MoELayer(nn.Module):
                 or torch.compiler.is_compiling()):
             return False
         limit = self.shared_slot_max_tokens
-        if limit is None:
+        if limit is None and self.quant is not None:
+            limit = sys.maxsize  # no fp8 linear of our own: the grouped GEMMs run the shared expert at every size
+        elif limit is None:
             limit = configs.shared_slot_max_tokens(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k,
                                                    configs.arch_of(device))
         return 0 < num_tokens <= limit and self.shared_slot_weights() is not None
 
-    def _forward_shared_slot(self, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+    def _forward_shared_slot(self, x: torch.Tensor, gate_up_proj: ExpertWeight, down_proj: ExpertWeight
                              ) -> torch.Tensor:
         """The shared expert as slot ``top_k`` (id E, weight 1 after renormalisation) of every token."""
         c = self.config
@@ -272,9 +373,47 @@ class MoELayer(nn.Module):
         return finalize_deferred_output(routed, None, backend=self.backend)
 
     def init_random_(self, seed: int = 0, std: float = 0.02) -> MoELayer:
-        """Random weights, in place (:func:`init_random_`); returns the layer."""
+        """Random weights, in place (:func:`init_random_`); returns the layer. With ``quant="fp8"``, N(0, std²)
+        weights drawn one expert at a time in ``dtype`` and block-quantized (``BlockFP8.quantize``)."""
         init_random_(self, seed, std)
+        if self.quant == "fp8":
+            self._init_fp8_(seed, std)
         return self
+
+    @torch.no_grad()
+    def _init_fp8_(self, seed: int, std: float) -> None:
+        stacked = self.shared_slot_weights()
+        gate_up, down = stacked if stacked is not None else self.experts.weights()
+        if self.shared_experts is not None and stacked is None:
+            raise ValueError("the fp8 shared expert's tensors no longer sit behind the routed ones")
+        gen = torch.Generator(gate_up.device).manual_seed(seed + 1)
+        for weight in (gate_up, down):
+            for expert in range(weight.shape[0]):
+                drawn = torch.randn(1, *weight.shape[1:], generator=gen, device=weight.device,
+                                    dtype=self.activation_dtype)
+                quantized = BlockFP8.quantize(drawn * std)
+                weight.values[expert].copy_(quantized.values[0])
+                weight.scales[expert].copy_(quantized.scales[0])
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype hidden states must have: the weights' own, or the one given at construction with fp8."""
+        return self._fp8_activation_dtype if self.quant is not None else self.experts.gate_up_proj.dtype
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output [M, H]: its MLP, or with ``quant="fp8"`` a one-expert grouped GEMM."""
+        if self.quant is None:
+            return self.shared_experts(x)
+        stacked = self.shared_slot_weights()
+        if stacked is None:
+            raise ValueError("the fp8 shared expert's tensors no longer sit behind the routed ones")
+        E = self.config.num_experts
+        ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        ids = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device)
+        out = routed_experts(x, stacked[0][E:], stacked[1][E:], ones, ids, swiglu_limit=self.config.swiglu_limit,
+                             backend=self.backend)
+        assert isinstance(out, torch.Tensor)
+        return out
 
     @property
     def supports_deferred_finalize(self) -> bool:
@@ -292,7 +431,7 @@ class MoELayer(nn.Module):
 
     def _check_input(self, hidden_states: object) -> None:
         """The layer's own argument checks, before any stage runs (each stage checks its inputs too)."""
-        dtype = self.experts.gate_up_proj.dtype
+        dtype = self.activation_dtype
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
         if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.config.hidden_size:
@@ -328,9 +467,9 @@ class MoELayer(nn.Module):
             main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
             side.wait_stream(main)  # x (and everything before it) is ready
             with torch.cuda.stream(side):
-                shared = self.shared_experts(x)
+                shared = self._shared(x)
         else:
-            shared = self.shared_experts(x) if self.shared_experts is not None else None
+            shared = self._shared(x) if self.shared_experts is not None else None
         weights, ids = self.gate(x, num_token_non_padded)
         if self.supports_deferred_finalize:
             routed: torch.Tensor | DeferredFinalizeOutput = self.forward_deferred_finalize(x, weights, ids)
@@ -373,17 +512,36 @@ def moe_layer_torch(layer: MoELayer, hidden_states: torch.Tensor, num_token_non_
         num_token_non_padded=num_token_non_padded, dtype=rdtype,
     )
     out = torch.zeros_like(x)
+    gate_up, down = layer.experts.weights()
     for expert in ids.unique().tolist():
         if not 0 <= expert < c.num_experts:
             continue
         token, slot = (ids == expert).nonzero(as_tuple=True)
-        w13 = layer.experts.gate_up_proj[expert].to(dtype)
-        h = x[token] @ w13.T
-        act = _swiglu(h[:, : c.intermediate_size], h[:, c.intermediate_size:], c.swiglu_limit)
-        y = act @ layer.experts.down_proj[expert].to(dtype).T
+        y = _expert_mlp(x[token], gate_up[expert], down[expert], c.swiglu_limit, layer.activation_dtype, dtype)
         out.index_add_(0, token, y * weights[token, slot].to(dtype)[:, None])
     if layer.shared_experts is not None:
-        s = layer.shared_experts
-        act = _swiglu(x @ s.gate_proj.weight.to(dtype).T, x @ s.up_proj.weight.to(dtype).T, c.swiglu_limit)
-        out += act @ s.down_proj.weight.to(dtype).T
+        if layer.quant is not None:
+            stacked = layer.shared_slot_weights()
+            out += _expert_mlp(x, stacked[0][c.num_experts], stacked[1][c.num_experts], c.swiglu_limit,
+                               layer.activation_dtype, dtype)
+        else:
+            s = layer.shared_experts
+            gate_up_s = torch.cat([s.gate_proj.weight, s.up_proj.weight])
+            out += _expert_mlp(x, gate_up_s, s.down_proj.weight, c.swiglu_limit, layer.activation_dtype, dtype)
     return out.reshape(*hidden_states.shape[:-1], c.hidden_size)
+
+
+def _expert_mlp(x: torch.Tensor, gate_up: ExpertWeight, down: ExpertWeight, limit: float | None,
+                activation_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """One expert's SwiGLU MLP on rows ``x``, computed in ``dtype``; with fp8 weights the activations are quantized
+    as the kernels do (SPEC §5), from ``activation_dtype`` and from the fp32 intermediate."""
+    fp8 = isinstance(gate_up, BlockFP8)
+    if fp8:
+        x = dequantize_rows(*quantize_rows(x.to(activation_dtype)), dtype)
+        gate_up, down = gate_up.dequantize(dtype)[0], down.dequantize(dtype)[0]
+    h = x @ gate_up.to(dtype).T
+    width = h.shape[1] // 2
+    act = _swiglu(h[:, :width], h[:, width:], limit)
+    if fp8:
+        act = dequantize_rows(*quantize_rows(act.float()), dtype)
+    return act @ down.to(dtype).T

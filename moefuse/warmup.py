@@ -52,8 +52,7 @@ def launch_signature(layer: MoELayer, num_tokens: int) -> tuple:
     """Everything that decides which kernel variants a forward of ``num_tokens`` tokens launches (and, up to the
     layer's ``graph_max_tokens``, the token count itself: each has its own decode graph)."""
     c = layer.config
-    weight = layer.experts.gate_up_proj
-    device, dtype = weight.device, weight.dtype
+    device, dtype = layer.experts.gate_up_proj.device, layer.activation_dtype
     slot = layer.uses_shared_slot(num_tokens, device)
     top_k = c.top_k + slot
     tiles = configs.pick(num_tokens, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, dtype,
@@ -141,7 +140,8 @@ def warmup(module: nn.Module, max_tokens: int = 4096, *, progress: bool = True) 
                 if progress and (j == len(counts) or j % 8 == 1):
                     _progress(f"layer {i}/{len(layers)}: batch size {num_tokens} ({j}/{len(counts)}), "
                               f"{len(compiled)} variants so far")
-                x = torch.randn(num_tokens, layer.config.hidden_size, device=weight.device, dtype=weight.dtype)
+                x = torch.randn(num_tokens, layer.config.hidden_size, device=weight.device,
+                                dtype=layer.activation_dtype)
                 layer(x)
             if first_of_shape:
                 _prime_cublas(layer, max_tokens)
@@ -159,13 +159,13 @@ def _prime_cublas(layer: MoELayer, max_tokens: int) -> None:
     count up to ``max_tokens`` that does not replay a graph. cuBLAS picks a kernel per shape and loads it on its
     first use: 2.3 to 3.1 ms each on an H200 (torch 2.11), which a first call at a new batch size would
     otherwise pay, once per GEMM. One activation buffer of ``max_tokens`` rows serves every count."""
-    weight = layer.experts.gate_up_proj
-    x = torch.randn(max_tokens, layer.config.hidden_size, device=weight.device, dtype=weight.dtype)
+    device = layer.experts.gate_up_proj.device
+    x = torch.randn(max_tokens, layer.config.hidden_size, device=device, dtype=layer.activation_dtype)
     for num_tokens in range(layer.graphs.max_tokens + 1, max_tokens + 1):
         if num_tokens > linear.MAX_TOKENS:
             layer.gate.logits(x[:num_tokens])
-        if layer.shared_experts is not None and not layer.uses_shared_slot(num_tokens, weight.device):
-            layer.shared_experts(x[:num_tokens])
+        if layer.shared_experts is not None and not layer.uses_shared_slot(num_tokens, device):
+            layer._shared(x[:num_tokens])
 
 
 def _has_hook() -> bool:

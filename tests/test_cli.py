@@ -25,3 +25,15 @@ def test_run_times_every_stage(capsys):
 def test_bench_needs_a_gpu(capsys):
     assert main(["bench", "router"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_run_fp8_layer(capsys):
+    assert main(["--quant", "fp8", "--tokens", "4", "--no-timing"]) == 0
+    out = capsys.readouterr().out
+    assert "fp8 experts" in out and "NO" not in out
+
+
+def test_bad_tokens_is_an_argument_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--tokens", "-3"])
+    assert exit_info.value.code == 2 and "--tokens" in capsys.readouterr().err

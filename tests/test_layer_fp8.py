@@ -1,0 +1,81 @@
+"""MoELayer with fp8 block-scale experts and shared expert (quant="fp8"): against the float64 reference of the same
+numerics (SPEC §5), both ways of running the shared expert, checkpoint names, and what is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_blocks import block
+
+from moefuse import MoEConfig, MoELayer, moe_layer_torch
+from moefuse.formats import BlockFP8
+from moefuse.testing import assert_rel_close
+
+# I a multiple of 128 (a shared expert's gate and up blocks are separate); H not one (partial blocks and groups)
+CONFIG = MoEConfig(hidden_size=200, intermediate_size=128, num_experts=6, top_k=2, num_shared_experts=1,
+                   num_expert_group=2, topk_group=1, routed_scaling_factor=2.5)
+BACKENDS = ["reference", "triton"]
+
+
+def _layer(backend: str, seed: int, device, config: MoEConfig = CONFIG) -> MoELayer:
+    return MoELayer(config, dtype=torch.bfloat16, device=device, backend=backend, quant="fp8").init_random_(seed, 0.1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tokens", [0, 1, 9])
+def test_matches_float64_reference(backend, tokens, gen, device):
+    layer = _layer(backend, int(torch.randint(1 << 30, (), generator=gen)), device)
+    x = torch.randn(tokens, CONFIG.hidden_size, generator=gen).to(device, torch.bfloat16)
+    with torch.no_grad():
+        got = layer(x)
+    assert got.shape == x.shape and got.dtype == torch.bfloat16
+    assert_rel_close(got.float(), moe_layer_torch(layer, x, route_dtype=torch.float32), 1e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shared_expert_as_slot_and_as_its_own_gemm(backend, gen, device):
+    """Every batch runs the shared expert as a slot of the grouped GEMMs; padded tokens (num_token_non_padded) take
+    the one-expert grouped GEMM instead, and keep their shared expert."""
+    layer = _layer(backend, 3, device)
+    x = torch.randn(6, CONFIG.hidden_size, generator=gen).to(device, torch.bfloat16)
+    assert layer.uses_shared_slot(6, x.device) and not layer.uses_shared_slot(6, x.device, num_token_non_padded=4)
+    with torch.no_grad():
+        slot = layer(x)
+        padded = layer(x, num_token_non_padded=6)  # nothing padded, but the other path
+        partly = layer(x, num_token_non_padded=4)
+    assert_rel_close(padded.float(), slot.float(), 1e-2, "one-expert GEMM vs slot")
+    want = moe_layer_torch(layer, x, num_token_non_padded=4, route_dtype=torch.float32)
+    assert_rel_close(partly.float(), want, 1e-2, "padded")
+
+
+def test_checkpoint_names_load(gen):
+    """transformers' FP8Experts / FP8Linear names: gate_up_proj(_scale_inv), shared_experts.*.weight_scale_inv."""
+    src = _layer("reference", 5, "cpu")
+    names = set(src.state_dict())
+    assert {"experts.gate_up_proj", "experts.gate_up_proj_scale_inv", "experts.down_proj_scale_inv",
+            "shared_experts.gate_proj.weight_scale_inv", "shared_experts.down_proj.weight"} <= names
+    dst = MoELayer(CONFIG, dtype=torch.bfloat16, backend="reference", quant="fp8")
+    dst.load_state_dict(src.state_dict())
+    x = torch.randn(3, CONFIG.hidden_size, generator=gen).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(dst(x), src(x))
+    assert isinstance(dst.shared_slot_weights()[0], BlockFP8)
+
+
+def test_refused_formats():
+    with pytest.raises(ValueError, match="quant"):
+        MoELayer(CONFIG, quant="int4")
+    with pytest.raises(TypeError, match="fp8"):
+        MoELayer(CONFIG, dtype=torch.float32, quant="fp8")
+    odd = MoEConfig(hidden_size=64, intermediate_size=96, num_experts=4, top_k=2, num_shared_experts=1)
+    with pytest.raises(ValueError, match="128"):
+        MoELayer(odd, quant="fp8")
+    with pytest.raises(TypeError, match="fp8 shared expert"):
+        _layer("reference", 0, "cpu").shared_experts(torch.zeros(1, CONFIG.hidden_size, dtype=torch.bfloat16))
+
+
+def test_from_hf_refuses_quantized_experts(gen):
+    hf = block("deepseek-v3", gen)
+    hf.experts.gate_up_proj.data = hf.experts.gate_up_proj.data.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="quantized experts"):
+        MoELayer.from_hf(hf)

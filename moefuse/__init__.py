@@ -8,7 +8,8 @@ Stages (each a public op with a PyTorch reference beside its Triton kernel; SPEC
 - experts:  ``moe_experts``               grouped GEMM1 + SwiGLU + GEMM2 -> one row per (token, slot)
 - finalize: ``moe_finalize_fuse_shared``  weighted combine of each token's rows + shared expert output
 
-``MoELayer`` composes them (with deferred finalize and the shared expert on a side stream);
+``MoELayer`` composes them (with deferred finalize and the shared expert on a side stream, bf16 or fp8 experts:
+``moefuse.formats``); ``moefuse.parallel`` shards it over a process group;
 ``moefuse.hf`` plugs them into transformers; ``warmup`` compiles every kernel variant before serving.
 """
 

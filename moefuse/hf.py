@@ -22,6 +22,7 @@ from torch import nn
 
 from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
+from moefuse.formats import BlockFP8
 from moefuse.layer import MoELayer, routed_experts
 
 # Block class name -> scoring function of its router ("config" = read the router's activation).
@@ -44,13 +45,53 @@ def unsupported_reason(block: nn.Module) -> str | None:
         return "hash-routed layer (experts fixed by token id)"
     if kind == "config" and type(block.gate.score_fn).__name__ not in _ACTIVATION_SCORING:
         return f"router activation {type(block.gate.score_fn).__name__}"
-    if block.experts.gate_up_proj.element_size() == 1:  # e4m3 values (FP8Experts) or packed e2m1 (FP4)
-        return (f"quantized experts ({type(block.experts).__name__}, {block.experts.gate_up_proj.dtype}): from_hf "
-                "does not take them yet; build MoELayer(config, quant='fp8') and load the block's state dict")
+    reason = _fp8_reason(block)
+    if reason is not None:
+        return reason
     act = getattr(block.experts, "act_fn", None)
     if act is not None and type(act).__name__ not in ("SiLU", "SiLUActivation"):
         return f"expert activation {type(act).__name__} (only SiLU)"
     return None
+
+
+def quant_of(block: nn.Module) -> str | None:
+    """``"fp8"`` for a block whose experts are transformers' FP8 experts (e4m3 values, 128 x 128 block scales)."""
+    return "fp8" if block.experts.gate_up_proj.dtype == torch.float8_e4m3fn else None
+
+
+def _fp8_reason(block: nn.Module) -> str | None:
+    """Why a block's quantized experts cannot run here, or None (not quantized, or fp8 block-scale as shipped)."""
+    experts = block.experts
+    weight = experts.gate_up_proj
+    if weight.element_size() != 1:
+        return None
+    name = type(experts).__name__
+    if weight.dtype != torch.float8_e4m3fn:
+        return f"quantized experts {name} in {weight.dtype} (packed FP4 is not supported yet)"
+    block_size = getattr(experts, "block_size", None)
+    if block_size is None or tuple(block_size) != (128, 128):
+        return f"fp8 experts {name} with block size {block_size} (only 128 x 128 block scales)"
+    if getattr(experts, "activation_scheme", "dynamic") != "dynamic":
+        return f"fp8 experts {name} with static activation scales (only dynamic)"
+    if not hasattr(experts, "gate_up_proj_scale_inv"):
+        return f"fp8 experts {name} without gate_up_proj_scale_inv"
+    shared = getattr(block, "shared_experts", None)
+    if shared is not None and shared.gate_proj.weight.dtype != torch.float8_e4m3fn:
+        return "fp8 routed experts with a shared expert that is not fp8"
+    if shared is not None and experts.gate_up_proj.shape[1] // 2 % 128:
+        return "fp8 experts whose width I is not a multiple of 128 with a shared expert"
+    return None
+
+
+def fp8_weight(weight: torch.Tensor, scale_inv: torch.Tensor) -> BlockFP8:
+    """A transformers FP8 projection's ``(weight, weight_scale_inv)`` as a :class:`BlockFP8`.
+
+    ue8m0 scales become fp32 (a small new tensor); fp32 scales are shared. transformers allocates at least two
+    block rows for a fused gate_up projection (``min_sf_out=2``) even when 2I fits one block: the rows past
+    ``ceil(N/128)`` are not part of the format and are left out.
+    """
+    rows = -(-weight.shape[-2] // 128)
+    return BlockFP8.from_checkpoint(weight, scale_inv[..., :rows, :])
 
 
 def config_from_hf(block: nn.Module) -> MoEConfig:
@@ -80,21 +121,52 @@ def config_from_hf(block: nn.Module) -> MoEConfig:
     )
 
 
-def layer_from_hf(block: nn.Module, *, backend: Backend = "auto") -> MoELayer:
-    """A MoELayer computing ``block``'s function with ``block``'s own tensors (shared, not copied)."""
+def layer_from_hf(block: nn.Module, *, backend: Backend = "auto", activation_dtype: torch.dtype = torch.bfloat16
+                  ) -> MoELayer:
+    """A MoELayer computing ``block``'s function with ``block``'s own tensors (shared, not copied).
+
+    A block with transformers' FP8 experts becomes a ``quant="fp8"`` layer taking ``activation_dtype`` hidden
+    states; its routed expert values and fp32 scales are shared, ue8m0 scales converted to fp32, and its fp8 shared
+    expert's gate and up tensors re-homed into one (see ``_stack_fp8_gate_up``).
+    """
     config = config_from_hf(block)
     shared = getattr(block, "shared_experts", None)
     if shared is not None and shared.gate_proj.weight.shape[0] % config.intermediate_size:
         raise ValueError("block: shared expert width is not a multiple of the routed expert width")
-    layer = MoELayer(config, dtype=block.experts.gate_up_proj.dtype, device="meta", backend=backend)
+    quant = quant_of(block)
+    if quant is None:
+        layer = MoELayer(config, dtype=block.experts.gate_up_proj.dtype, device="meta", backend=backend)
+    else:
+        layer = MoELayer(config, dtype=activation_dtype, device="meta", backend=backend, quant=quant)
     layer.gate.weight = block.gate.weight
     layer.gate.e_score_correction_bias = getattr(block.gate, "e_score_correction_bias", None)
     layer.experts.gate_up_proj = block.experts.gate_up_proj
     layer.experts.down_proj = block.experts.down_proj
+    if quant is not None:
+        for name in ("gate_up_proj", "down_proj"):
+            scales = fp8_weight(getattr(block.experts, name), getattr(block.experts, f"{name}_scale_inv")).scales
+            setattr(layer.experts, f"{name}_scale_inv", nn.Parameter(scales, requires_grad=False))
+        if shared is not None:
+            _stack_fp8_gate_up(shared)
     if shared is not None:
         for name in ("gate_proj", "up_proj", "down_proj"):
             setattr(layer.shared_experts, name, getattr(shared, name))
     return layer
+
+
+@torch.no_grad()
+def _stack_fp8_gate_up(shared: nn.Module) -> None:
+    """Put an fp8 shared expert's gate and up weights (and block scales) into one tensor each, gate rows first,
+    and make the block's own parameters views into them: the grouped GEMMs read [gate; up] as one expert. One
+    copy at load, no extra memory after it; the values are unchanged."""
+    gate, up = shared.gate_proj, shared.up_proj
+    for name in ("weight", "weight_scale_inv"):
+        a, b = getattr(gate, name), getattr(up, name)
+        if name == "weight_scale_inv" and a.dtype != torch.float32:  # ue8m0: the format keeps fp32 scales
+            a, b = fp8_weight(gate.weight, a).scales, fp8_weight(up.weight, b).scales
+        stacked = torch.cat([a, b])
+        setattr(gate, name, nn.Parameter(stacked[: a.shape[0]], requires_grad=False))
+        setattr(up, name, nn.Parameter(stacked[a.shape[0]:], requires_grad=False))
 
 
 @dataclass
@@ -152,14 +224,26 @@ def unpatch(model: nn.Module) -> list[str]:
 
 def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' experts-interface signature, run by moefuse: dispatch, grouped GEMMs, finalize."""
+    """transformers' experts-interface signature, run by moefuse: dispatch, grouped GEMMs, finalize. Takes
+    transformers' FP8 experts too (their ``*_scale_inv`` block scales)."""
     weights = top_k_weights if top_k_weights.dtype in (torch.float32, torch.bfloat16) else top_k_weights.float()
-    return routed_experts(hidden_states, experts.gate_up_proj, experts.down_proj, weights,
-                          top_k_index.to(torch.int32), swiglu_limit=getattr(experts, "limit", None))
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if gate_up.dtype == torch.float8_e4m3fn:
+        gate_up = fp8_weight(gate_up, experts.gate_up_proj_scale_inv)
+        down = fp8_weight(down, experts.down_proj_scale_inv)
+    return routed_experts(hidden_states, gate_up, down, weights, top_k_index.to(torch.int32),
+                          swiglu_limit=getattr(experts, "limit", None))
 
 
 def register_experts_implementation(name: str = "moefuse") -> None:
-    """Add moefuse to transformers' experts interface under ``name`` (explicit: nothing is registered on import)."""
+    """Add moefuse to transformers' experts interface under ``name``, for bf16 experts and (where this transformers
+    has them) its FP8 experts: ``model.set_experts_implementation(name)``. Explicit: nothing is registered on
+    import."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     ALL_EXPERTS_FUNCTIONS.register(name, experts_forward)
+    try:
+        from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+    except ImportError:  # a transformers without FP8 experts
+        return
+    ALL_FP8_EXPERTS_FUNCTIONS.register(name, experts_forward)

@@ -395,6 +395,26 @@ class MoELayer(nn.Module):
                 weight.values[expert].copy_(quantized.values[0])
                 weight.scales[expert].copy_(quantized.scales[0])
 
+    def shared_fp8_weights(self) -> tuple[BlockFP8, BlockFP8]:
+        """An fp8 shared expert as a one-expert stack (``[1, 2S, H]``, ``[1, H, S]``) over its own storage: expert E
+        of the stacked tensors, or its own gate and up tensors where they lie one after the other (as ``from_hf``
+        puts them)."""
+        stacked = self.shared_slot_weights()
+        if stacked is not None:
+            E = self.config.num_experts
+            return stacked[0][E:], stacked[1][E:]
+        s = self.shared_experts
+        parts = []
+        for name in ("weight", "weight_scale_inv"):
+            gate, up, down = (getattr(proj, name) for proj in (s.gate_proj, s.up_proj, s.down_proj))
+            gate_up = _stacked(gate[None], up)
+            if gate_up is None:
+                raise ValueError("the fp8 shared expert's gate and up tensors must lie one after the other "
+                                 "(as MoELayer and from_hf allocate them)")
+            parts.append((gate_up.reshape(1, -1, gate.shape[1]), down[None]))
+        (gate_up, down), (gate_up_scales, down_scales) = parts
+        return BlockFP8(gate_up, gate_up_scales), BlockFP8(down, down_scales)
+
     @property
     def activation_dtype(self) -> torch.dtype:
         """The dtype hidden states must have: the weights' own, or the one given at construction with fp8."""
@@ -404,13 +424,10 @@ class MoELayer(nn.Module):
         """The shared expert's output [M, H]: its MLP, or with ``quant="fp8"`` a one-expert grouped GEMM."""
         if self.quant is None:
             return self.shared_experts(x)
-        stacked = self.shared_slot_weights()
-        if stacked is None:
-            raise ValueError("the fp8 shared expert's tensors no longer sit behind the routed ones")
-        E = self.config.num_experts
+        gate_up, down = self.shared_fp8_weights()
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
         ids = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device)
-        out = routed_experts(x, stacked[0][E:], stacked[1][E:], ones, ids, swiglu_limit=self.config.swiglu_limit,
+        out = routed_experts(x, gate_up, down, ones, ids, swiglu_limit=self.config.swiglu_limit,
                              backend=self.backend)
         assert isinstance(out, torch.Tensor)
         return out
@@ -483,11 +500,13 @@ class MoELayer(nn.Module):
         return routed if shared is None else routed + shared
 
     @classmethod
-    def from_hf(cls, module: nn.Module, *, backend: Backend = "auto") -> MoELayer:
-        """A layer sharing (not copying) the tensors of a transformers sparse-MoE block; see ``moefuse.hf``."""
+    def from_hf(cls, module: nn.Module, *, backend: Backend = "auto",
+                activation_dtype: torch.dtype = torch.bfloat16) -> MoELayer:
+        """A layer sharing (not copying) the tensors of a transformers sparse-MoE block; see ``moefuse.hf``.
+        ``activation_dtype``: of the hidden states, for a block with fp8 experts."""
         from moefuse.hf import layer_from_hf
 
-        return layer_from_hf(module, backend=backend)
+        return layer_from_hf(module, backend=backend, activation_dtype=activation_dtype)
 
 
 @torch.no_grad()
@@ -521,9 +540,8 @@ def moe_layer_torch(layer: MoELayer, hidden_states: torch.Tensor, num_token_non_
         out.index_add_(0, token, y * weights[token, slot].to(dtype)[:, None])
     if layer.shared_experts is not None:
         if layer.quant is not None:
-            stacked = layer.shared_slot_weights()
-            out += _expert_mlp(x, stacked[0][c.num_experts], stacked[1][c.num_experts], c.swiglu_limit,
-                               layer.activation_dtype, dtype)
+            gate_up_s, down_s = layer.shared_fp8_weights()
+            out += _expert_mlp(x, gate_up_s[0], down_s[0], c.swiglu_limit, layer.activation_dtype, dtype)
         else:
             s = layer.shared_experts
             gate_up_s = torch.cat([s.gate_proj.weight, s.up_proj.weight])

@@ -74,8 +74,11 @@ def test_refused_formats():
         _layer("reference", 0, "cpu").shared_experts(torch.zeros(1, CONFIG.hidden_size, dtype=torch.bfloat16))
 
 
-def test_from_hf_refuses_quantized_experts(gen):
+@pytest.mark.parametrize("dtype, match", [(torch.float8_e4m3fn, "fp8 experts .* block size None"),
+                                          (torch.int8, "packed FP4")], ids=["fp8-without-block-scales", "fp4"])
+def test_from_hf_refuses_unsupported_quantized_experts(dtype, match, gen):
+    """Refused when the layer is built, naming the format (not a dtype error at forward)."""
     hf = block("deepseek-v3", gen)
-    hf.experts.gate_up_proj.data = hf.experts.gate_up_proj.data.to(torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="quantized experts"):
+    hf.experts.gate_up_proj.data = hf.experts.gate_up_proj.data.to(dtype)
+    with pytest.raises(ValueError, match=match):
         MoELayer.from_hf(hf)

@@ -79,6 +79,6 @@ def test_refused_formats():
 def test_from_hf_refuses_unsupported_quantized_experts(dtype, match, gen):
     """Refused when the layer is built, naming the format (not a dtype error at forward)."""
     hf = block("deepseek-v3", gen)
-    hf.experts.gate_up_proj.data = hf.experts.gate_up_proj.data.to(dtype)
+    hf.experts.gate_up_proj = torch.nn.Parameter(hf.experts.gate_up_proj.detach().to(dtype), requires_grad=False)
     with pytest.raises(ValueError, match=match):
         MoELayer.from_hf(hf)

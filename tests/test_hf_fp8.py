@@ -11,6 +11,8 @@ from moefuse.formats import BlockFP8, dequantize_rows, quantize_rows
 from moefuse.testing import assert_rel_close, rel_error
 
 fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+if not all(hasattr(fp8, name) for name in ("FP8Experts", "FP8Linear", "ALL_FP8_EXPERTS_FUNCTIONS")):
+    pytest.skip("this transformers has no FP8 experts interface", allow_module_level=True)
 H, I, E, K = 200, 128, 8, 2
 
 

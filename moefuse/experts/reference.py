@@ -13,12 +13,23 @@ Routing weights are not applied here (finalize applies them). Rows past the last
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Optional
 
 import torch
 
 from ..dispatch import DispatchPlan
 from ..formats import BlockFP8, dequantize_rows, quantize_rows
+
+
+def expert_segments(plan: DispatchPlan) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+    """``(expert, start, end, tokens)`` for each expert with rows: its permuted rows ``[start, end)`` and the token
+    of each (reads the offsets back to the host)."""
+    offsets = plan.expert_offsets.tolist()
+    for expert in range(plan.num_experts):
+        start, end = offsets[expert], offsets[expert + 1]
+        if start < end:
+            yield expert, start, end, plan.permuted_to_expanded[start:end].long() // plan.top_k
 
 
 def moe_experts_torch(
@@ -48,12 +59,7 @@ def moe_experts_torch(
     num_rows, width = plan.num_rows, gate_up_proj.shape[1] // 2
     if out is None:
         out = torch.empty(num_rows, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-    offsets = plan.expert_offsets.tolist()
-    for expert in range(plan.num_experts):
-        start, end = offsets[expert], offsets[expert + 1]
-        if start == end:
-            continue
-        tokens = plan.permuted_to_expanded[start:end].long() // plan.top_k
+    for expert, start, end, tokens in expert_segments(plan):
         x = hidden[tokens].to(dtype)  # [rows, H]
         gate_up = x @ gate_up_proj[expert].to(dtype).T  # [rows, 2I]
         gate, up = gate_up[:, :width], gate_up[:, width:]
@@ -86,12 +92,7 @@ def moe_experts_fp8_torch(
     num_rows, width = plan.num_rows, gate_up_proj.shape[1] // 2
     if out is None:
         out = torch.empty(num_rows, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-    offsets = plan.expert_offsets.tolist()
-    for expert in range(plan.num_experts):
-        start, end = offsets[expert], offsets[expert + 1]
-        if start == end:
-            continue
-        tokens = plan.permuted_to_expanded[start:end].long() // plan.top_k
+    for expert, start, end, tokens in expert_segments(plan):
         x = dequantize_rows(*quantize_rows(hidden[tokens]), dtype)  # [rows, H]
         gate_up = x @ gate_up_proj[expert].dequantize(dtype)[0].T  # [rows, 2I]
         gate, up = gate_up[:, :width], gate_up[:, width:]

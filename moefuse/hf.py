@@ -29,7 +29,7 @@ from moefuse.layer import MoELayer, routed_experts
 SUPPORTED_BLOCKS: dict[str, str] = {
     "DeepseekV3MoE": "sigmoid",  # DeepSeek-V3 / R1, Kimi-K2
     "Glm4MoeMoE": "sigmoid",  # GLM-4.5 / 4.5-Air
-    "DeepseekV4SparseMoeBlock": "config",  # DeepSeek-V4 (sqrt-softplus); hash-routed layers are not supported
+    "DeepseekV4SparseMoeBlock": "config",  # DeepSeek-V4 (sqrt-softplus), its hash-routed layers too
     "Qwen3MoeSparseMoeBlock": "softmax",  # Qwen3-MoE
 }
 _ACTIVATION_SCORING = {"SqrtSoftplusActivation": "sqrtsoftplus", "Sigmoid": "sigmoid", "Softmax": "softmax"}
@@ -41,8 +41,6 @@ def unsupported_reason(block: nn.Module) -> str | None:
     kind = SUPPORTED_BLOCKS.get(type(block).__name__)
     if kind is None:
         return f"{type(block).__name__} is not a supported MoE block"
-    if getattr(block, "is_hash", False):
-        return "hash-routed layer (experts fixed by token id)"
     if kind == "config" and type(block.gate.score_fn).__name__ not in _ACTIVATION_SCORING:
         return f"router activation {type(block.gate.score_fn).__name__}"
     reason = _fp8_reason(block)
@@ -134,10 +132,11 @@ def layer_from_hf(block: nn.Module, *, backend: Backend = "auto", activation_dty
     if shared is not None and shared.gate_proj.weight.shape[0] % config.intermediate_size:
         raise ValueError("block: shared expert width is not a multiple of the routed expert width")
     quant = quant_of(block)
-    if quant is None:
-        layer = MoELayer(config, dtype=block.experts.gate_up_proj.dtype, device="meta", backend=backend)
-    else:
-        layer = MoELayer(config, dtype=activation_dtype, device="meta", backend=backend, quant=quant)
+    table = block.gate.tid2eid if getattr(block, "is_hash", False) else None
+    vocab = None if table is None else table.shape[0]
+    dtype = block.experts.gate_up_proj.dtype if quant is None else activation_dtype
+    layer = MoELayer(config, dtype=dtype, device="meta", backend=backend, quant=quant, hash_vocab_size=vocab)
+    layer.gate.tid2eid = table
     layer.gate.weight = block.gate.weight
     layer.gate.e_score_correction_bias = getattr(block.gate, "e_score_correction_bias", None)
     layer.experts.gate_up_proj = block.experts.gate_up_proj

@@ -35,6 +35,7 @@ from moefuse.finalize import (
 from moefuse.formats import BLOCK, BlockFP8, ExpertWeight, dequantize_rows, quantize_rows
 from moefuse.graphs import DecodeGraphs, state_key
 from moefuse.route import moe_fused_gate, moe_fused_gate_torch, router_logits
+from moefuse.route.reference import hash_gate_torch
 
 GRAPH_MAX_TOKENS = 16  # default of MoELayer.graph_max_tokens: eager decode batches replay a captured graph
 
@@ -47,28 +48,42 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.
 
 
 class MoERouter(nn.Module):
-    """Router linear (fp32 logits) followed by :func:`moefuse.moe_fused_gate`."""
+    """Router linear (fp32 logits) followed by :func:`moefuse.moe_fused_gate`; or, for a hash-routed layer
+    (``hash_vocab_size``: DeepSeek-V4's first MoE layers), experts looked up in ``tid2eid[input_ids]`` and
+    weighted by :func:`moefuse.route.reference.hash_gate_torch`."""
 
-    def __init__(self, config: MoEConfig, *, device: torch.device | str | None = None, backend: Backend = "auto"):
+    def __init__(self, config: MoEConfig, *, device: torch.device | str | None = None, backend: Backend = "auto",
+                 hash_vocab_size: int | None = None):
         super().__init__()
         self.config = config
         self.backend = backend
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, device=device))
         bias = torch.zeros(config.num_experts, device=device) if config.expert_bias else None
         self.register_buffer("e_score_correction_bias", bias)
+        table = None
+        if hash_vocab_size is not None:
+            table = torch.zeros(check_int("hash_vocab_size", hash_vocab_size, low=1), config.top_k,
+                                dtype=torch.int64, device=device)
+        self.register_buffer("tid2eid", table)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """[M, H] -> fp32 logits [M, E] (:func:`moefuse.route.router_logits`)."""
         return router_logits(x, self.weight, backend=self.backend)
 
     def forward(self, x: torch.Tensor, num_token_non_padded: int | torch.Tensor | None = None,
-                num_fused_shared_experts: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                num_fused_shared_experts: int = 0, input_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """[M, H] -> (weights fp32 [M, top_k + n], ids int32 [M, top_k + n]); the scaling factor is in the weights.
 
         Rows at or past ``num_token_non_padded`` get ids -1 and weights 0: they reach no expert. With
-        ``num_fused_shared_experts = n``, slots ``top_k..top_k+n-1`` hold ids ``E..E+n-1`` (SPEC §1).
+        ``num_fused_shared_experts = n``, slots ``top_k..top_k+n-1`` hold ids ``E..E+n-1`` (SPEC §1). A hash-routed
+        router needs ``input_ids`` (M token ids) and takes no fused shared slots.
         """
         c = self.config
+        if self.tid2eid is not None:
+            return hash_gate_torch(self.logits(x), self.tid2eid[input_ids.reshape(-1)], c.scoring_func,
+                                   renormalize=c.renormalize, routed_scaling_factor=c.routed_scaling_factor,
+                                   num_token_non_padded=num_token_non_padded)
         bias = self.e_score_correction_bias
         if bias is not None and bias.dtype != torch.float32:
             bias = bias.float()  # model.to(bf16) casts buffers too; the router takes its bias in fp32 (SPEC §1)
@@ -241,6 +256,10 @@ class MoELayer(nn.Module):
             (bf16 or fp16), quantized on the fly. A shared expert then needs I to be a multiple of 128 and is
             always run by the grouped GEMMs: as one more slot when it can (every batch size by default), else as
             a one-expert grouped GEMM (padded tokens).
+        hash_vocab_size: make this a hash-routed layer (DeepSeek-V4's first MoE layers): each token's experts are
+            ``gate.tid2eid[input_ids]`` (a [vocab, top_k] table loaded from the checkpoint), weighted by the scores
+            of those experts (:func:`moefuse.route.reference.hash_gate_torch`); ``forward`` then needs
+            ``input_ids``. Such a layer runs its shared expert on the side stream and captures no decode graphs.
             The router weight is fp32 and its logits are computed in fp32.
         device: where to allocate the parameters (uninitialised: load a checkpoint or call ``init_random_``).
         backend: ``"auto"`` (Triton on CUDA tensors, the PyTorch reference elsewhere), ``"triton"`` or
@@ -266,7 +285,7 @@ class MoELayer(nn.Module):
     def __init__(self, config: MoEConfig, *, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str | None = None, backend: Backend = "auto",
                  shared_slot_max_tokens: int | None = None, graph_max_tokens: int = GRAPH_MAX_TOKENS,
-                 quant: Quant = None):
+                 quant: Quant = None, hash_vocab_size: int | None = None):
         super().__init__()
         if quant not in QUANTS:
             raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
@@ -280,7 +299,7 @@ class MoELayer(nn.Module):
         self.backend = backend
         self.quant = quant
         self._fp8_activation_dtype = dtype
-        self.gate = MoERouter(config, device=device, backend=backend)
+        self.gate = MoERouter(config, device=device, backend=backend, hash_vocab_size=hash_vocab_size)
         # With one shared expert as wide as a routed one, its weights are allocated right behind the routed
         # experts' (expert E of the same tensors), so the grouped GEMMs can run it as one more slot.
         stack = config.num_shared_experts == 1
@@ -349,7 +368,7 @@ class MoELayer(nn.Module):
         GEMMs (see ``shared_slot_max_tokens``)."""
         c = self.config
         if (self.shared_experts is None or not c.renormalize or num_token_non_padded is not None
-                or torch.compiler.is_compiling()):
+                or self.gate.tid2eid is not None or torch.compiler.is_compiling()):
             return False
         limit = self.shared_slot_max_tokens
         if limit is None and self.quant is not None:
@@ -463,18 +482,27 @@ class MoELayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, num_token_non_padded: int | torch.Tensor | None = None,
                 input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """[..., H] -> [..., H]. Tokens at or past ``num_token_non_padded`` (flattened order) get only the shared
-        expert. ``input_ids`` is accepted (and unused) so the layer drops in where DeepSeek-V4 blocks are called."""
+        expert. ``input_ids`` (one per token, any shape) picks the experts of a hash-routed layer; other layers
+        accept and ignore it, so the layer drops in where DeepSeek-V4 blocks are called."""
         self._check_input(hidden_states)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.config.hidden_size)
+        if self.gate.tid2eid is not None:
+            if not isinstance(input_ids, torch.Tensor) or input_ids.numel() != x.shape[0]:
+                raise ValueError(f"input_ids: a hash-routed layer needs one token id per token ({x.shape[0]}), got "
+                                 f"{None if input_ids is None else tuple(input_ids.shape)}")
+            if input_ids.dtype not in (torch.int32, torch.int64) or input_ids.device != x.device:
+                raise TypeError(f"input_ids must be int32 or int64 on {x.device}, got {input_ids.dtype} on "
+                                f"{input_ids.device}")
+            return self._forward_tokens(x, num_token_non_padded, input_ids).reshape(shape)
         if num_token_non_padded is None and self.backend != "reference" and self.graphs.applies(x):
             key = (state_key(self), x.device, self.backend, self.shared_slot_max_tokens,
                    self.supports_deferred_finalize, torch.is_inference_mode_enabled())
             return self.graphs.run(self._forward_tokens, x, key).reshape(shape)
         return self._forward_tokens(x, num_token_non_padded).reshape(shape)
 
-    def _forward_tokens(self, x: torch.Tensor, num_token_non_padded: int | torch.Tensor | None = None
-                        ) -> torch.Tensor:
+    def _forward_tokens(self, x: torch.Tensor, num_token_non_padded: int | torch.Tensor | None = None,
+                        input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The block on tokens ``x`` [M, H] -> [M, H]."""
         if self.uses_shared_slot(x.shape[0], x.device, num_token_non_padded):
             return self._forward_shared_slot(x, *self.shared_slot_weights())
@@ -487,7 +515,7 @@ class MoELayer(nn.Module):
                 shared = self._shared(x)
         else:
             shared = self._shared(x) if self.shared_experts is not None else None
-        weights, ids = self.gate(x, num_token_non_padded)
+        weights, ids = self.gate(x, num_token_non_padded, input_ids=input_ids)
         if self.supports_deferred_finalize:
             routed: torch.Tensor | DeferredFinalizeOutput = self.forward_deferred_finalize(x, weights, ids)
         else:
@@ -511,7 +539,8 @@ class MoELayer(nn.Module):
 
 @torch.no_grad()
 def moe_layer_torch(layer: MoELayer, hidden_states: torch.Tensor, num_token_non_padded: int | None = None, *,
-                    dtype: torch.dtype = torch.float64, route_dtype: torch.dtype | None = None) -> torch.Tensor:
+                    dtype: torch.dtype = torch.float64, route_dtype: torch.dtype | None = None,
+                    input_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The block computed plainly in ``dtype`` (float64 by default) from ``layer``'s weights: the test oracle.
 
     Routes with the router reference in ``route_dtype`` (default ``dtype``), then runs each touched expert
@@ -524,12 +553,17 @@ def moe_layer_torch(layer: MoELayer, hidden_states: torch.Tensor, num_token_non_
     rdtype = dtype if route_dtype is None else route_dtype
     logits = F.linear(x.to(rdtype), layer.gate.weight.to(rdtype))
     bias = layer.gate.e_score_correction_bias
-    weights, ids = moe_fused_gate_torch(
-        logits, bias, c.top_k, c.scoring_func, renormalize=c.renormalize,
-        routed_scaling_factor=c.routed_scaling_factor, apply_routed_scaling_factor_on_output=True,
-        num_expert_group=c.num_expert_group, topk_group=c.topk_group, moe_softcapping=c.moe_softcapping,
-        num_token_non_padded=num_token_non_padded, dtype=rdtype,
-    )
+    if layer.gate.tid2eid is not None:
+        weights, ids = hash_gate_torch(logits, layer.gate.tid2eid[input_ids.reshape(-1)], c.scoring_func,
+                                       renormalize=c.renormalize, routed_scaling_factor=c.routed_scaling_factor,
+                                       num_token_non_padded=num_token_non_padded, dtype=rdtype)
+    else:
+        weights, ids = moe_fused_gate_torch(
+            logits, bias, c.top_k, c.scoring_func, renormalize=c.renormalize,
+            routed_scaling_factor=c.routed_scaling_factor, apply_routed_scaling_factor_on_output=True,
+            num_expert_group=c.num_expert_group, topk_group=c.topk_group, moe_softcapping=c.moe_softcapping,
+            num_token_non_padded=num_token_non_padded, dtype=rdtype,
+        )
     out = torch.zeros_like(x)
     gate_up, down = layer.experts.weights()
     for expert in ids.unique().tolist():

@@ -142,7 +142,7 @@ def warmup(module: nn.Module, max_tokens: int = 4096, *, progress: bool = True) 
                               f"{len(compiled)} variants so far")
                 x = torch.randn(num_tokens, layer.config.hidden_size, device=weight.device,
                                 dtype=layer.activation_dtype)
-                layer(x)
+                layer(x, input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=weight.device))
             if first_of_shape:
                 _prime_cublas(layer, max_tokens)
             report.graphs += len(layer.graphs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_blocks import BLOCKS, block
+from hf_blocks import BLOCKS, block, randomize_
 
 from moefuse import MoEConfig, MoELayer, moe_layer_torch
 from moefuse.finalize import deferred_finalize_context
@@ -183,3 +183,46 @@ def test_shared_slot_not_used_for_padded_tokens(backend, gen, device):
 def test_bad_shared_slot_max_tokens(bad, exc):
     with pytest.raises(exc, match="shared_slot_max_tokens"):
         MoELayer(SMALL, dtype=torch.float32, shared_slot_max_tokens=bad)
+
+
+def _deepseek_v4_hash_block(gen, vocab: int = 50):
+    """transformers' hash-routed DeepSeek-V4 block (experts from tid2eid[input_ids]), random weights and table."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4SparseMoeBlock
+
+    config = DeepseekV4Config(hidden_size=48, moe_intermediate_size=24, n_routed_experts=16, num_experts_per_tok=3,
+                              num_hidden_layers=1, mlp_layer_types=["hash_moe"], swiglu_limit=0.02,
+                              vocab_size=vocab)
+    hf = randomize_(DeepseekV4SparseMoeBlock(config, 0), gen).eval()
+    with torch.no_grad():  # distinct experts per token id, as the checkpoints' tables have
+        hf.gate.tid2eid.copy_(torch.stack([torch.randperm(16, generator=gen)[:3] for _ in range(vocab)]))
+    return hf
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hash_routed_layer_matches_transformers(backend, gen, device):
+    """DeepSeek-V4's first MoE layers: experts fixed by the token id, weights from the sqrt-softplus scores."""
+    hf = _deepseek_v4_hash_block(gen).to(device)
+    layer = MoELayer.from_hf(hf, backend=backend)
+    assert layer.gate.tid2eid is hf.gate.tid2eid
+    x = torch.randn(2, 5, 48, generator=gen).to(device)
+    input_ids = torch.randint(0, 50, (2, 5), generator=gen).to(device)
+    with torch.no_grad():
+        want = hf(x, input_ids=input_ids)
+        got = layer(x, input_ids=input_ids)
+        ref = moe_layer_torch(layer, x, input_ids=input_ids)
+        padded = layer(x, num_token_non_padded=7, input_ids=input_ids)
+        ref_padded = moe_layer_torch(layer, x, num_token_non_padded=7, input_ids=input_ids)
+    assert_rel_close(got, want, 1e-5, f"hash-routed ({backend}) vs transformers")
+    assert_rel_close(got, ref, 1e-5, "vs float64 reference")
+    assert_rel_close(padded, ref_padded, 1e-5, "padded tokens")
+
+
+def test_hash_routed_layer_needs_input_ids(gen):
+    layer = MoELayer.from_hf(_deepseek_v4_hash_block(gen), backend="reference")
+    with pytest.raises(ValueError, match="input_ids"):
+        layer(torch.randn(4, 48))
+    with pytest.raises(ValueError, match="input_ids"):
+        layer(torch.randn(4, 48), input_ids=torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(TypeError, match="input_ids"):
+        layer(torch.randn(4, 48), input_ids=torch.zeros(4))

@@ -33,6 +33,33 @@ def activation(x: torch.Tensor, scoring_func: str, moe_softcapping: float = 0.0)
     raise ValueError(f"unknown scoring_func {scoring_func!r}")
 
 
+def hash_gate_torch(
+    logits: torch.Tensor,
+    expert_ids: torch.Tensor,
+    scoring_func: str,
+    *,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+    num_token_non_padded: int | torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hash routing (DeepSeek-V4's first MoE layers): each token's experts are given (``expert_ids`` [M, K], the
+    model's ``tid2eid[input_ids]``), their weights are the activated logits of those experts, divided by their sum
+    (by 1 when it is <= 0) with ``renormalize``, times ``routed_scaling_factor``. Rows at or past
+    ``num_token_non_padded`` get ids -1 and weights 0, as in SPEC §1. Computed in ``dtype``; returns (fp32 weights,
+    int32 ids). Plain tensor ops, no host sync."""
+    ids = expert_ids.to(torch.int64)
+    weights = activation(logits.to(dtype), scoring_func).gather(1, ids)
+    if renormalize:
+        total = weights.sum(dim=1, keepdim=True)
+        weights = weights / torch.where(total > 0, total, torch.ones_like(total))
+    weights = weights * routed_scaling_factor
+    if num_token_non_padded is not None:
+        padded = torch.arange(ids.shape[0], device=ids.device)[:, None] >= num_token_non_padded
+        weights, ids = weights.masked_fill(padded, 0.0), ids.masked_fill(padded, -1)
+    return weights.float(), ids.to(torch.int32)
+
+
 def rank_desc(keys: torch.Tensor) -> torch.Tensor:
     """Indices that sort the last axis of ``keys`` by the spec's order: larger first, lower index among equal
     values, NaN after everything (``-inf`` included)."""

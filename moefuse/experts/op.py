@@ -59,48 +59,24 @@ def moe_experts(
     CUDA graphs: capturable, no host sync; grids depend only on shapes and the plan's static tile count.
     """
     if isinstance(gate_up_proj, BlockFP8) or isinstance(down_proj, BlockFP8):
-        return _moe_experts_fp8(hidden, gate_up_proj, down_proj, plan, swiglu_limit, out, backend)
-    num_tokens, hidden_size, width, resolved = _validate(
-        hidden, gate_up_proj, down_proj, plan, swiglu_limit, out, backend
-    )
-    num_experts = gate_up_proj.shape[0]
-    device = hidden.device
-    if out is None:
-        out = torch.empty(plan.num_rows, hidden_size, dtype=hidden.dtype, device=device)
-    config = configs.pick(num_tokens, num_experts, hidden_size, width, plan.top_k, hidden.dtype,
-                          configs.arch_of(device), block_m=plan.block_m)
-    op = _experts_impl if _runtime.direct_call() else torch.ops.moefuse.experts
-    op(
-        hidden, gate_up_proj, down_proj,
-        plan.expert_offsets, plan.permuted_to_expanded, plan.expanded_to_permuted,
-        plan.tile_expert, plan.tile_row_start, plan.top_k, plan.block_m,
-        None if swiglu_limit is None else float(swiglu_limit),
-        _tiles_to_list(config.gemm1) + _tiles_to_list(config.gemm2),
-        _runtime.pdl_enabled(None, device), resolved, out,
-    )
-    return out
-
-
-def _moe_experts_fp8(hidden, gate_up_proj, down_proj, plan, swiglu_limit, out, backend) -> torch.Tensor:
-    """``moe_experts`` on :class:`BlockFP8` weights: validation, tiles, the ``moefuse::experts_fp8`` op."""
-    for name, weight in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
-        if not isinstance(weight, BlockFP8):
-            raise TypeError(f"{name} must be a BlockFP8 like the other expert weight, got {type(weight).__name__}")
-    _checks.check_tensor("hidden", hidden, dtypes=(torch.bfloat16, torch.float16), ndim=2)
-    num_tokens, hidden_size, width, resolved = _validate(
-        hidden, gate_up_proj.values, down_proj.values, plan, swiglu_limit, out, backend, weight_dtype=None
-    )
-    for name, weight in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
-        if weight.scales.device != hidden.device:
-            raise ValueError(f"{name}.scales is on {weight.scales.device}, expected {hidden.device}")
+        num_tokens, hidden_size, width, resolved = _validate_fp8(
+            hidden, gate_up_proj, down_proj, plan, swiglu_limit, out, backend
+        )
+        op = _experts_fp8_impl if _runtime.direct_call() else torch.ops.moefuse.experts_fp8
+        weights = (gate_up_proj.values, gate_up_proj.scales, down_proj.values, down_proj.scales)
+    else:
+        num_tokens, hidden_size, width, resolved = _validate(
+            hidden, gate_up_proj, down_proj, plan, swiglu_limit, out, backend
+        )
+        op = _experts_impl if _runtime.direct_call() else torch.ops.moefuse.experts
+        weights = (gate_up_proj, down_proj)
     device = hidden.device
     if out is None:
         out = torch.empty(plan.num_rows, hidden_size, dtype=hidden.dtype, device=device)
     config = configs.pick(num_tokens, gate_up_proj.shape[0], hidden_size, width, plan.top_k, hidden.dtype,
                           configs.arch_of(device), block_m=plan.block_m)
-    op = _experts_fp8_impl if _runtime.direct_call() else torch.ops.moefuse.experts_fp8
     op(
-        hidden, gate_up_proj.values, gate_up_proj.scales, down_proj.values, down_proj.scales,
+        hidden, *weights,
         plan.expert_offsets, plan.permuted_to_expanded, plan.expanded_to_permuted,
         plan.tile_expert, plan.tile_row_start, plan.top_k, plan.block_m,
         None if swiglu_limit is None else float(swiglu_limit),
@@ -108,6 +84,21 @@ def _moe_experts_fp8(hidden, gate_up_proj, down_proj, plan, swiglu_limit, out, b
         _runtime.pdl_enabled(None, device), resolved, out,
     )
     return out
+
+
+def _validate_fp8(hidden, gate_up_proj, down_proj, plan, swiglu_limit, out, backend) -> tuple[int, int, int, str]:
+    """The checks of ``moe_experts`` on :class:`BlockFP8` weights: both weights fp8, bf16/fp16 activations, then
+    :func:`_validate` on the values, and the scales on hidden's device."""
+    for name, weight in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if not isinstance(weight, BlockFP8):
+            raise TypeError(f"{name} must be a BlockFP8 like the other expert weight, got {type(weight).__name__}")
+    _checks.check_tensor("hidden", hidden, dtypes=(torch.bfloat16, torch.float16), ndim=2)
+    checked = _validate(hidden, gate_up_proj.values, down_proj.values, plan, swiglu_limit, out, backend,
+                        weight_dtype=None)
+    for name, weight in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if weight.scales.device != hidden.device:
+            raise ValueError(f"{name}.scales is on {weight.scales.device}, expected {hidden.device}")
+    return checked
 
 
 def _validate(

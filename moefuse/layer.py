@@ -366,17 +366,23 @@ class MoELayer(nn.Module):
     def uses_shared_slot(self, num_tokens: int, device: torch.device, num_token_non_padded: object = None) -> bool:
         """Whether a call on ``num_tokens`` tokens on ``device`` runs the shared expert as a slot of the grouped
         GEMMs (see ``shared_slot_max_tokens``)."""
+        return self._shared_slot(num_tokens, device, num_token_non_padded) is not None
+
+    def _shared_slot(self, num_tokens: int, device: torch.device, num_token_non_padded: object
+                     ) -> tuple[ExpertWeight, ExpertWeight] | None:
+        """The stacked weights a call runs the shared expert as a slot with (:meth:`shared_slot_weights`), or None
+        when it does not (see :meth:`uses_shared_slot`)."""
         c = self.config
         if (self.shared_experts is None or not c.renormalize or num_token_non_padded is not None
                 or self.gate.tid2eid is not None or torch.compiler.is_compiling()):
-            return False
+            return None
         limit = self.shared_slot_max_tokens
         if limit is None and self.quant is not None:
             limit = sys.maxsize  # no fp8 linear of our own: the grouped GEMMs run the shared expert at every size
         elif limit is None:
             limit = configs.shared_slot_max_tokens(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k,
                                                    configs.arch_of(device))
-        return 0 < num_tokens <= limit and self.shared_slot_weights() is not None
+        return self.shared_slot_weights() if 0 < num_tokens <= limit else None
 
     def _forward_shared_slot(self, x: torch.Tensor, gate_up_proj: ExpertWeight, down_proj: ExpertWeight
                              ) -> torch.Tensor:
@@ -504,8 +510,9 @@ class MoELayer(nn.Module):
     def _forward_tokens(self, x: torch.Tensor, num_token_non_padded: int | torch.Tensor | None = None,
                         input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The block on tokens ``x`` [M, H] -> [M, H]."""
-        if self.uses_shared_slot(x.shape[0], x.device, num_token_non_padded):
-            return self._forward_shared_slot(x, *self.shared_slot_weights())
+        slot = self._shared_slot(x.shape[0], x.device, num_token_non_padded)
+        if slot is not None:
+            return self._forward_shared_slot(x, *slot)
         # The shared expert forks first, so that it also overlaps the router linear and the router.
         on_side_stream = x.is_cuda and self.shared_experts is not None and not torch.compiler.is_compiling()
         if on_side_stream:

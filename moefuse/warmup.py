@@ -38,14 +38,14 @@ class WarmupReport:
 
     layers: int = 0
     token_counts: list[int] = field(default_factory=list)  # the batch sizes run on the first layer of each shape
-    compiled: int | None = None  # kernel variants compiled or loaded from the disk cache (None: no Triton hook)
+    compiled: int = 0  # kernel variants compiled or loaded from the disk cache
     graphs: int = 0  # decode graphs captured, over all layers
     seconds: float = 0.0
 
     def __str__(self) -> str:
-        compiled = "?" if self.compiled is None else self.compiled
-        return (f"moefuse warm-up: {self.layers} layer(s), {len(self.token_counts)} batch sizes, {compiled} kernel "
-                f"variants compiled or loaded, {self.graphs} decode graphs captured, {self.seconds:.1f} s")
+        return (f"moefuse warm-up: {self.layers} layer(s), {len(self.token_counts)} batch sizes, "
+                f"{self.compiled} kernel variants compiled or loaded, {self.graphs} decode graphs captured, "
+                f"{self.seconds:.1f} s")
 
 
 def launch_signature(layer: MoELayer, num_tokens: int) -> tuple:
@@ -80,13 +80,10 @@ def token_counts(layer: MoELayer, max_tokens: int) -> list[int]:
 @contextlib.contextmanager
 def count_compilations() -> Iterator[list[str]]:
     """Within the block, the names of the Triton kernels compiled (or loaded from the disk cache) are appended to
-    the yielded list, through Triton's ``jit_cache_hook``; the list stays empty where that hook does not exist."""
+    the yielded list, through Triton's ``jit_cache_hook`` (Triton 3.6 and later, as the project requires)."""
+    from triton import knobs
+
     names: list[str] = []
-    try:
-        from triton import knobs
-    except ImportError:  # an older Triton without knobs
-        yield names
-        return
     previous = knobs.runtime.jit_cache_hook
 
     def hook(*args, **kwargs):
@@ -147,7 +144,7 @@ def warmup(module: nn.Module, max_tokens: int = 4096, *, progress: bool = True) 
                 _prime_cublas(layer, max_tokens)
             report.graphs += len(layer.graphs)
             torch.cuda.synchronize(layer.experts.gate_up_proj.device)
-    report.compiled = len(compiled) if _has_hook() else None
+    report.compiled = len(compiled)
     report.seconds = time.perf_counter() - start
     if progress:
         _progress(str(report))
@@ -167,10 +164,3 @@ def _prime_cublas(layer: MoELayer, max_tokens: int) -> None:
         if layer.shared_experts is not None and not layer.uses_shared_slot(num_tokens, device):
             layer._shared(x[:num_tokens])
 
-
-def _has_hook() -> bool:
-    try:
-        from triton import knobs
-    except ImportError:
-        return False
-    return hasattr(knobs.runtime, "jit_cache_hook")

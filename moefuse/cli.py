@@ -60,6 +60,7 @@ def run_layer(args: argparse.Namespace) -> int:
     from moefuse.dispatch import moe_dispatch
     from moefuse.experts import moe_experts, pick_block_m
     from moefuse.finalize import moe_finalize_fuse_shared
+    from moefuse.formats import tile_dtype
     from moefuse.layer import MoELayer, moe_layer_torch
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -87,9 +88,10 @@ def run_layer(args: argparse.Namespace) -> int:
             progress("timing stages")
             c = config
             weights, ids = layer.gate(x)
-            plan = moe_dispatch(ids, c.num_experts, pick_block_m(x.shape[0], c.num_experts, c.hidden_size,
-                                                                 c.intermediate_size, c.top_k, dtype), backend=backend)
             gate_up, down = layer.experts.weights()
+            block_m = pick_block_m(x.shape[0], c.num_experts, c.hidden_size, c.intermediate_size, c.top_k,
+                                   tile_dtype(gate_up, dtype))
+            plan = moe_dispatch(ids, c.num_experts, block_m, backend=backend)
             gemm2_out = moe_experts(x, gate_up, down, plan, swiglu_limit=c.swiglu_limit, backend=backend)
             shared = layer._shared(x) if layer.shared_experts is not None else None
 
@@ -166,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--backend", default="auto", choices=("auto", "triton", "reference"))
         p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                        help="activations (and unquantized weights); default: bf16 on GPU or with --quant, else fp32")
-        p.add_argument("--quant", default=None, choices=["fp8"], help="expert weights in fp8 block-scale (SPEC §5)")
+        p.add_argument("--quant", default=None, choices=["fp8", "mxfp4"],
+                       help="expert weights in fp8 block-scale (SPEC §5) or MXFP4 (SPEC §6)")
         p.add_argument("--device", default=None, help="default: cuda when present, else cpu")
         p.add_argument("--full-size", action="store_true", help="on CPU, use the real widths too (slow)")
         p.add_argument("--seed", type=int, default=0)
@@ -176,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     warm.add_argument("--max-tokens", type=_positive_int, default=4096, help="largest batch to prepare for")
     warm.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16")
     bench = sub.add_parser("bench", help="GPU benchmarks: tables, results file and plot")
-    bench.add_argument("stages", nargs="*", default=["router", "finalize", "experts", "layer", "host"])
+    bench.add_argument("stages", nargs="*", default=["router", "finalize", "experts", "layer", "quant", "host"])
     bench.add_argument("--quick", action="store_true", help="fewer sizes")
     bench.add_argument("--results-dir", default="results", help="where <stage>.json, RESULTS.md and the plot go")
     args = parser.parse_args(argv)

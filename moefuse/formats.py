@@ -3,15 +3,19 @@
 A plain tensor is a weight in its own dtype (bf16, fp16, fp32). :class:`BlockFP8` is the format DeepSeek-V3/V3.1,
 Kimi-K2, GLM-4.5-FP8 and Qwen3-FP8 checkpoints ship their experts in: e4m3 values and one scale per block of
 128 x 128, ``w[e, n, k] = values[e, n, k] * scales[e, n // 128, k // 128]`` (SPEC §5 has the numerics of the
-experts on it). Each stage keeps what it does with a format in one place (``experts/fp8.py``).
+experts on it). :class:`MXFP4` is DeepSeek-V4's: e2m1 values two per byte and one power-of-two scale per 32
+consecutive K values of a row (SPEC §6). Each stage keeps what it does with a format in one place
+(``experts/fp8.py``, ``experts/mxfp4.py``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
+from typing_extensions import Self
 
 from moefuse import _checks
 
@@ -30,8 +34,36 @@ def ue8m0_to_float(exponents: torch.Tensor) -> torch.Tensor:
     return torch.where(e == 255, float("nan"), scale)
 
 
+class QuantizedWeight:
+    """What the weight formats share: ``values`` and ``scales`` tensors with experts in dim 0."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    tile_dtype: ClassVar[torch.dtype]  # keys the experts' tile choice (``configs.pick``)
+
+    @classmethod
+    def unchecked(cls, values: torch.Tensor, scales: torch.Tensor) -> Self:
+        """Built without the checks of the constructor: for the tensors of an instance already checked (the ops
+        rebuild one from its tensors; an MXFP4's check reads its scales back from the device)."""
+        weight = object.__new__(cls)
+        object.__setattr__(weight, "values", values)
+        object.__setattr__(weight, "scales", scales)
+        return weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def __getitem__(self, index: int | slice | torch.Tensor) -> Self:
+        """Experts ``index`` (dim 0) of both tensors."""
+        values, scales = self.values[index], self.scales[index]
+        if values.dim() == 2:
+            values, scales = values[None], scales[None]
+        return type(self)(values, scales)
+
+
 @dataclass(frozen=True, eq=False)
-class BlockFP8:
+class BlockFP8(QuantizedWeight):
     """Expert weights in e4m3 with one fp32 scale per [128, 128] block.
 
     ``values`` [E, N, K] ``float8_e4m3fn``; ``scales`` [E, ceil(N/128), ceil(K/128)] fp32 (blocks at the edges of N
@@ -41,6 +73,7 @@ class BlockFP8:
 
     values: torch.Tensor
     scales: torch.Tensor
+    tile_dtype: ClassVar[torch.dtype] = torch.float8_e4m3fn  # the GEMMs' operands: keys the tile choice
 
     def __post_init__(self) -> None:
         values = _checks.check_tensor("values", self.values, dtypes=(torch.float8_e4m3fn,), ndim=3)
@@ -76,25 +109,107 @@ class BlockFP8:
     def shape(self) -> torch.Size:
         return self.values.shape
 
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``values * scales`` per block, [E, N, K] in ``dtype``."""
         E, N, K = self.values.shape
         scales = self.scales.to(dtype).repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)[:, :N, :K]
         return self.values.to(dtype) * scales
 
-    def __getitem__(self, index: int | slice | torch.Tensor) -> BlockFP8:
-        """Experts ``index`` (dim 0) of both tensors."""
-        values, scales = self.values[index], self.scales[index]
-        if values.dim() == 2:
-            values, scales = values[None], scales[None]
-        return BlockFP8(values, scales)
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # by code
+MX_GROUP = 32  # K values per MXFP4 scale
+# ue8m0 exponents the kernels take (SPEC §6). 255 is NaN. Measured on an H200 (Triton 3.6, tl.dot_scaled): every
+# code times 2^(e - 127) is exact for e in 1..252, while e = 0 unpacked to zeros and e = 253, 254 to NaN.
+MXFP4_EXPONENTS = (1, 252)
 
 
-ExpertWeight = torch.Tensor | BlockFP8
+def ue8m0_of(scales: torch.Tensor) -> torch.Tensor:
+    """ue8m0 exponents (uint8, 2^(e - 127)) of ``float8_e8m0fnu``/uint8 exponents or fp32 powers of two."""
+    if scales.dtype in (torch.float8_e8m0fnu, torch.uint8):
+        return scales.view(torch.uint8)
+    if scales.dtype != torch.float32:
+        raise TypeError(f"MXFP4 scales must be float8_e8m0fnu, uint8 exponents or fp32, got {scales.dtype}")
+    mantissa, exponent = torch.frexp(scales)
+    if not bool(((mantissa == 0.5) & (exponent - 1 >= -127) & (exponent - 1 <= 127)).all()):
+        raise ValueError("MXFP4 scales given as fp32 must all be powers of two in [2^-127, 2^127]")
+    return (exponent - 1 + 127).to(torch.uint8)
+
+
+@dataclass(frozen=True, eq=False)
+class MXFP4(QuantizedWeight):
+    """Expert weights in MXFP4: e2m1 codes two per byte, one ue8m0 scale per 32 consecutive K values of a row.
+
+    ``values`` [E, N, K/2] int8 or uint8, element ``2j`` in the low nibble of byte j and ``2j + 1`` in the high
+    one (a code's bit 3 is the sign, bits 0-2 index 0, 0.5, 1, 1.5, 2, 3, 4, 6); ``scales`` [E, N, K/32] uint8
+    exponents: ``w[e, n, k] = E2M1_VALUES[code] * 2^(scales[e, n, k // 32] - 127)``. K must be a multiple of 32
+    (every shipped checkpoint's is), and the exponents within :data:`MXFP4_EXPONENTS` (checked once, here: it
+    reads the scales back to the host). Build it with :meth:`from_checkpoint` or :meth:`quantize`.
+    """
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    tile_dtype: ClassVar[torch.dtype] = torch.uint8  # packed e2m1: the heuristic's MXFP4 tiles (configs.heuristic)
+
+    def __post_init__(self) -> None:
+        values = _checks.check_tensor("values", self.values, dtypes=(torch.int8, torch.uint8), ndim=3)
+        E, N, half_k = values.shape
+        if half_k % (MX_GROUP // 2):
+            raise ValueError(f"values must be [E, N, K/2] with K a multiple of {MX_GROUP}, got K = {2 * half_k}")
+        scales = _checks.check_tensor("scales", self.scales, dtypes=(torch.uint8,),
+                                      shape=(E, N, 2 * half_k // MX_GROUP), device=values.device)
+        low, high = MXFP4_EXPONENTS
+        if scales.numel() and not bool(((scales >= low) & (scales <= high)).all()):
+            found = (int(scales.min()), int(scales.max()))
+            raise ValueError(f"scales must be ue8m0 exponents in [{low}, {high}] (2^-126 .. 2^125), found {found}")
+
+    @classmethod
+    def from_checkpoint(cls, values: torch.Tensor, scale_inv: torch.Tensor) -> MXFP4:
+        """From a checkpoint's packed ``weight`` (int8) and ``weight_scale_inv`` (``float8_e8m0fnu``, uint8
+        exponents or fp32 powers of two); shares ``values`` (and ue8m0 scales) with the checkpoint."""
+        if not isinstance(scale_inv, torch.Tensor):
+            raise TypeError(f"scale_inv must be a torch.Tensor, got {type(scale_inv).__name__}")
+        return cls(values, ue8m0_of(scale_inv))
+
+    @classmethod
+    @torch.no_grad()
+    def quantize(cls, weight: torch.Tensor) -> MXFP4:
+        """MXFP4 of ``weight`` [E, N, K] (K a multiple of 32): per group of 32, the smallest power-of-two scale
+        that puts the amax within 6 (2^-126 for an all-zero group), codes nearest to ``w / scale`` (ties to the
+        lower magnitude). For tests and benchmarks; checkpoints come quantized."""
+        E, N, K = weight.shape
+        groups = weight.float().reshape(E, N, K // MX_GROUP, MX_GROUP)
+        amax = groups.abs().amax(dim=3)
+        exps = torch.ceil(torch.log2(amax / 6.0)).nan_to_num(-126.0).clamp(*(e - 127 for e in MXFP4_EXPONENTS))
+        scaled = groups / torch.exp2(exps)[..., None]
+        grid = torch.tensor(E2M1_VALUES[:8], device=weight.device)
+        magnitude = (scaled.abs()[..., None] - grid).abs().argmin(dim=-1)
+        codes = (magnitude + 8 * (scaled < 0)).to(torch.uint8).reshape(E, N, K)
+        packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        return cls(packed, (exps + 127).to(torch.uint8))
+
+    @property
+    def shape(self) -> torch.Size:
+        """[E, N, K]: the unpacked weight's shape."""
+        E, N, half_k = self.values.shape
+        return torch.Size((E, N, 2 * half_k))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weights [E, N, K] in ``dtype``: a 16-entry table of the codes times the scales, in fp32 (exact: two
+        significant bits; a product past fp32's, and bf16's, range is inf), then cast (exact to bf16 or wider)."""
+        packed = self.values.view(torch.uint8)
+        codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()
+        table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+        scales = torch.exp2(self.scales.float() - 127)  # exact: powers of two within fp32's normals
+        return (table[codes] * scales.repeat_interleave(MX_GROUP, dim=2)).to(dtype)
+
+
+ExpertWeight = torch.Tensor | BlockFP8 | MXFP4
+
+
+def tile_dtype(weight: ExpertWeight, activation_dtype: torch.dtype) -> torch.dtype:
+    """The dtype that keys the experts' tile choice (``configs.pick``): a format's operand type, or the
+    activations' for a plain tensor."""
+    return activation_dtype if isinstance(weight, torch.Tensor) else weight.tile_dtype
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

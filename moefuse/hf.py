@@ -22,7 +22,7 @@ from torch import nn
 
 from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
-from moefuse.formats import BlockFP8
+from moefuse.formats import MX_GROUP, MXFP4, BlockFP8, ue8m0_of
 from moefuse.layer import MoELayer, routed_experts
 
 # Block class name -> scoring function of its router ("config" = read the router's activation).
@@ -53,19 +53,25 @@ def unsupported_reason(block: nn.Module) -> str | None:
 
 
 def quant_of(block: nn.Module) -> str | None:
-    """``"fp8"`` for a block whose experts are transformers' FP8 experts (e4m3 values, 128 x 128 block scales)."""
-    return "fp8" if block.experts.gate_up_proj.dtype == torch.float8_e4m3fn else None
+    """``"fp8"`` for a block whose experts are transformers' FP8 experts (e4m3 values, 128 x 128 block scales),
+    ``"mxfp4"`` for its FP4 experts (``expert_dtype="fp4"``: int8 packed e2m1, one scale per 32 K values)."""
+    dtype = block.experts.gate_up_proj.dtype
+    return "fp8" if dtype == torch.float8_e4m3fn else "mxfp4" if dtype == torch.int8 else None
 
 
 def _fp8_reason(block: nn.Module) -> str | None:
-    """Why a block's quantized experts cannot run here, or None (not quantized, or fp8 block-scale as shipped)."""
+    """Why a block's quantized experts cannot run here, or None (not quantized, or fp8 block-scale or MXFP4 as
+    shipped)."""
     experts = block.experts
     weight = experts.gate_up_proj
     if weight.element_size() != 1:
         return None
     name = type(experts).__name__
+    shared = getattr(block, "shared_experts", None)
+    if weight.dtype == torch.int8:
+        return _mxfp4_reason(experts, shared)
     if weight.dtype != torch.float8_e4m3fn:
-        return f"quantized experts {name} in {weight.dtype} (packed FP4 is not supported yet)"
+        return f"quantized experts {name} in {weight.dtype}"
     block_size = getattr(experts, "block_size", None)
     if block_size is None or tuple(block_size) != (128, 128):
         return f"fp8 experts {name} with block size {block_size} (only 128 x 128 block scales)"
@@ -78,6 +84,22 @@ def _fp8_reason(block: nn.Module) -> str | None:
         return "fp8 routed experts with a shared expert that is not fp8"
     if shared is not None and experts.gate_up_proj.shape[1] // 2 % 128:
         return "fp8 experts whose width I is not a multiple of 128 with a shared expert"
+    return None
+
+
+def _mxfp4_reason(experts: nn.Module, shared: nn.Module | None) -> str | None:
+    """Why transformers' FP4 experts cannot run here, or None."""
+    name = type(experts).__name__
+    for proj in ("gate_up_proj", "down_proj"):
+        values, scales = getattr(experts, proj), getattr(experts, f"{proj}_scale_inv", None)
+        if scales is None or tuple(scales.shape) != (*values.shape[:2], 2 * values.shape[2] // MX_GROUP):
+            return f"FP4 experts {name} whose {proj} has no scale per 32 K values of a row"
+        if scales.dtype not in (torch.float8_e8m0fnu, torch.uint8, torch.float32):
+            return f"FP4 experts {name} with {scales.dtype} scales"
+    if shared is not None and shared.gate_proj.weight.dtype != torch.float8_e4m3fn:
+        return "FP4 routed experts with a shared expert that is not fp8 block-scale"
+    if shared is not None and experts.down_proj.shape[2] * 2 % 128:
+        return "FP4 experts whose width I is not a multiple of 128 with a shared expert"
     return None
 
 
@@ -103,8 +125,9 @@ def config_from_hf(block: nn.Module) -> MoEConfig:
         scoring = _ACTIVATION_SCORING[type(gate.score_fn).__name__]
     shared = getattr(block, "shared_experts", None)
     inter = experts.gate_up_proj.shape[1] // 2
+    packing = 2 if quant_of(block) == "mxfp4" else 1  # two e2m1 values per byte along H
     return MoEConfig(
-        hidden_size=experts.gate_up_proj.shape[2],
+        hidden_size=experts.gate_up_proj.shape[2] * packing,
         intermediate_size=inter,
         num_experts=experts.gate_up_proj.shape[0],
         top_k=gate.top_k,
@@ -125,7 +148,9 @@ def layer_from_hf(block: nn.Module, *, backend: Backend = "auto", activation_dty
 
     A block with transformers' FP8 experts becomes a ``quant="fp8"`` layer taking ``activation_dtype`` hidden
     states; its routed expert values and fp32 scales are shared, ue8m0 scales converted to fp32, and its fp8 shared
-    expert's gate and up tensors re-homed into one (see ``_stack_fp8_gate_up``).
+    expert's gate and up tensors re-homed into one (see ``_stack_fp8_gate_up``). One with its FP4 experts becomes
+    a ``quant="mxfp4"`` layer (bf16 activations): packed values and ue8m0 scales shared, fp32 power-of-two
+    scales converted to ue8m0 once; its scale exponents are checked (:meth:`MoELayer.check_weights`).
     """
     config = config_from_hf(block)
     shared = getattr(block, "shared_experts", None)
@@ -141,15 +166,19 @@ def layer_from_hf(block: nn.Module, *, backend: Backend = "auto", activation_dty
     layer.gate.e_score_correction_bias = getattr(block.gate, "e_score_correction_bias", None)
     layer.experts.gate_up_proj = block.experts.gate_up_proj
     layer.experts.down_proj = block.experts.down_proj
-    if quant is not None:
-        for name in ("gate_up_proj", "down_proj"):
-            scales = fp8_weight(getattr(block.experts, name), getattr(block.experts, f"{name}_scale_inv")).scales
-            setattr(layer.experts, f"{name}_scale_inv", nn.Parameter(scales, requires_grad=False))
-        if shared is not None:
-            _stack_fp8_gate_up(shared)
+    for name in ("gate_up_proj", "down_proj") if quant is not None else ():
+        scale_inv = getattr(block.experts, f"{name}_scale_inv")
+        if quant == "fp8":
+            scales = fp8_weight(getattr(block.experts, name), scale_inv).scales
+        else:  # ue8m0 as the layer keeps it (a view when the checkpoint's are ue8m0 already)
+            scales = ue8m0_of(scale_inv).view(torch.float8_e8m0fnu)
+        setattr(layer.experts, f"{name}_scale_inv", nn.Parameter(scales, requires_grad=False))
+    if quant is not None and shared is not None:
+        _stack_fp8_gate_up(shared)
     if shared is not None:
         for name in ("gate_proj", "up_proj", "down_proj"):
             setattr(layer.shared_experts, name, getattr(shared, name))
+    layer.check_weights()
     return layer
 
 
@@ -230,6 +259,9 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
     if gate_up.dtype == torch.float8_e4m3fn:
         gate_up = fp8_weight(gate_up, experts.gate_up_proj_scale_inv)
         down = fp8_weight(down, experts.down_proj_scale_inv)
+    elif gate_up.dtype == torch.int8:  # FP4: the exponent range is not re-checked per call (it reads the device)
+        gate_up = MXFP4.unchecked(gate_up, ue8m0_of(experts.gate_up_proj_scale_inv))
+        down = MXFP4.unchecked(down, ue8m0_of(experts.down_proj_scale_inv))
     return routed_experts(hidden_states, gate_up, down, weights, top_k_index.to(torch.int32),
                           swiglu_limit=getattr(experts, "limit", None))
 

@@ -32,7 +32,17 @@ from moefuse.finalize import (
     deferred_finalize_enabled,
     finalize_deferred_output,
 )
-from moefuse.formats import BLOCK, BlockFP8, ExpertWeight, dequantize_rows, quantize_rows
+from moefuse.formats import (
+    BLOCK,
+    MX_GROUP,
+    MXFP4,
+    BlockFP8,
+    ExpertWeight,
+    QuantizedWeight,
+    dequantize_rows,
+    quantize_rows,
+    tile_dtype,
+)
 from moefuse.graphs import DecodeGraphs, state_key
 from moefuse.route import moe_fused_gate, moe_fused_gate_torch, router_logits
 from moefuse.route.reference import hash_gate_torch
@@ -103,7 +113,7 @@ def routed_experts(x: torch.Tensor, gate_up_proj: ExpertWeight, down_proj: Exper
     [M, K] (fp32 or bf16); then the combine into [M, H], or with ``defer`` the pieces for a fused finalize."""
     num_experts, two_i, hidden = gate_up_proj.shape
     top_k = ids.shape[1]
-    block_m = pick_block_m(x.shape[0], num_experts, hidden, two_i // 2, top_k, x.dtype)
+    block_m = pick_block_m(x.shape[0], num_experts, hidden, two_i // 2, top_k, tile_dtype(gate_up_proj, x.dtype))
     plan = moe_dispatch(ids, num_experts, block_m, backend=backend)
     gemm2_out = moe_experts(x, gate_up_proj, down_proj, plan, swiglu_limit=swiglu_limit, backend=backend)
     deferred = DeferredFinalizeOutput(gemm2_out, weights, plan.expanded_to_permuted, top_k)
@@ -124,18 +134,23 @@ class MoEExperts(nn.Module):
         self.backend = backend
         self.quant = quant
         E, H, I = config.num_experts, config.hidden_size, config.intermediate_size
-        if quant == "fp8":  # transformers' FP8Experts names: a checkpoint's tensors load as they are
-            self.gate_up_proj, self.gate_up_proj_scale_inv = _fp8_params(E, 2 * I, H, device)
-            self.down_proj, self.down_proj_scale_inv = _fp8_params(E, H, I, device)
+        if quant is not None:  # transformers' FP8Experts names: a checkpoint's tensors load as they are
+            params = _fp8_params if quant == "fp8" else _mxfp4_params
+            self.gate_up_proj, self.gate_up_proj_scale_inv = params(E, 2 * I, H, device)
+            self.down_proj, self.down_proj_scale_inv = params(E, H, I, device)
         else:
             self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H, dtype=dtype, device=device))
             self.down_proj = nn.Parameter(torch.empty(E, H, I, dtype=dtype, device=device))
 
     def weights(self) -> tuple[ExpertWeight, ExpertWeight]:
-        """``(gate_up_proj, down_proj)`` as the experts op takes them: tensors, or :class:`BlockFP8` s."""
+        """``(gate_up_proj, down_proj)`` as the experts op takes them: tensors, :class:`BlockFP8` s or
+        :class:`MXFP4` s (unchecked: see :meth:`MoELayer.check_weights`)."""
         if self.quant == "fp8":
             return (BlockFP8(self.gate_up_proj, self.gate_up_proj_scale_inv),
                     BlockFP8(self.down_proj, self.down_proj_scale_inv))
+        if self.quant == "mxfp4":
+            return (MXFP4.unchecked(self.gate_up_proj, self.gate_up_proj_scale_inv.view(torch.uint8)),
+                    MXFP4.unchecked(self.down_proj, self.down_proj_scale_inv.view(torch.uint8)))
         return self.gate_up_proj, self.down_proj
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, defer: bool | None = None
@@ -150,8 +165,8 @@ class MoEExperts(nn.Module):
                               backend=self.backend)
 
 
-Quant = Literal[None, "fp8"]
-QUANTS: tuple[str | None, ...] = (None, "fp8")
+Quant = Literal[None, "fp8", "mxfp4"]
+QUANTS: tuple[str | None, ...] = (None, "fp8", "mxfp4")
 
 
 def _fp8_params(E: int, N: int, K: int, device: torch.device | str | None) -> tuple[nn.Parameter, nn.Parameter]:
@@ -161,22 +176,29 @@ def _fp8_params(E: int, N: int, K: int, device: torch.device | str | None) -> tu
     return nn.Parameter(values, requires_grad=False), nn.Parameter(scales, requires_grad=False)
 
 
+def _mxfp4_params(E: int, N: int, K: int, device: torch.device | str | None) -> tuple[nn.Parameter, nn.Parameter]:
+    """Empty packed e2m1 values [E, N, K/2] (int8, as transformers stores them) and ue8m0 scales [E, N, K/32]."""
+    values = torch.empty(E, N, K // 2, dtype=torch.int8, device=device)
+    scales = torch.empty(E, N, K // MX_GROUP, dtype=torch.float8_e8m0fnu, device=device)
+    return nn.Parameter(values, requires_grad=False), nn.Parameter(scales, requires_grad=False)
+
+
 class FP8Projection(nn.Module):
     """``weight`` (e4m3) and ``weight_scale_inv`` (fp32 per 128 x 128 block) of one projection, named as
     transformers' FP8Linear names them. Not callable: :class:`MoELayer` runs it through the grouped GEMMs."""
 
-    def __init__(self, in_features: int, out_features: int, *, device: torch.device | str | None = None):
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor):
         super().__init__()
-        weight, scales = _fp8_params(1, out_features, in_features, device)
-        self.weight = nn.Parameter(weight[0], requires_grad=False)
-        self.weight_scale_inv = nn.Parameter(scales[0], requires_grad=False)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
 
 
 class SharedExpert(nn.Module):
     """An ordinary SwiGLU MLP (``gate_proj``, ``up_proj``, ``down_proj``), not scaled by the routing factor.
 
     With ``quant="fp8"`` the projections are :class:`FP8Projection` s, which the layer runs (as one more expert of
-    its grouped GEMMs); calling the module itself is then an error.
+    its grouped GEMMs); calling the module itself is then an error. Their gate and up tensors lie one after the
+    other, so the grouped GEMMs read them as one [2I, H] expert.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None, *,
@@ -185,9 +207,12 @@ class SharedExpert(nn.Module):
         self.limit = swiglu_limit
         self.quant = quant
         if quant == "fp8":
-            self.gate_proj = FP8Projection(hidden_size, intermediate_size, device=device)
-            self.up_proj = FP8Projection(hidden_size, intermediate_size, device=device)
-            self.down_proj = FP8Projection(intermediate_size, hidden_size, device=device)
+            gate_up, gate_up_scales = _fp8_params(1, 2 * intermediate_size, hidden_size, device)
+            down, down_scales = _fp8_params(1, hidden_size, intermediate_size, device)
+            blocks = intermediate_size // BLOCK
+            self.gate_proj = FP8Projection(gate_up[0, :intermediate_size], gate_up_scales[0, :blocks])
+            self.up_proj = FP8Projection(gate_up[0, intermediate_size:], gate_up_scales[0, blocks:])
+            self.down_proj = FP8Projection(down[0], down_scales[0])
             return
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, device=device)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, device=device)
@@ -207,7 +232,7 @@ def init_random_(module: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """
     gens: dict[torch.device, torch.Generator] = {}
     for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
-        if tensor is None or tensor.element_size() == 1:  # e4m3 values: MoELayer quantizes drawn weights itself
+        if tensor is None or tensor.element_size() == 1:  # quantized: MoELayer quantizes drawn weights itself
             continue
         if tensor.device not in gens:
             gens[tensor.device] = torch.Generator(tensor.device).manual_seed(seed)
@@ -255,7 +280,10 @@ class MoELayer(nn.Module):
             ``weight_scale_inv``, as transformers names an FP8 checkpoint's tensors); activations in ``dtype``
             (bf16 or fp16), quantized on the fly. A shared expert then needs I to be a multiple of 128 and is
             always run by the grouped GEMMs: as one more slot when it can (every batch size by default), else as
-            a one-expert grouped GEMM (padded tokens).
+            a one-expert grouped GEMM (padded tokens). Or ``"mxfp4"``, as DeepSeek-V4 ships: routed experts in
+            MXFP4 (SPEC §6; ``experts.gate_up_proj`` int8 [E, 2I, H/2], ``gate_up_proj_scale_inv`` ue8m0 [E, 2I,
+            H/32] ...; H and I multiples of 32), bf16 activations (W4A16), and the shared expert in fp8 as above
+            (a one-expert grouped GEMM on the side stream: the formats differ, so no shared slot).
         hash_vocab_size: make this a hash-routed layer (DeepSeek-V4's first MoE layers): each token's experts are
             ``gate.tid2eid[input_ids]`` (a [vocab, top_k] table loaded from the checkpoint), weighted by the scores
             of those experts (:func:`moefuse.route.reference.hash_gate_torch`); ``forward`` then needs
@@ -289,25 +317,29 @@ class MoELayer(nn.Module):
         super().__init__()
         if quant not in QUANTS:
             raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
-        if quant == "fp8":
-            if dtype not in (torch.bfloat16, torch.float16):
-                raise TypeError(f"quant='fp8' takes bf16 or fp16 activations (dtype), got {dtype}")
+        if quant is not None:
+            allowed = (torch.bfloat16, torch.float16) if quant == "fp8" else (torch.bfloat16,)
+            if dtype not in allowed:
+                raise TypeError(f"quant={quant!r} takes activations (dtype) in {allowed}, got {dtype}")
             if config.num_shared_experts > 1 or (config.num_shared_experts and config.intermediate_size % BLOCK):
-                raise ValueError("quant='fp8' needs no shared expert, or one whose width I is a multiple of 128 (its "
-                                 f"gate and up blocks are separate in a checkpoint), got {config}")
+                raise ValueError(f"quant={quant!r} needs no shared expert, or one whose width I is a multiple of 128 "
+                                 f"(its fp8 gate and up blocks are separate in a checkpoint), got {config}")
+        if quant == "mxfp4" and (config.hidden_size % MX_GROUP or config.intermediate_size % MX_GROUP):
+            raise ValueError(f"quant='mxfp4' needs H and I multiples of {MX_GROUP} (one scale per 32), got {config}")
         self.config = config
         self.backend = backend
         self.quant = quant
-        self._fp8_activation_dtype = dtype
+        self._activation_dtype = dtype
         self.gate = MoERouter(config, device=device, backend=backend, hash_vocab_size=hash_vocab_size)
-        # With one shared expert as wide as a routed one, its weights are allocated right behind the routed
-        # experts' (expert E of the same tensors), so the grouped GEMMs can run it as one more slot.
-        stack = config.num_shared_experts == 1
+        # With one shared expert as wide as a routed one (and of the same format), its weights are allocated right
+        # behind the routed experts' (expert E of the same tensors), so the grouped GEMMs can run it as one more slot.
+        stack = config.num_shared_experts == 1 and quant != "mxfp4"
+        shared_quant: Quant = "fp8" if quant == "mxfp4" else quant
         self.experts = MoEExperts(config, dtype=dtype, device="meta" if stack else device, backend=backend,
                                   quant=quant)
         self.shared_experts = (
             SharedExpert(config.hidden_size, config.shared_intermediate_size, config.swiglu_limit,
-                         dtype=dtype, device="meta" if stack else device, quant=quant)
+                         dtype=dtype, device="meta" if stack else device, quant=shared_quant)
             if config.num_shared_experts else None
         )
         if stack:
@@ -345,7 +377,7 @@ class MoELayer(nn.Module):
         (as this layer allocates them; not after ``from_hf``, or once a parameter was replaced); else None.
         ``BlockFP8`` s (values and scales each stacked so) with ``quant="fp8"``."""
         shared, experts = self.shared_experts, self.experts
-        if shared is None or experts.gate_up_proj.device.type == "meta":
+        if shared is None or experts.gate_up_proj.device.type == "meta" or self.quant == "mxfp4":
             return None
         parts = [("gate_up_proj", "down_proj", "weight")]
         if self.quant == "fp8":
@@ -390,7 +422,8 @@ class MoELayer(nn.Module):
         c = self.config
         weights, ids = self.gate(x, num_fused_shared_experts=1)
         # The routed shape's tiles: that is the shape the table was tuned for, and one more slot barely moves it.
-        tiles = configs.pick(x.shape[0], c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, x.dtype,
+        tiles = configs.pick(x.shape[0], c.num_experts, c.hidden_size, c.intermediate_size, c.top_k,
+                             tile_dtype(gate_up_proj, x.dtype),
                              configs.arch_of(x.device))
         with configs.override(tiles):
             routed = routed_experts(x, gate_up_proj, down_proj, weights, ids, swiglu_limit=c.swiglu_limit,
@@ -398,32 +431,45 @@ class MoELayer(nn.Module):
         return finalize_deferred_output(routed, None, backend=self.backend)
 
     def init_random_(self, seed: int = 0, std: float = 0.02) -> MoELayer:
-        """Random weights, in place (:func:`init_random_`); returns the layer. With ``quant="fp8"``, N(0, std²)
-        weights drawn one expert at a time in ``dtype`` and block-quantized (``BlockFP8.quantize``)."""
+        """Random weights, in place (:func:`init_random_`); returns the layer. With ``quant``, N(0, std²) weights
+        drawn one expert at a time in ``dtype`` and quantized to the layer's formats (``BlockFP8.quantize``,
+        ``MXFP4.quantize``)."""
         init_random_(self, seed, std)
-        if self.quant == "fp8":
-            self._init_fp8_(seed, std)
+        if self.quant is not None:
+            self._init_quantized_(seed, std)
         return self
 
     @torch.no_grad()
-    def _init_fp8_(self, seed: int, std: float) -> None:
+    def _init_quantized_(self, seed: int, std: float) -> None:
         stacked = self.shared_slot_weights()
-        gate_up, down = stacked if stacked is not None else self.experts.weights()
+        weights = list(stacked if stacked is not None else self.experts.weights())
         if self.shared_experts is not None and stacked is None:
-            raise ValueError("the fp8 shared expert's tensors no longer sit behind the routed ones")
-        gen = torch.Generator(gate_up.device).manual_seed(seed + 1)
-        for weight in (gate_up, down):
+            weights += self.shared_fp8_weights()
+        gen = torch.Generator(weights[0].device).manual_seed(seed + 1)
+        for weight in weights:
             for expert in range(weight.shape[0]):
                 drawn = torch.randn(1, *weight.shape[1:], generator=gen, device=weight.device,
                                     dtype=self.activation_dtype)
-                quantized = BlockFP8.quantize(drawn * std)
-                weight.values[expert].copy_(quantized.values[0])
+                quantized = type(weight).quantize(drawn * std)
+                weight.values[expert].copy_(quantized.values[0].view(weight.values.dtype))
                 weight.scales[expert].copy_(quantized.scales[0])
+
+    def check_weights(self) -> None:
+        """Check what the forward does not (it would read the device): MXFP4 scale exponents within the kernels'
+        range (:data:`moefuse.formats.MXFP4_EXPONENTS`). ``from_hf``, ``patch`` and ``moefuse.warmup`` call it;
+        call it after loading a state dict yourself. Raises ValueError naming the tensor."""
+        if self.quant != "mxfp4":
+            return
+        for name in ("gate_up_proj", "down_proj"):
+            try:
+                MXFP4(getattr(self.experts, name), getattr(self.experts, f"{name}_scale_inv").view(torch.uint8))
+            except ValueError as error:
+                raise ValueError(f"experts.{name}_scale_inv: {error}") from None
 
     def shared_fp8_weights(self) -> tuple[BlockFP8, BlockFP8]:
         """An fp8 shared expert as a one-expert stack (``[1, 2S, H]``, ``[1, H, S]``) over its own storage: expert E
-        of the stacked tensors, or its own gate and up tensors where they lie one after the other (as ``from_hf``
-        puts them)."""
+        of the stacked tensors, or its own gate and up tensors where they lie one after the other (as
+        :class:`SharedExpert` and ``from_hf`` put them)."""
         stacked = self.shared_slot_weights()
         if stacked is not None:
             E = self.config.num_experts
@@ -442,11 +488,11 @@ class MoELayer(nn.Module):
 
     @property
     def activation_dtype(self) -> torch.dtype:
-        """The dtype hidden states must have: the weights' own, or the one given at construction with fp8."""
-        return self._fp8_activation_dtype if self.quant is not None else self.experts.gate_up_proj.dtype
+        """The dtype hidden states must have: the weights' own, or the one given at construction with ``quant``."""
+        return self._activation_dtype if self.quant is not None else self.experts.gate_up_proj.dtype
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
-        """The shared expert's output [M, H]: its MLP, or with ``quant="fp8"`` a one-expert grouped GEMM."""
+        """The shared expert's output [M, H]: its MLP, or with ``quant`` an fp8 one-expert grouped GEMM."""
         if self.quant is None:
             return self.shared_experts(x)
         gate_up, down = self.shared_fp8_weights()
@@ -593,10 +639,12 @@ def moe_layer_torch(layer: MoELayer, hidden_states: torch.Tensor, num_token_non_
 def _expert_mlp(x: torch.Tensor, gate_up: ExpertWeight, down: ExpertWeight, limit: float | None,
                 activation_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
     """One expert's SwiGLU MLP on rows ``x``, computed in ``dtype``; with fp8 weights the activations are quantized
-    as the kernels do (SPEC §5), from ``activation_dtype`` and from the fp32 intermediate."""
+    as the kernels do (SPEC §5), from ``activation_dtype`` and from the fp32 intermediate; MXFP4 weights are
+    unpacked exactly (SPEC §6)."""
     fp8 = isinstance(gate_up, BlockFP8)
     if fp8:
         x = dequantize_rows(*quantize_rows(x.to(activation_dtype)), dtype)
+    if isinstance(gate_up, QuantizedWeight):
         gate_up, down = gate_up.dequantize(dtype)[0], down.dequantize(dtype)[0]
     h = x @ gate_up.to(dtype).T
     width = h.shape[1] // 2

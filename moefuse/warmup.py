@@ -27,6 +27,7 @@ from torch import nn
 from moefuse.dispatch.kernel import launch_shape as dispatch_shape
 from moefuse.experts import configs
 from moefuse.finalize.kernel import finalize_tile
+from moefuse.formats import tile_dtype
 from moefuse.layer import MoELayer
 from moefuse.route import kernel as gate_kernel
 from moefuse.route import linear
@@ -55,8 +56,8 @@ def launch_signature(layer: MoELayer, num_tokens: int) -> tuple:
     device, dtype = layer.experts.gate_up_proj.device, layer.activation_dtype
     slot = layer.uses_shared_slot(num_tokens, device)
     top_k = c.top_k + slot
-    tiles = configs.pick(num_tokens, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, dtype,
-                         configs.arch_of(device))
+    tiles = configs.pick(num_tokens, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k,
+                         tile_dtype(layer.experts.weights()[0], dtype), configs.arch_of(device))
     return (
         num_tokens if num_tokens <= layer.graphs.max_tokens else None,
         slot,
@@ -123,6 +124,7 @@ def warmup(module: nn.Module, max_tokens: int = 4096, *, progress: bool = True) 
     done: dict[tuple, list[int]] = {}
     with count_compilations() as compiled:
         for i, layer in enumerate(layers, 1):
+            layer.check_weights()  # what the forward does not check (MXFP4 exponents): before any request
             weight = layer.experts.gate_up_proj
             shape = (layer.config, weight.dtype, weight.device, layer.graphs.max_tokens, layer.shared_slot_max_tokens,
                      layer.shared_slot_weights() is not None)

@@ -42,6 +42,7 @@ from moefuse.config import PRESETS  # noqa: E402
 from moefuse.experts import configs  # noqa: E402
 from moefuse.experts import fp8 as experts_fp8  # noqa: E402
 from moefuse.experts import kernel as experts_kernel  # noqa: E402
+from moefuse.experts import mxfp4 as experts_mxfp4  # noqa: E402
 from moefuse.route import kernel as route_kernel  # noqa: E402
 from moefuse.route import linear as route_linear  # noqa: E402
 
@@ -66,7 +67,7 @@ ROUTER_SCALARS = {"M": "i32", "n_valid": "i32", "routed_scaling_factor": "fp32",
 # of contiguous experts tensors (and of the fp8 path's scales)
 UNIT_STRIDES = ("stride_hk", "stride_wk", "stride_in", "stride_ik", "stride_on", "stride_sk", "stride_isg")
 TYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-              torch.float8_e4m3fn: "fp8"}  # fp8: block-scale e4m3 weights, bf16 activations
+              torch.float8_e4m3fn: "fp8", torch.uint8: "mxfp4"}  # block-scale e4m3 / MXFP4 weights, bf16 activations
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 3):
@@ -177,19 +178,38 @@ def compile_gemm(gemm: int, dtype: torch.dtype, block_m: int, tiles: configs.Gem
     return compile_sm90(fn, signature, constexprs, tiles.num_warps, tiles.num_stages)
 
 
-def compile_fp8_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_limit: bool):
+def compile_fp8_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_limit: bool, prequantized: bool):
     """The fp8 block-scale GEMM1 or GEMM2 (``experts/fp8.py``) as ``experts_fp8`` launches it on sm_90 (bf16
-    activations, TMA weights, PDL); ``tiles`` already adapted by ``fp8_tiles``."""
+    activations, TMA weights and, for 16-byte rows, TMA activation rows; PDL); ``tiles`` adapted by ``fp8_tiles``."""
     fn = experts_fp8._gemm1_fp8_kernel if gemm == 1 else experts_fp8._gemm2_fp8_kernel
     constexprs = {
         "EMULATE_RTNE": False, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
-        "GROUP_M": tiles.group_m, "W_TMA": True, "USE_PDL": True,
+        "GROUP_M": tiles.group_m, "W_TMA": True, "USE_PDL": True, "A_TMA": gemm == 2 or prequantized,
+        **{name: 1 for name in UNIT_STRIDES + ("stride_ak",) if name in fn.arg_names},
+        **({"HAS_LIMIT": has_limit, "A_QUANTIZED": prequantized} if gemm == 1 else {}),
+    }
+    rows = f"tensordesc<fp8e4nv[{block_m}, {tiles.block_k}]>"
+    types = {"hidden_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*fp8e4nv", "inter_ptr": "*fp8e4nv",
+             "a_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "is_ptr": "*fp32", "as_ptr": "*fp32", "limit": "fp32",
+             "a_desc": rows, "inter_desc": rows,
+             "w_desc": f"tensordesc<fp8e4nv[{tiles.block_n}, {tiles.block_k}]>"}
+    signature = {name: types.get(name, "*i32" if name.endswith("_ptr") else "i32")
+                 for name in fn.arg_names if name not in constexprs}
+    return compile_sm90(fn, signature, constexprs, tiles.num_warps, tiles.num_stages)
+
+
+def compile_mxfp4_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_limit: bool):
+    """The MXFP4 GEMM1 or GEMM2 (``experts/mxfp4.py``) as ``experts_mxfp4`` launches it on sm_90 (bf16
+    activations, TMA packed weights, PDL); ``tiles`` adapted by ``mxfp4_tiles``."""
+    fn = experts_mxfp4._gemm1_mxfp4_kernel if gemm == 1 else experts_mxfp4._gemm2_mxfp4_kernel
+    constexprs = {
+        "EMULATE_RTNE": False, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n,
+        "BLOCK_K": tiles.block_k, "GROUP_M": tiles.group_m, "W_TMA": True, "USE_PDL": True,
         **{name: 1 for name in UNIT_STRIDES if name in fn.arg_names},
         **({"HAS_LIMIT": has_limit} if gemm == 1 else {}),
     }
-    types = {"hidden_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*fp8e4nv", "inter_ptr": "*fp8e4nv",
-             "ws_ptr": "*fp32", "is_ptr": "*fp32", "limit": "fp32",
-             "w_desc": f"tensordesc<fp8e4nv[{tiles.block_n}, {tiles.block_k}]>"}
+    types = {"hidden_ptr": "*bf16", "out_ptr": "*bf16", "inter_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8",
+             "limit": "fp32", "w_desc": f"tensordesc<u8[{tiles.block_n}, {tiles.block_k // 2}]>"}
     signature = {name: types.get(name, "*i32" if name.endswith("_ptr") else "i32")
                  for name in fn.arg_names if name not in constexprs}
     return compile_sm90(fn, signature, constexprs, tiles.num_warps, tiles.num_stages)
@@ -207,22 +227,25 @@ def experts(args: argparse.Namespace) -> list[str]:
         c = PRESETS[name]
         for dtype in dtypes:
             for M in buckets:
-                fp8 = dtype == torch.float8_e4m3fn
-                cfg = configs.pick(M, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k,
-                                   torch.bfloat16 if fp8 else dtype, (9, 0))
+                fp8, mxfp4 = dtype == torch.float8_e4m3fn, dtype == torch.uint8
+                cfg = configs.pick(M, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, dtype, (9, 0))
                 gemms = [(1, cfg.gemm1, c.hidden_size), (2, cfg.gemm2, c.intermediate_size)]
                 if fp8:
                     gemms = [(g, experts_fp8.fp8_tiles(t, cfg.block_m, g == 1, 2 if g == 1 else 1), k)
                              for g, t, k in gemms]
+                if mxfp4:
+                    gemms = [(g, experts_mxfp4.mxfp4_tiles(t), k) for g, t, k in gemms]
                 for gemm, tiles, k in gemms:
                     has_limit = gemm == 1 and c.swiglu_limit is not None
-                    key = (gemm, dtype, cfg.block_m, tiles, k % tiles.block_k == 0, has_limit)
+                    prequantized = fp8 and M * c.top_k >= configs.FP8_PREQUANTIZE_MIN_ROWS
+                    key = (gemm, dtype, cfg.block_m, tiles, k % tiles.block_k == 0, has_limit, prequantized)
                     if key in seen:  # N and K are run-time arguments: the same launch compiles the same
                         continue
                     seen.add(key)
                     where = f"{name} {TYPE_NAMES[dtype]} M={M} GEMM{gemm}"
                     try:
-                        compiled = (compile_fp8_gemm(gemm, cfg.block_m, tiles, has_limit) if fp8
+                        compiled = (compile_fp8_gemm(gemm, cfg.block_m, tiles, has_limit, prequantized) if fp8
+                                    else compile_mxfp4_gemm(gemm, cfg.block_m, tiles, has_limit) if mxfp4
                                     else compile_gemm(gemm, dtype, cfg.block_m, tiles, k, has_limit))
                     except Exception as error:  # any compiler error is a finding: reported, and --check fails
                         problems.append(f"{where}: does not compile ({type(error).__name__}: {error})")
@@ -248,7 +271,8 @@ def main() -> int:
     p_router.add_argument("--dump", type=Path, help="write ttgir and SASS per config into this folder")
     p_experts = sub.add_parser("experts", help="the grouped GEMMs, per tile config the presets pick")
     p_experts.add_argument("--preset", nargs="+", default=sorted(PRESETS), choices=sorted(PRESETS))
-    p_experts.add_argument("--dtype", nargs="+", default=["bf16", "fp32", "fp8"], choices=list(TYPE_NAMES.values()),
+    p_experts.add_argument("--dtype", nargs="+", default=["bf16", "fp32", "fp8", "mxfp4"],
+                           choices=list(TYPE_NAMES.values()),
                            help="activation dtypes (fp16 compiles like bf16; the table serves both); fp8: "
                                 "block-scale e4m3 weights with bf16 activations")
     for p in (p_router, p_experts):

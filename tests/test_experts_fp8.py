@@ -120,14 +120,14 @@ def _inputs(gen, M, K, E, H, I, *, invalid=0.0, ue8m0=False, device="cpu"):
     return x.to(device), move(f1), move(f2), ids.to(device)
 
 
-def _check(x, w1, w2, ids, *, limit=None, block_m=16):
+def _check(x, w1, w2, ids, *, limit=None, block_m=16, tol=1e-2):
     plan = moe_dispatch(ids, w1.shape[0], block_m, backend="triton")
     out = torch.full((plan.num_rows, x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
     moe_experts(x, w1, w2, plan, swiglu_limit=limit, out=out, backend="triton")
     ref = moe_experts_fp8_torch(x, w1, w2, plan, swiglu_limit=limit, dtype=torch.float64,
                                 out=torch.zeros(plan.num_rows, x.shape[1], dtype=torch.float64, device=x.device))
     n_valid = int(plan.expert_offsets[-1])
-    assert_rel_close(out[:n_valid], ref[:n_valid], 1e-2, "fp8 gemm2_out")
+    assert_rel_close(out[:n_valid], ref[:n_valid], tol, "fp8 gemm2_out")
     assert out[n_valid:].isnan().all(), "rows with no token must be left unwritten"
     return plan
 
@@ -148,12 +148,17 @@ def test_ue8m0_scales_and_empty_experts(gen, device):
     assert int(plan.expert_offsets[4] - plan.expert_offsets[3]) == 0
 
 
-def test_tall_tiles(gen, device):
-    """128-row tiles with several tiles per expert and short tails, and a 64-wide GEMM2."""
-    x, w1, w2, _ = _inputs(gen, 70, 2, 3, 200, 136, device=device)
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("shape", [(200, 136), (256, 128)], ids=["pointer-rows", "tma-rows"])
+def test_tall_tiles(block_m, shape, gen, device):
+    """Prefill tiles (activations quantized once, in plan order): several tiles per expert and short tails, a
+    64-wide GEMM2; rows read through TMA where H and I allow (16-byte rows), by pointers where not."""
+    H, I = shape
+    x, w1, w2, _ = _inputs(gen, 70, 2, 3, H, I, device=device)
     ids = torch.stack([torch.zeros(70, dtype=torch.int32), (torch.arange(70) >= 40).int() + 1], dim=1).to(device)
-    with configs.override(TileConfig(128, GemmTiles(128, 128, 0, 4, 2), GemmTiles(64, 128, 2, 4, 2))):
-        _check(x, w1, w2, ids, block_m=128)
+    with configs.override(TileConfig(block_m, GemmTiles(128, 128, 0, 4, 2), GemmTiles(64, 128, 2, 4, 2))):
+        # wgmma's fp8 sums (SPEC §5): measured on an H200 up to 1.25e-2 max (2.7e-3 RMS) on these inputs.
+        _check(x, w1, w2, ids, block_m=block_m, limit=2.0, tol=2e-2)
 
 
 def test_errors_name_the_argument(gen, device):

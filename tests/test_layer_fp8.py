@@ -75,7 +75,8 @@ def test_refused_formats():
 
 
 @pytest.mark.parametrize("dtype, match", [(torch.float8_e4m3fn, "fp8 experts .* block size None"),
-                                          (torch.int8, "packed FP4")], ids=["fp8-without-block-scales", "fp4"])
+                                          (torch.int8, "FP4 experts .* no scale per 32")],
+                         ids=["fp8-without-block-scales", "fp4-without-scales"])
 def test_from_hf_refuses_unsupported_quantized_experts(dtype, match, gen):
     """Refused when the layer is built, naming the format (not a dtype error at forward)."""
     hf = block("deepseek-v3", gen)

@@ -19,7 +19,7 @@ from typing import Any
 
 from moefuse.bench import report, timing
 
-STAGES = ("router", "finalize", "experts", "layer", "host")
+STAGES = ("router", "finalize", "experts", "layer", "quant", "host")
 # x axis, series to draw and the key that splits a stage's rows into panels.
 PLOTS: dict[str, dict[str, Any]] = {
     "router": {"x": "M", "group": "config",
@@ -28,6 +28,8 @@ PLOTS: dict[str, dict[str, Any]] = {
                                                          "torch_compile_us": "torch.compile"}},
     "experts": {"x": "M", "group": "stage", "series": {"us": "moefuse", "mem_floor_us": "memory floor",
                                                        "anchor_us": "best public Triton", "torch_us": "torch"}},
+    "quant": {"x": "M", "group": "model",
+              "series": {"us": "moefuse", "read_floor_us": "read floor", "peer_us": "vLLM fp8", "bf16_us": "bf16"}},
     "layer": {"x": "M", "group": "model",
               "series": {"us": "moefuse", "plain_us": "no deferral", "mem_floor_us": "memory floor",
                          "hf_grouped_mm_us": "transformers"}},

@@ -39,6 +39,10 @@ HOPPER_SMEM = 227 * 1024  # the most shared memory one block may opt in to on sm
 SMEM_BUDGET = 212 * 1024  # the heuristic's limit on smem_bytes (an upper model; see there)
 
 Arch = Optional[tuple[int, int]]
+# fp8 (``experts/fp8.py``): plans of this many rows (M·K) or more quantize the activations in one pass before GEMM1
+# instead of in its prologue. One H200, DeepSeek-V3: the pass cost 24 µs at one token (8 rows) and saved 103 µs at
+# 16 tokens (128 rows) and 271 µs at 128 tokens.
+FP8_PREQUANTIZE_MIN_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -287,21 +291,54 @@ def heuristic(
        per thread in fp32).
     5. Every block is capped by its dimension (next power of two, at least 16: the smallest ``tl.dot``);
        stages and BLOCK_K shrink until the operand buffers fit in shared memory.
+    6. fp8 block-scale weights (``dtype`` float8_e4m3fn, ``experts/fp8.py``): BLOCK_K 128 (one scale step) and
+       GEMM1's BLOCK_N 128 (one intermediate scale group); tiles of 16 rows up to 16 rows per expert, else 64;
+       GEMM1 8 warps where it quantizes its own activations or the tiles are tall, else 4 (swept on an H200: 4
+       warps and 4 stages saved 2% at 16 and 128 tokens). Each 128-deep step adds a fresh fp32 product tile into
+       the accumulator, so a program holds twice the accumulators of the bf16 kernel: 64 rows keep GEMM1's gate and
+       up tiles in registers, 128 rows spilled (sm_90 compile). 32 rows run on mma.sync, not wgmma: on one H200
+       (DeepSeek-V3, M = 1024, 32 rows per expert) 64-row tiles took 3,483 µs against 4,480 for 32 rows; at
+       M = 4096, 7,749 against 13,784.
+    7. MXFP4 weights (``dtype`` uint8, ``experts/mxfp4.py``): unpacking in registers bounds the short tiles, not
+       the bytes: BLOCK_N 64, BLOCK_K 256, 4 warps, 3 stages for both GEMMs; tall tiles as for bf16 with 3 stages.
+       Swept on one H200 (DeepSeek-V4): 100 µs at M = 1 against 163 for the bf16 short tiles, within 4% of the
+       best at M = 16; at M = 4096 128-row tiles took 5,449 µs against 8,108 for 64 rows (which spill less).
     """
     M = int(M)
     rows = max(M * K, 1)
     touched = min(E, rows)
     per_expert = -(-rows // touched)
     fp32 = dtype == torch.float32
-    if block_m is None:
+    fp8 = dtype == torch.float8_e4m3fn
+    mxfp4 = dtype == torch.uint8
+    if block_m is None and fp8:
+        block_m = 16 if per_expert <= 16 else 64
+    elif block_m is None:
         block_m = min(32 if fp32 else 128, max(16, _next_pow2(per_expert)))
     num_tiles = touched * -(-per_expert // block_m)
-    size = dtype.itemsize
+    size = dtype.itemsize  # MXFP4 (uint8): bf16 activation tiles, but packed weight tiles of 5/8 byte per weight
     if fp32:
         gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=64, block_k=32, group_m=1, num_warps=8,
                      num_stages=3, spread=False)
         gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=64, block_k=32, group_m=1, num_warps=8,
                      num_stages=3, spread=False)
+    elif mxfp4 and block_m <= 32:
+        gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=64, block_k=256, group_m=1, num_warps=4,
+                     num_stages=3, spread=False)
+        gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=64, block_k=256, group_m=1, num_warps=4,
+                     num_stages=3, spread=False)
+    elif mxfp4:
+        gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=128, group_m=4, num_warps=8,
+                     num_stages=3, spread=False)
+        gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=256 if block_m >= 128 else 128, block_k=64,
+                     group_m=4, num_warps=8, num_stages=3, spread=False)
+    elif fp8:
+        tall = block_m >= 64
+        fused = rows < FP8_PREQUANTIZE_MIN_ROWS  # GEMM1 quantizes its activation tiles itself: 8 warps share that
+        gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=128, group_m=4 if tall else 1,
+                     num_warps=8 if tall or fused else 4, num_stages=4, spread=False)
+        gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=128, block_k=128, group_m=4 if tall else 1,
+                     num_warps=8 if tall else 4, num_stages=4, spread=not tall)
     elif block_m <= 32:
         gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=128, group_m=1, num_warps=8,
                      num_stages=3, spread=True)

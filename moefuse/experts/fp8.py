@@ -13,8 +13,9 @@ What the peers run as separate kernels is fused here:
   kernel does), and per 128-column step computes each row's amax, scale and e4m3 values in registers: no
   quantized copy of the activations is written.
 - **Both GEMMs promote per block.** Each 128-deep step is one fp8 ``tl.dot`` into a fresh fp32 tile, scaled by
-  the rows' activation scales and the columns' weight-block scales and added to the fp32 accumulator (Hopper's
-  fp8 MMA keeps fewer accumulator bits than fp32, so a step never sums more than 128 products).
+  the rows' activation scales and the columns' weight-block scales and added to the fp32 accumulator; within a
+  step, Hopper's fp8 wgmma (tiles of 64 rows or more) adds into fp32 every 32 products (``IMPRECISE_K``), as its
+  own accumulator keeps fewer bits.
 - **GEMM1's epilogue quantizes the intermediate**: SwiGLU (and the clamp) in fp32, then per row of the 128-column
   tile the same quantization, written as e4m3 plus one scale per row.
 
@@ -37,8 +38,14 @@ import triton.language as tl
 from .. import _runtime
 from ..dispatch import DispatchPlan
 from ..formats import BLOCK, BlockFP8
-from .configs import SMEM_BUDGET, GemmTiles
-from .kernel import _program_tile, _round, weight_descriptor
+from .configs import FP8_PREQUANTIZE_MIN_ROWS, SMEM_BUDGET, GemmTiles
+from .kernel import _program_tile, _round, rows_descriptor, weight_descriptor
+
+# Hopper's fp8 wgmma sums products in an accumulator of fewer bits than fp32; Triton lets it run this many K values
+# before adding into fp32 (its default on sm_90: the whole dot). On an H200, 64- and 128-row tiles with 128 (one
+# scale step) erred 2.4e-2 max / 5e-3 RMS from float64 against 2e-3 / 1.7e-3 for 16-row (mma.sync) tiles; with 32
+# (one wgmma), 3-7e-3 / 1.8e-3 on the same inputs.
+IMPRECISE_K: tl.constexpr = 32
 
 
 @triton.jit
@@ -65,17 +72,58 @@ def _quantize(x, EMULATE_RTNE: tl.constexpr):
     return _to_e4m3(y, EMULATE_RTNE), tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
 
 
+@triton.jit
+def _load_rows(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, ks, k_ok, stride_am, stride_ak, stride_asm, stride_asg,
+               A_TMA: tl.constexpr):
+    """The e4m3 activation tile at K offset ``k0`` of contiguous rows ``a_rows`` (from ``row_start``), and each
+    row's scale of that 128-column group. Through TMA, rows past the tensor and columns past K read zeros."""
+    if A_TMA:
+        a = a_desc.load([row_start, k0])
+    else:  # addresses formed per step: a [BLOCK_M, BLOCK_K] pointer tile kept across steps would hold 2 registers each
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + ks)[None, :] * stride_ak, mask=k_ok[None, :], other=0.0)
+    return a, tl.load(as_ptr + a_rows * stride_asm + k0 // 128 * stride_asg)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _quantize_rows_kernel(
+    hidden_ptr, q_ptr, s_ptr, p2e_ptr, expert_offsets_ptr, num_experts, num_rows, K, top_k,
+    stride_hm, stride_hk, stride_qm, stride_qk, stride_sm, stride_sg,
+    EMULATE_RTNE: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """q[p], s[p] = quant(hidden[permuted_to_expanded[p] // top_k]) per 128 columns, for the plan's valid rows."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the plan comes from dispatch
+        tl.extra.cuda.gdc_launch_dependents()
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < tl.minimum(tl.load(expert_offsets_ptr + num_experts), num_rows)
+    tokens = (tl.load(p2e_ptr + rows, mask=row_ok, other=0) // top_k).to(tl.int64)
+    ks = tl.arange(0, 128)
+    for k0 in range(0, K, 128):
+        k_ok = ks < K - k0
+        mask = row_ok[:, None] & k_ok[None, :]
+        x = tl.load(hidden_ptr + tokens[:, None] * stride_hm + (k0 + ks)[None, :] * stride_hk, mask=mask, other=0.0)
+        q, scale = _quantize(x.to(tl.float32), EMULATE_RTNE)
+        tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + (k0 + ks)[None, :] * stride_qk, q, mask=mask)
+        tl.store(s_ptr + rows.to(tl.int64) * stride_sm + k0 // 128 * stride_sg, scale, mask=row_ok)
+
+
 @triton.jit(do_not_specialize=["num_tiles"])
 def _gemm1_fp8_kernel(
-    hidden_ptr, w_ptr, w_desc, ws_ptr, inter_ptr, is_ptr,
+    hidden_ptr, a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, inter_ptr, is_ptr,
     tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, p2e_ptr,
     num_tiles, N, K, top_k, limit,
-    stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_hm, stride_hk, stride_am, stride_ak, stride_asm, stride_asg,
+    stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_im, stride_in, stride_ism, stride_isg,
     HAS_LIMIT: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr, A_QUANTIZED: tl.constexpr,
+    A_TMA: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """intermediate[rows, n] = quant(SwiGLU(deq(q(x)) @ deq(W)[e, n]^T, ... [e, N + n]^T)). N = I, K = H."""
+    """intermediate[rows, n] = quant(SwiGLU(deq(q(x)) @ deq(W)[e, n]^T, ... [e, N + n]^T)). N = I, K = H.
+
+    ``A_QUANTIZED``: the activations come quantized in the plan's row order (``a_ptr``/``a_desc``, scales
+    ``as_ptr``, from ``_quantize_rows_kernel``); else they are gathered from ``hidden`` and quantized here.
+    """
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -88,12 +136,12 @@ def _gemm1_fp8_kernel(
     row_end = tl.load(expert_offsets_ptr + expert + 1)
     rows = row_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] permuted rows
     row_ok = rows < row_end
-    tokens = tl.load(p2e_ptr + rows, mask=row_ok, other=0) // top_k  # rows past the end read token 0
+    a_rows = tl.where(row_ok, rows, row_start).to(tl.int64)  # rows past the end re-read the first one
+    tokens = (tl.load(p2e_ptr + a_rows) // top_k).to(tl.int64)
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     col_ok = cols < N
     wrapped = cols % N  # columns past N read real rows; the store drops them
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = hidden_ptr + tokens.to(tl.int64)[:, None] * stride_hm + ks[None, :] * stride_hk
     w_expert = w_ptr + expert.to(tl.int64) * stride_we
     gate_ptrs = w_expert + wrapped[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
     up_ptrs = gate_ptrs + N * stride_wn
@@ -105,7 +153,13 @@ def _gemm1_fp8_kernel(
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = ks < K - k0
-        a, a_scale = _quantize(tl.load(a_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32), EMULATE_RTNE)
+        if A_QUANTIZED:
+            a, a_scale = _load_rows(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, ks, k_ok, stride_am, stride_ak,
+                                    stride_asm, stride_asg, A_TMA)
+        else:
+            x = tl.load(hidden_ptr + tokens[:, None] * stride_hm + (k0 + ks)[None, :] * stride_hk,
+                        mask=k_ok[None, :], other=0.0)
+            a, a_scale = _quantize(x.to(tl.float32), EMULATE_RTNE)
         if W_TMA:  # zero-filled past K
             gate_w = w_desc.load([gate_row, k0]).T
             up_w = w_desc.load([gate_row + N, k0]).T
@@ -115,9 +169,8 @@ def _gemm1_fp8_kernel(
         step = k0 // BLOCK_K * stride_sk
         gate_scale = tl.load(gate_scale_ptrs + step)  # [BLOCK_N]
         up_scale = tl.load(up_scale_ptrs + step)
-        acc_gate += tl.dot(a, gate_w) * a_scale[:, None] * gate_scale[None, :]
-        acc_up += tl.dot(a, up_w) * a_scale[:, None] * up_scale[None, :]
-        a_ptrs += BLOCK_K * stride_hk
+        acc_gate += tl.dot(a, gate_w, max_num_imprecise_acc=IMPRECISE_K) * a_scale[:, None] * gate_scale[None, :]
+        acc_up += tl.dot(a, up_w, max_num_imprecise_acc=IMPRECISE_K) * a_scale[:, None] * up_scale[None, :]
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
 
@@ -134,13 +187,13 @@ def _gemm1_fp8_kernel(
 
 @triton.jit(do_not_specialize=["num_tiles"])
 def _gemm2_fp8_kernel(
-    inter_ptr, is_ptr, w_ptr, w_desc, ws_ptr, out_ptr,
+    inter_ptr, inter_desc, is_ptr, w_ptr, w_desc, ws_ptr, out_ptr,
     tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
     num_tiles, N, K,
     stride_im, stride_ik, stride_ism, stride_isg, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_om, stride_on,
     EMULATE_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, W_TMA: tl.constexpr, USE_PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out[rows, n] = deq(intermediate[rows]) @ deq(down)[e, n]^T.  N = H, K = I."""
     if USE_PDL:
@@ -160,8 +213,6 @@ def _gemm2_fp8_kernel(
     col_ok = cols < N
     wrapped = cols % N
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = inter_ptr + a_rows[:, None] * stride_im + ks[None, :] * stride_ik
-    a_scale_ptrs = is_ptr + a_rows * stride_ism
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + wrapped[None, :].to(tl.int64) * stride_wn
               + ks[:, None] * stride_wk)
     w_row = expert * N + col_block * BLOCK_N
@@ -169,16 +220,14 @@ def _gemm2_fp8_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = ks < K - k0
-        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        a, a_scale = _load_rows(inter_ptr, inter_desc, is_ptr, a_rows, row_start, k0, ks, k_ok, stride_im, stride_ik,
+                                stride_ism, stride_isg, A_TMA)
         if W_TMA:
             w = w_desc.load([w_row, k0]).T
         else:
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        group = k0 // BLOCK_K
-        a_scale = tl.load(a_scale_ptrs + group * stride_isg)  # [BLOCK_M]
-        w_scale = tl.load(w_scale_ptrs + group * stride_sk)  # [BLOCK_N]
-        acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
-        a_ptrs += BLOCK_K * stride_ik
+        w_scale = tl.load(w_scale_ptrs + k0 // BLOCK_K * stride_sk)  # [BLOCK_N]
+        acc += tl.dot(a, w, max_num_imprecise_acc=IMPRECISE_K) * a_scale[:, None] * w_scale[None, :]
         w_ptrs += BLOCK_K * stride_wk
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
     tl.store(out_ptrs, _round(acc, out_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
@@ -208,36 +257,60 @@ def experts_fp8(
     *,
     use_pdl: bool = False,
 ) -> None:
-    """Launch GEMM1 (+ activation quantization, SwiGLU, intermediate quantization), then GEMM2, into ``out``."""
+    """Launch GEMM1 (+ activation quantization, SwiGLU, intermediate quantization), then GEMM2, into ``out``.
+
+    Plans of ``configs.FP8_PREQUANTIZE_MIN_ROWS`` rows or more take their activations from one quantization pass
+    that writes them in the plan's row order: fused, each row would be quantized again by every column block of
+    GEMM1 (16 times for DeepSeek-V3), and at 64-row tiles the gathered tile's addresses and fp32 copy would not fit
+    in registers beside the two accumulators. Below it (a token or a few), the fused prologue saves the pass's
+    launch. Both ways give the same bits (one ``_quantize``).
+    """
     num_tiles = plan.tile_expert.numel()
     width, hidden_size = down.shape[2], hidden.shape[1]
     if num_tiles == 0 or width == 0:
         return
-    inter = torch.empty(plan.num_rows, width, dtype=torch.float8_e4m3fn, device=hidden.device)
-    inter_scales = torch.empty(plan.num_rows, triton.cdiv(width, BLOCK), dtype=torch.float32, device=hidden.device)
+    device = hidden.device
+    inter = torch.empty(plan.num_rows, width, dtype=torch.float8_e4m3fn, device=device)
+    inter_scales = torch.empty(plan.num_rows, triton.cdiv(width, BLOCK), dtype=torch.float32, device=device)
     emulate = _runtime.interpreting()
     launch = {"launch_pdl": True} if use_pdl else {}
     t1 = fp8_tiles(gemm1_tiles, plan.block_m, True, hidden.element_size())
     t2 = fp8_tiles(gemm2_tiles, plan.block_m, False, 1)
+    prequantize = plan.num_rows >= FP8_PREQUANTIZE_MIN_ROWS
+    if prequantize:
+        a = torch.empty(plan.num_rows, hidden_size, dtype=torch.float8_e4m3fn, device=device)
+        a_scales = torch.empty(plan.num_rows, triton.cdiv(hidden_size, BLOCK), dtype=torch.float32, device=device)
+        block_r = 16
+        _quantize_rows_kernel[(triton.cdiv(plan.num_rows, block_r),)](
+            hidden, a, a_scales, plan.permuted_to_expanded, plan.expert_offsets, plan.num_experts, plan.num_rows,
+            hidden_size, plan.top_k, hidden.stride(0), hidden.stride(1), *a.stride(), *a_scales.stride(),
+            EMULATE_RTNE=emulate, BLOCK_R=block_r, USE_PDL=use_pdl, num_warps=4, **launch,
+        )
+        a_desc = rows_descriptor(a, plan.block_m, t1.block_k)
+    else:  # not read: GEMM1 quantizes the gathered rows itself
+        a, a_scales, a_desc = inter, inter_scales, None
     desc1 = weight_descriptor(gate_up.values, t1.block_n, t1.block_k)
     _gemm1_fp8_kernel[(num_tiles * triton.cdiv(width, t1.block_n),)](
-        hidden, gate_up.values, gate_up.values if desc1 is None else desc1, gate_up.scales, inter, inter_scales,
+        hidden, a, a if a_desc is None else a_desc, a_scales,
+        gate_up.values, gate_up.values if desc1 is None else desc1, gate_up.scales, inter, inter_scales,
         plan.tile_expert, plan.tile_row_start, plan.expert_offsets, plan.permuted_to_expanded,
         num_tiles, width, hidden_size, plan.top_k, 0.0 if swiglu_limit is None else float(swiglu_limit),
-        hidden.stride(0), hidden.stride(1), *gate_up.values.stride(), *gate_up.scales.stride(),
-        *inter.stride(), *inter_scales.stride(),
+        hidden.stride(0), hidden.stride(1), *a.stride(), *a_scales.stride(),
+        *gate_up.values.stride(), *gate_up.scales.stride(), *inter.stride(), *inter_scales.stride(),
         HAS_LIMIT=swiglu_limit is not None, EMULATE_RTNE=emulate, BLOCK_M=plan.block_m, BLOCK_N=t1.block_n,
-        BLOCK_K=t1.block_k, GROUP_M=t1.group_m, W_TMA=desc1 is not None, USE_PDL=use_pdl,
+        BLOCK_K=t1.block_k, GROUP_M=t1.group_m, W_TMA=desc1 is not None,
+        A_QUANTIZED=prequantize, A_TMA=a_desc is not None, USE_PDL=use_pdl,
         num_warps=t1.num_warps, num_stages=t1.num_stages, **launch,
     )
     desc2 = weight_descriptor(down.values, t2.block_n, t2.block_k)
+    inter_desc = rows_descriptor(inter, plan.block_m, t2.block_k)
     _gemm2_fp8_kernel[(num_tiles * triton.cdiv(hidden_size, t2.block_n),)](
-        inter, inter_scales, down.values, down.values if desc2 is None else desc2, down.scales, out,
+        inter, inter if inter_desc is None else inter_desc, inter_scales,
+        down.values, down.values if desc2 is None else desc2, down.scales, out,
         plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
         num_tiles, hidden_size, width,
         *inter.stride(), *inter_scales.stride(), *down.values.stride(), *down.scales.stride(), *out.stride(),
         EMULATE_RTNE=emulate and out.dtype == torch.bfloat16, BLOCK_M=plan.block_m, BLOCK_N=t2.block_n,
-        BLOCK_K=t2.block_k, GROUP_M=t2.group_m, W_TMA=desc2 is not None, USE_PDL=use_pdl,
-        num_warps=t2.num_warps, num_stages=t2.num_stages, **launch,
+        BLOCK_K=t2.block_k, GROUP_M=t2.group_m, W_TMA=desc2 is not None, A_TMA=inter_desc is not None,
+        USE_PDL=use_pdl, num_warps=t2.num_warps, num_stages=t2.num_stages, **launch,
     )
-

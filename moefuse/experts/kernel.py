@@ -292,6 +292,12 @@ def weight_descriptor(weight: torch.Tensor, block_n: int, block_k: int) -> Optio
     return TensorDescriptor.from_tensor(rows, [block_n, block_k])
 
 
+def rows_descriptor(rows: torch.Tensor, block_m: int, block_k: int) -> Optional[TensorDescriptor]:
+    """A TMA descriptor of a [R, C] tensor of a tile's contiguous rows (plan order) with [block_m, block_k] boxes,
+    or None where :func:`weight_descriptor` would give none."""
+    return weight_descriptor(rows[None], block_m, block_k)
+
+
 def gemm1_swiglu(
     hidden: torch.Tensor,
     gate_up_proj: torch.Tensor,

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from .. import _checks, _runtime
 from ..dispatch import DispatchPlan
-from ..formats import BlockFP8, ExpertWeight
+from ..formats import MXFP4, BlockFP8, ExpertWeight, tile_dtype
 from . import configs
 from .configs import GemmTiles
 from .fp8 import experts_fp8
 from .kernel import gemm1_swiglu, gemm2
+from .mxfp4 import experts_mxfp4
 from .reference import moe_experts_fp8_torch, moe_experts_torch
 
 
@@ -37,9 +40,10 @@ def moe_experts(
     Args:
         hidden: [M, H] bf16, fp16 or fp32 activations, any strides.
         gate_up_proj: [E, 2I, H] of hidden's dtype, gate rows 0..I-1 then up rows (Hugging Face layout); or a
-            :class:`moefuse.formats.BlockFP8` of that shape (then ``down_proj`` too, and hidden bf16 or fp16:
-            W8A8 with the activations quantized on the fly, SPEC §5).
-        down_proj: [E, H, I] of hidden's dtype, or a ``BlockFP8``.
+            weight format of that shape (then ``down_proj`` the same format): :class:`moefuse.formats.BlockFP8`
+            with bf16 or fp16 hidden (W8A8, the activations quantized on the fly, SPEC §5), or
+            :class:`moefuse.formats.MXFP4` with bf16 hidden (W4A16, SPEC §6).
+        down_proj: [E, H, I] of hidden's dtype, or the format of ``gate_up_proj``.
         plan: from :func:`moefuse.dispatch.moe_dispatch` for these M tokens (M·K rows) and E experts, on
             hidden's device; its ``block_m`` is the GEMMs' tile height.
         swiglu_limit: None, or a finite number > 0 (DeepSeek-V4: 10).
@@ -58,23 +62,20 @@ def moe_experts(
     rounded once. Tiles: :func:`moefuse.experts.configs.pick` (tuned tables, heuristic fallback, overrides).
     CUDA graphs: capturable, no host sync; grids depend only on shapes and the plan's static tile count.
     """
-    if isinstance(gate_up_proj, BlockFP8) or isinstance(down_proj, BlockFP8):
-        num_tokens, hidden_size, width, resolved = _validate_fp8(
-            hidden, gate_up_proj, down_proj, plan, swiglu_limit, out, backend
-        )
-        op = _experts_fp8_impl if _runtime.direct_call() else torch.ops.moefuse.experts_fp8
-        weights = (gate_up_proj.values, gate_up_proj.scales, down_proj.values, down_proj.scales)
-    else:
-        num_tokens, hidden_size, width, resolved = _validate(
-            hidden, gate_up_proj, down_proj, plan, swiglu_limit, out, backend
-        )
+    num_tokens, hidden_size, width, resolved = _validate(
+        hidden, gate_up_proj, down_proj, plan, swiglu_limit, out, backend
+    )
+    if isinstance(gate_up_proj, torch.Tensor):
         op = _experts_impl if _runtime.direct_call() else torch.ops.moefuse.experts
-        weights = (gate_up_proj, down_proj)
+        weights: tuple[torch.Tensor, ...] = (gate_up_proj, down_proj)
+    else:
+        op = _FORMATS[type(gate_up_proj)].op()
+        weights = (gate_up_proj.values, gate_up_proj.scales, down_proj.values, down_proj.scales)
     device = hidden.device
     if out is None:
         out = torch.empty(plan.num_rows, hidden_size, dtype=hidden.dtype, device=device)
-    config = configs.pick(num_tokens, gate_up_proj.shape[0], hidden_size, width, plan.top_k, hidden.dtype,
-                          configs.arch_of(device), block_m=plan.block_m)
+    config = configs.pick(num_tokens, gate_up_proj.shape[0], hidden_size, width, plan.top_k,
+                          tile_dtype(gate_up_proj, hidden.dtype), configs.arch_of(device), block_m=plan.block_m)
     op(
         hidden, *weights,
         plan.expert_offsets, plan.permuted_to_expanded, plan.expanded_to_permuted,
@@ -86,19 +87,25 @@ def moe_experts(
     return out
 
 
-def _validate_fp8(hidden, gate_up_proj, down_proj, plan, swiglu_limit, out, backend) -> tuple[int, int, int, str]:
-    """The checks of ``moe_experts`` on :class:`BlockFP8` weights: both weights fp8, bf16/fp16 activations, then
-    :func:`_validate` on the values, and the scales on hidden's device."""
+def _check_weights(hidden: torch.Tensor, gate_up_proj: object, down_proj: object) -> tuple[int, int, int]:
+    """Both expert weights: plain tensors of hidden's dtype, or one format with activations it takes (the format
+    checked its own tensors when built). Returns (E, 2I, H) as the weights say."""
+    device = hidden.device
+    if isinstance(gate_up_proj, torch.Tensor) or not isinstance(gate_up_proj, tuple(_FORMATS)):
+        gate_up_proj = _checks.check_tensor("gate_up_proj", gate_up_proj, dtypes=(hidden.dtype,), ndim=3,
+                                            device=device)
+        shape = tuple(gate_up_proj.shape)
+        _checks.check_tensor("down_proj", down_proj, dtypes=(hidden.dtype,), ndim=3, device=device)
+        return shape
+    fmt = _FORMATS[type(gate_up_proj)]
+    if type(down_proj) is not type(gate_up_proj):
+        raise TypeError(f"down_proj must be a {type(gate_up_proj).__name__} like gate_up_proj, got "
+                        f"{type(down_proj).__name__}")
+    _checks.check_tensor(f"hidden (with {type(gate_up_proj).__name__} weights)", hidden, dtypes=fmt.activations)
     for name, weight in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
-        if not isinstance(weight, BlockFP8):
-            raise TypeError(f"{name} must be a BlockFP8 like the other expert weight, got {type(weight).__name__}")
-    _checks.check_tensor("hidden", hidden, dtypes=(torch.bfloat16, torch.float16), ndim=2)
-    checked = _validate(hidden, gate_up_proj.values, down_proj.values, plan, swiglu_limit, out, backend,
-                        weight_dtype=None)
-    for name, weight in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
-        if weight.scales.device != hidden.device:
-            raise ValueError(f"{name}.scales is on {weight.scales.device}, expected {hidden.device}")
-    return checked
+        if weight.device != device:
+            raise ValueError(f"{name} is on {weight.device}, expected {device} like hidden")
+    return tuple(gate_up_proj.shape)
 
 
 def _validate(
@@ -109,29 +116,23 @@ def _validate(
     swiglu_limit: object,
     out: object,
     backend: str,
-    *,
-    weight_dtype: object = "hidden",
 ) -> tuple[int, int, int, str]:
-    """All checks of ``moe_experts``, before any allocation or launch; returns (M, H, I, backend).
-
-    The weights must have hidden's dtype (``weight_dtype="hidden"``) or are values already checked (None: fp8).
-    """
+    """All checks of ``moe_experts``, before any allocation or launch; returns (M, H, I, backend)."""
     hidden = _checks.check_tensor("hidden", hidden, dtypes=_checks.FLOAT_DTYPES, ndim=2)
     device = hidden.device
     num_tokens, hidden_size = hidden.shape
-    dtypes = (hidden.dtype,) if weight_dtype == "hidden" else None
-    gate_up_proj = _checks.check_tensor("gate_up_proj", gate_up_proj, dtypes=dtypes, ndim=3, device=device)
-    num_experts, two_width, weight_h = gate_up_proj.shape
+    num_experts, two_width, weight_h = _check_weights(hidden, gate_up_proj, down_proj)
     if two_width == 0 or two_width % 2:
-        raise ValueError(f"gate_up_proj must be [E, 2I, H] with 2I even and > 0, got shape {tuple(gate_up_proj.shape)}")
+        raise ValueError(f"gate_up_proj must be [E, 2I, H] with 2I even and > 0, got shape "
+                         f"{(num_experts, two_width, weight_h)}")
     if weight_h != hidden_size:
         raise ValueError(f"gate_up_proj has H = {weight_h} in dim 2 but hidden has H = {hidden_size}")
     if hidden_size == 0:
         raise ValueError("hidden must have H >= 1 columns")
     width = two_width // 2
-    _checks.check_tensor(
-        "down_proj", down_proj, dtypes=dtypes, shape=(num_experts, hidden_size, width), device=device
-    )
+    if tuple(down_proj.shape) != (num_experts, hidden_size, width):
+        raise ValueError(f"down_proj must be [E, H, I] = {(num_experts, hidden_size, width)}, got shape "
+                         f"{tuple(down_proj.shape)}")
     if not isinstance(plan, DispatchPlan):
         raise TypeError(f"plan must be a moefuse.dispatch.DispatchPlan, got {type(plan).__name__}")
     if plan.num_experts != num_experts:
@@ -194,42 +195,62 @@ def _experts_impl(
 _experts_op = torch.library.custom_op("moefuse::experts", _experts_impl, mutates_args=("out",))
 
 
-def _experts_fp8_impl(
-    hidden: torch.Tensor,
-    gate_up_values: torch.Tensor,
-    gate_up_scales: torch.Tensor,
-    down_values: torch.Tensor,
-    down_scales: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    permuted_to_expanded: torch.Tensor,
-    expanded_to_permuted: torch.Tensor,
-    tile_expert: torch.Tensor,
-    tile_row_start: torch.Tensor,
-    top_k: int,
-    block_m: int,
-    swiglu_limit: Optional[float],
-    tiles: list[int],
-    use_pdl: bool,
-    backend: str,
-    out: torch.Tensor,
-) -> None:
-    """Compute into ``out`` on fp8 block-scale weights (validated by the wrapper)."""
-    plan = DispatchPlan(gate_up_values.shape[0], top_k, block_m, expert_offsets, permuted_to_expanded,
-                        expanded_to_permuted, tile_expert, tile_row_start)
-    gate_up, down = BlockFP8(gate_up_values, gate_up_scales), BlockFP8(down_values, down_scales)
-    if backend != "triton":
-        moe_experts_fp8_torch(hidden, gate_up, down, plan, swiglu_limit=swiglu_limit, out=out)
-        return
-    experts_fp8(hidden, gate_up, down, plan, out, GemmTiles(*tiles[:5]), GemmTiles(*tiles[5:]), swiglu_limit,
-                use_pdl=use_pdl)
+@dataclass(frozen=True)
+class _Format:
+    """What the op needs of a weight format: the activation dtypes it takes and its custom op (the kernels'
+    launcher and the reference behind one signature: hidden, values and scales of both weights, the plan...)."""
+
+    activations: tuple[torch.dtype, ...]
+    name: str
+    impl: Callable[..., None]
+
+    def op(self) -> Callable[..., None]:
+        """The eager direct call, or the registered custom op where tracing needs it."""
+        return self.impl if _runtime.direct_call() else getattr(torch.ops.moefuse, self.name)
 
 
-_experts_fp8_op = torch.library.custom_op("moefuse::experts_fp8", _experts_fp8_impl, mutates_args=("out",))
+def _format(cls: type, name: str, activations: tuple[torch.dtype, ...], launch: Callable[..., None],
+            reference: Callable[..., torch.Tensor]) -> _Format:
+    """Register ``moefuse::<name>``: the experts on weights of format ``cls`` (Triton ``launch`` or ``reference``)."""
+
+    def impl(
+        hidden: torch.Tensor,
+        gate_up_values: torch.Tensor,
+        gate_up_scales: torch.Tensor,
+        down_values: torch.Tensor,
+        down_scales: torch.Tensor,
+        expert_offsets: torch.Tensor,
+        permuted_to_expanded: torch.Tensor,
+        expanded_to_permuted: torch.Tensor,
+        tile_expert: torch.Tensor,
+        tile_row_start: torch.Tensor,
+        top_k: int,
+        block_m: int,
+        swiglu_limit: Optional[float],
+        tiles: list[int],
+        use_pdl: bool,
+        backend: str,
+        out: torch.Tensor,
+    ) -> None:
+        plan = DispatchPlan(gate_up_values.shape[0], top_k, block_m, expert_offsets, permuted_to_expanded,
+                            expanded_to_permuted, tile_expert, tile_row_start)
+        gate_up, down = cls.unchecked(gate_up_values, gate_up_scales), cls.unchecked(down_values, down_scales)
+        if backend != "triton":
+            reference(hidden, gate_up, down, plan, swiglu_limit=swiglu_limit, out=out)
+            return
+        launch(hidden, gate_up, down, plan, out, GemmTiles(*tiles[:5]), GemmTiles(*tiles[5:]), swiglu_limit,
+               use_pdl=use_pdl)
+
+    impl.__name__ = impl.__qualname__ = f"_{name}_impl"
+    op = torch.library.custom_op(f"moefuse::{name}", impl, mutates_args=("out",))
+    op.register_fake(lambda *args: None)
+    return _Format(activations, name, impl)
 
 
-@_experts_fp8_op.register_fake
-def _(*args) -> None:
-    return None
+_FORMATS = {
+    BlockFP8: _format(BlockFP8, "experts_fp8", (torch.bfloat16, torch.float16), experts_fp8, moe_experts_fp8_torch),
+    MXFP4: _format(MXFP4, "experts_mxfp4", (torch.bfloat16,), experts_mxfp4, moe_experts_torch),
+}
 
 
 @_experts_op.register_fake

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ..dispatch import DispatchPlan
-from ..formats import BlockFP8, dequantize_rows, quantize_rows
+from ..formats import MXFP4, BlockFP8, ExpertWeight, dequantize_rows, quantize_rows
 
 
 def expert_segments(plan: DispatchPlan) -> Iterator[tuple[int, int, int, torch.Tensor]]:
@@ -32,10 +32,17 @@ def expert_segments(plan: DispatchPlan) -> Iterator[tuple[int, int, int, torch.T
             yield expert, start, end, plan.permuted_to_expanded[start:end].long() // plan.top_k
 
 
+def expert_weight(weight: ExpertWeight, expert: int, dtype: torch.dtype) -> torch.Tensor:
+    """One expert's [N, K] weight in ``dtype``: a plain tensor's slice, or a format's dequantized values."""
+    if isinstance(weight, torch.Tensor):
+        return weight[expert].to(dtype)
+    return weight[expert].dequantize(dtype)[0]
+
+
 def moe_experts_torch(
     hidden: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
+    gate_up_proj: torch.Tensor | MXFP4,
+    down_proj: torch.Tensor | MXFP4,
     plan: DispatchPlan,
     *,
     swiglu_limit: Optional[float] = None,
@@ -45,7 +52,8 @@ def moe_experts_torch(
     """Each expert's SwiGLU MLP on its rows of the plan, computed in ``dtype``.
 
     Args:
-        hidden: [M, H] activations. gate_up_proj: [E, 2I, H] (gate rows first). down_proj: [E, H, I].
+        hidden: [M, H] activations. gate_up_proj: [E, 2I, H] (gate rows first). down_proj: [E, H, I]. Either
+            may be :class:`~moefuse.formats.MXFP4` (W4A16, SPEC §6): its unpacked values, which are exact.
         plan: the :class:`~moefuse.dispatch.DispatchPlan` of the routing, M·K rows.
         swiglu_limit: None, or the DeepSeek-V4 clamp (> 0).
         out: where to write [M·K, H] (any float dtype); default a new tensor of hidden's dtype.
@@ -61,13 +69,13 @@ def moe_experts_torch(
         out = torch.empty(num_rows, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
     for expert, start, end, tokens in expert_segments(plan):
         x = hidden[tokens].to(dtype)  # [rows, H]
-        gate_up = x @ gate_up_proj[expert].to(dtype).T  # [rows, 2I]
+        gate_up = x @ expert_weight(gate_up_proj, expert, dtype).T  # [rows, 2I]
         gate, up = gate_up[:, :width], gate_up[:, width:]
         if swiglu_limit is not None:
             gate = gate.clamp(max=swiglu_limit)
             up = up.clamp(-swiglu_limit, swiglu_limit)
         act = (torch.nn.functional.silu(gate) * up).to(hidden.dtype).to(dtype)  # [rows, I]
-        out[start:end] = (act @ down_proj[expert].to(dtype).T).to(out.dtype)
+        out[start:end] = (act @ expert_weight(down_proj, expert, dtype).T).to(out.dtype)
     return out
 
 
@@ -94,11 +102,11 @@ def moe_experts_fp8_torch(
         out = torch.empty(num_rows, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
     for expert, start, end, tokens in expert_segments(plan):
         x = dequantize_rows(*quantize_rows(hidden[tokens]), dtype)  # [rows, H]
-        gate_up = x @ gate_up_proj[expert].dequantize(dtype)[0].T  # [rows, 2I]
+        gate_up = x @ expert_weight(gate_up_proj, expert, dtype).T  # [rows, 2I]
         gate, up = gate_up[:, :width], gate_up[:, width:]
         if swiglu_limit is not None:
             gate = gate.clamp(max=swiglu_limit)
             up = up.clamp(-swiglu_limit, swiglu_limit)
         act = dequantize_rows(*quantize_rows((torch.nn.functional.silu(gate) * up).float()), dtype)
-        out[start:end] = (act @ down_proj[expert].dequantize(dtype)[0].T).to(out.dtype)
+        out[start:end] = (act @ expert_weight(down_proj, expert, dtype).T).to(out.dtype)
     return out

@@ -1,0 +1,179 @@
+"""Quantized expert weights on the GPU: fp8 block-scale (SPEC §5) and MXFP4 (SPEC §6) beside bf16.
+
+For each model and token count (softmax top-k of random N(0, 1) logits, as the anchors were measured):
+
+- the routed experts (``moe_experts`` on one dispatch plan) in the format and in bf16 on the same weights
+  (the bf16 weights are the format's dequantized values), device time under CUDA-graph replay;
+- the format's weight-read floor: the touched experts' stored bytes (values and scales) at the read bandwidth
+  measured in the same run, plus the empty-kernel time; for fp8 also the tensor-core floor at the fp8 GEMM rate
+  measured in the same run (``torch._scaled_mm``, 8192³);
+- the peer: vLLM's Triton fused_moe W8A8 block-scale path on DeepSeek-V3 as measured on this GPU
+  (``anchors_h200.json``, the better of its default config and its tuned TP8 table);
+- the whole layer (``MoELayer(quant=...)``: router, dispatch, experts, fp8 shared expert, finalize) and the bf16
+  layer, with the layer's read floor (touched experts, shared expert, router weight);
+- errors at M <= 128, max-normalised: against the float64 reference of the format's numerics, and (fp8) against
+  the unquantized weights with unquantized activations.
+
+``python -m moefuse.bench.quant`` runs it standalone; ``moefuse bench quant`` through the CLI.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moefuse.bench import report, timing
+from moefuse.config import preset
+from moefuse.dispatch import moe_dispatch
+from moefuse.experts import configs, moe_experts, moe_experts_torch
+from moefuse.experts.reference import moe_experts_fp8_torch
+from moefuse.formats import BLOCK, MX_GROUP, MXFP4, BlockFP8, tile_dtype
+from moefuse.layer import MoELayer
+from moefuse.testing import rel_error
+
+MODELS = {"fp8": ("deepseek-v3", "kimi-k2", "glm-4.5-air"), "mxfp4": ("deepseek-v4-flash",)}
+TOKENS = (1, 16, 128, 1024, 4096)
+CHECK_TOKENS = 128  # the float64 oracle runs expert by expert: up to here
+COLUMNS = [
+    ("format", "format"), ("model", "model"), ("M", "M"), ("experts", "experts touched"),
+    ("err_spec", "err vs f64 spec"), ("err_unquantized", "err vs unquantized"),
+    ("us", "experts µs"), ("read_floor_us", "read floor µs"), ("x_floor", "× floor"),
+    ("mma_floor_us", "fp8 MMA floor µs"), ("peer_us", "vLLM fp8 µs"), ("x_peer", "speedup vs vLLM"),
+    ("bf16_us", "bf16 experts µs"), ("x_bf16", "speedup vs bf16"),
+    ("layer_us", "layer µs"), ("layer_floor_us", "layer floor µs"), ("x_layer_floor", "layer × floor"),
+    ("bf16_layer_us", "bf16 layer µs"),
+]
+TITLE = "Quantized experts: fp8 block-scale (W8A8) and MXFP4 (W4A16) beside bf16 (CUDA-graph replay)"
+
+
+def _stored_bytes(fmt: str, n: int, k: int) -> int:
+    """Bytes one expert's [n, k] weight occupies in ``fmt`` (values and scales)."""
+    if fmt == "fp8":
+        return n * k + 4 * math.ceil(n / BLOCK) * math.ceil(k / BLOCK)
+    return n * k // 2 + n * k // MX_GROUP
+
+
+def _weights(fmt: str, E: int, H: int, I: int, seed: int) -> tuple:
+    """(gate_up, down) in the format, and the same weights dequantized to bf16; drawn and converted one expert at
+    a time (a whole Kimi-K2 in fp32 would not fit)."""
+    gen = torch.Generator("cuda").manual_seed(seed)
+    cls = BlockFP8 if fmt == "fp8" else MXFP4
+    formats, dense = [], []
+    for n, k in ((2 * I, H), (H, I)):
+        first = cls.quantize(torch.randn(1, n, k, device="cuda", generator=gen) / math.sqrt(k))
+        values = first.values.new_empty(E, *first.values.shape[1:])
+        scales = first.scales.new_empty(E, *first.scales.shape[1:])
+        bf16 = torch.empty(E, n, k, device="cuda", dtype=torch.bfloat16)
+        for e in range(E):
+            q = first if e == 0 else cls.quantize(torch.randn(1, n, k, device="cuda", generator=gen) / math.sqrt(k))
+            values[e], scales[e] = q.values[0], q.scales[0]
+            bf16[e] = q.dequantize(torch.bfloat16)[0]
+        formats.append(cls(values, scales))
+        dense.append(bf16)
+    return (*formats, *dense)
+
+
+def _fp8_mma_tflops() -> float:
+    """fp8 e4m3 GEMM rate of ``torch._scaled_mm`` on 8192³ (per-tensor scales), in TFLOP/s."""
+    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    us = timing.time_or_none([lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16)])
+    return float("nan") if us is None else 2 * 8192**3 / (us * 1e-6) / 1e12
+
+
+def _peer_us(model: str, tokens: int) -> float | None:
+    if model != "deepseek-v3":
+        return None
+    rows = report.anchors()["fp8_block_scale_experts_vllm_triton"]["rows"]
+    for row in rows:
+        if row["tokens"] == tokens:
+            return min(row["default_config_us"], row["tp8_tuned_table_us"])
+    return None
+
+
+def _experts_row(fmt: str, model: str, M: int, weights: tuple, ceilings: timing.Ceilings, fp8_tflops: float,
+                 gen: torch.Generator) -> dict:
+    c = preset(model)
+    E, H, I, K = c.num_experts, c.hidden_size, c.intermediate_size, c.top_k
+    w1, w2, d1, d2 = weights
+    x = torch.randn(M, H, device="cuda", generator=gen, dtype=torch.bfloat16)
+    ids = torch.rand(M, E, device="cuda", generator=gen).argsort(1)[:, :K].int()  # softmax top-k of N(0,1) logits
+    plan = moe_dispatch(ids, E, configs.pick_block_m(M, E, H, I, K, tile_dtype(w1, x.dtype)))
+    plan_bf16 = moe_dispatch(ids, E, configs.pick_block_m(M, E, H, I, K, torch.bfloat16))
+    touched = int(torch.unique(ids).numel())
+    row: dict = {"format": fmt, "model": model, "M": M, "experts": touched}
+    with torch.no_grad():
+        if M <= CHECK_TOKENS:
+            n = int(plan.expert_offsets[-1])
+            out = moe_experts(x, w1, w2, plan)
+            zeros = lambda: torch.zeros(plan.num_rows, H, dtype=torch.float64, device="cuda")  # noqa: E731
+            reference = moe_experts_fp8_torch if fmt == "fp8" else moe_experts_torch
+            spec = reference(x, w1, w2, plan, dtype=torch.float64, out=zeros())
+            row["err_spec"] = rel_error(out[:n], spec[:n])
+            if fmt == "fp8":  # the bf16 weights stand for the unquantized ones: the format's own error is below
+                dense = moe_experts_torch(x, d1, d2, plan, dtype=torch.float64, out=zeros())
+                row["err_unquantized"] = rel_error(out[:n], dense[:n])
+        row["us"] = timing.graph_time_us([lambda: moe_experts(x, w1, w2, plan)], replays=20)
+        row["bf16_us"] = timing.graph_time_us([lambda: moe_experts(x, d1, d2, plan_bf16)], replays=20)
+    stored = touched * (_stored_bytes(fmt, 2 * I, H) + _stored_bytes(fmt, H, I))
+    row["read_floor_us"] = ceilings.empty_us + stored / (ceilings.read_tbps * 1e12) * 1e6
+    row["x_floor"] = row["us"] / row["read_floor_us"]
+    if fmt == "fp8":
+        row["mma_floor_us"] = 2 * M * K * 3 * H * I / (fp8_tflops * 1e12) * 1e6
+    row["peer_us"] = _peer_us(model, M) if fmt == "fp8" else None
+    row["x_peer"] = row["peer_us"] / row["us"] if row["peer_us"] else None
+    row["x_bf16"] = row["bf16_us"] / row["us"]
+    return row
+
+
+def _layer_times(fmt: str, model: str, rows: list[dict], ceilings: timing.Ceilings, gen: torch.Generator) -> None:
+    """Add the whole layer's time (format and bf16) and read floor to each row of ``model``."""
+    c = preset(model)
+    for quant in (fmt, None):
+        layer = MoELayer(c, device="cuda", quant=quant).init_random_(seed=1)
+        for row in rows:
+            x = torch.randn(row["M"], c.hidden_size, device="cuda", generator=gen, dtype=torch.bfloat16)
+            with torch.no_grad():
+                us = timing.graph_time_us([lambda: layer(x)], replays=20)
+                if quant is None:
+                    row["bf16_layer_us"] = us
+                    continue
+                row["layer_us"] = us
+                _, ids = layer.gate(x)
+            touched = int(torch.unique(ids[(ids >= 0) & (ids < c.num_experts)]).numel())
+            H, I, S = c.hidden_size, c.intermediate_size, c.shared_intermediate_size
+            stored = (touched * (_stored_bytes(fmt, 2 * I, H) + _stored_bytes(fmt, H, I))
+                      + (_stored_bytes("fp8", 2 * S, H) + _stored_bytes("fp8", H, S) if S else 0)
+                      + 4 * c.num_experts * H)
+            row["layer_floor_us"] = ceilings.empty_us + stored / (ceilings.read_tbps * 1e12) * 1e6
+            row["x_layer_floor"] = row["layer_us"] / row["layer_floor_us"]
+        del layer
+        torch.cuda.empty_cache()
+
+
+def run(ceilings: timing.Ceilings, quick: bool = False, formats: tuple[str, ...] = ("fp8", "mxfp4"),
+        tokens: tuple[int, ...] = TOKENS) -> list[dict]:
+    rows: list[dict] = []
+    fp8_tflops = _fp8_mma_tflops()
+    gen = torch.Generator("cuda").manual_seed(0)
+    for fmt in formats:
+        for model in MODELS[fmt][:1] if quick else MODELS[fmt]:
+            c = preset(model)
+            weights = _weights(fmt, c.num_experts, c.hidden_size, c.intermediate_size, seed=0)
+            model_rows = [_experts_row(fmt, model, M, weights, ceilings, fp8_tflops, gen)
+                          for M in (tokens[:3] if quick else tokens)]
+            del weights
+            torch.cuda.empty_cache()
+            _layer_times(fmt, model, model_rows, ceilings, gen)
+            rows += model_rows
+    return rows
+
+
+def main() -> None:
+    print(report.format_table(run(timing.measure_ceilings(gemm=False)), COLUMNS, TITLE))
+
+
+if __name__ == "__main__":
+    main()

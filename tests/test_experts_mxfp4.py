@@ -1,0 +1,430 @@
+"""MXFP4 experts (DeepSeek-V4 FP4 weights, W4A16, SPEC §6): the format against a float64 decode built from the
+e2m1 bits, the exactness of the kernels' in-register unpacking (weights revealed one by one through the GEMMs, at
+the ends of the supported exponents too), the Triton kernels (interpreter on CPU, compiled on a GPU) against the
+float64 reference on random inputs and edge shapes, and the errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import moefuse.experts.mxfp4 as mxfp4_kernels
+from moefuse.dispatch import moe_dispatch
+from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts, moe_experts_torch
+from moefuse.experts.kernel import weight_descriptor
+from moefuse.formats import MXFP4, MXFP4_EXPONENTS, BlockFP8
+from moefuse.testing import assert_rel_close
+
+
+def _e2m1(code: int) -> float:
+    """An e2m1 code's value from its bits: sign (bit 3), exponent (bits 2-1, bias 1), mantissa (bit 0)."""
+    sign = -1.0 if code & 8 else 1.0
+    exponent, mantissa = (code >> 1) & 3, code & 1
+    magnitude = mantissa * 0.5 if exponent == 0 else 2.0 ** (exponent - 1) * (1 + mantissa / 2)  # 0 is subnormal
+    return sign * magnitude  # code 8: -0.0
+
+
+E2M1 = torch.tensor([_e2m1(c) for c in range(16)], dtype=torch.float64)
+POW2 = torch.tensor([2.0 ** (e - 127) for e in range(256)], dtype=torch.float64)  # ue8m0 exponent -> scale
+LOW, HIGH = 1, 252  # the supported ue8m0 exponents (SPEC §6): scales 2^-126 .. 2^125
+# Every code once at an even K index (low nibble) and once at an odd one (high nibble), in each group of 32.
+ALL_CODES = torch.tensor(list(range(16)) + list(range(15, -1, -1)), dtype=torch.uint8)
+
+
+def _pack(codes: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] codes -> [E, N, K/2] bytes: element 2j in byte j's low nibble, 2j + 1 in its high one."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def _decode(codes: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
+    """float64 weights [E, N, K] of codes [E, N, K] and exponents [E, N, K/32]."""
+    return E2M1[codes.long()] * POW2[exps.long()].repeat_interleave(32, dim=2)
+
+
+def _mxfp4(codes: torch.Tensor, exps: torch.Tensor, device) -> MXFP4:
+    return MXFP4(_pack(codes).to(device), exps.to(torch.uint8).to(device))
+
+
+# --- the format ----------------------------------------------------------------------------------------------
+
+def _format_case(gen):
+    """Codes: every code in both nibble positions in every group; exponents: both ends, the middle, random."""
+    E, N, K = 2, 6, 64
+    codes = ALL_CODES.repeat(E, N, K // 32)
+    exps = torch.randint(LOW, HIGH + 1, (E, N, K // 32), generator=gen, dtype=torch.uint8)
+    exps[0, :, 0] = torch.tensor([LOW, HIGH, 127, LOW + 1, HIGH - 1, 128], dtype=torch.uint8)
+    exps[0, :, 1] = torch.tensor([HIGH, LOW, 126, 100, 140, 127], dtype=torch.uint8)
+    return codes, exps
+
+
+def test_e2m1_from_bits():
+    """The test's own decode (a sanity check of the oracle: the eight magnitudes and their negatives)."""
+    assert MXFP4_EXPONENTS == (LOW, HIGH)
+    assert E2M1[:8].tolist() == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    assert torch.equal(E2M1[8:], -E2M1[:8]) and bool(E2M1[8].signbit())
+
+
+def test_dequantize_every_code_and_exponent(gen):
+    codes, exps = _format_case(gen)
+    want = _decode(codes, exps)
+    assert torch.equal(want[0, 0, :16], E2M1 * 2.0**-126) and torch.equal(want[0, 1, :16], E2M1 * 2.0**125)
+    packed = _pack(codes)
+    for values in (packed, packed.view(torch.int8)):
+        fmt = MXFP4(values, exps)
+        assert fmt.shape == (2, 6, 64)
+        got = fmt.dequantize(torch.float64)
+        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+        for dtype in (torch.float32, torch.bfloat16):  # exact too, within the supported exponents
+            assert torch.equal(fmt.dequantize(dtype).double(), want), dtype
+    # One expert, and the low/high nibble order seen on a single byte: 0x7A = code 10 (-1) then code 7 (6).
+    byte = torch.full((1, 1, 16), 0x7A, dtype=torch.uint8)
+    one = MXFP4(byte, torch.full((1, 1, 1), 127, dtype=torch.uint8)).dequantize(torch.float64)[0, 0]
+    assert one[0::2].eq(-1).all() and one[1::2].eq(6).all()
+    assert torch.equal(MXFP4(packed, exps)[1].dequantize(torch.float64), want[1:])
+
+
+def test_from_checkpoint_scale_dtypes(gen):
+    codes, exps = _format_case(gen)
+    values = _pack(codes).view(torch.int8)  # checkpoints ship int8
+    want = _decode(codes, exps)
+    fp32 = POW2[exps.long()].float()  # 2^-126 .. 2^125: exact fp32 powers of two
+    for scale_inv in (exps.view(torch.float8_e8m0fnu), exps.clone(), fp32):
+        fmt = MXFP4.from_checkpoint(values, scale_inv)
+        assert fmt.scales.dtype == torch.uint8 and torch.equal(fmt.scales, exps), scale_inv.dtype
+        assert torch.equal(fmt.dequantize(torch.float64), want), scale_inv.dtype
+        assert fmt.values.data_ptr() == values.data_ptr()  # shares the checkpoint's values
+
+
+@pytest.mark.parametrize("bad", [1.5, 3.0, 0.0, -1.0, float("inf"), float("nan")])
+def test_from_checkpoint_rejects_fp32_scales_not_powers_of_two(bad, gen):
+    codes, exps = _format_case(gen)
+    scales = POW2[exps.long()].float()
+    scales[1, 2, 1] = bad
+    with pytest.raises(ValueError, match="power"):
+        MXFP4.from_checkpoint(_pack(codes), scales)
+
+
+@pytest.mark.parametrize("given, exponent", [
+    (given, exponent) for given in ("uint8", "e8m0", "fp32") for exponent in sorted({0, LOW - 1, HIGH + 1, 254, 255})
+    if (given, exponent) != ("fp32", 255)  # NaN in ue8m0: not a power of two in fp32 (the test above)
+])
+def test_exponents_outside_the_range_are_rejected(given, exponent, gen):
+    codes, exps = _format_case(gen)
+    exps[1, 3, 0] = exponent
+    if given == "uint8":
+        build = lambda: MXFP4(_pack(codes), exps)  # noqa: E731
+    elif given == "e8m0":
+        build = lambda: MXFP4.from_checkpoint(_pack(codes), exps.view(torch.float8_e8m0fnu))  # noqa: E731
+    else:
+        build = lambda: MXFP4.from_checkpoint(_pack(codes), POW2[exps.long()].float())  # noqa: E731
+    with pytest.raises(ValueError, match="scales"):
+        build()
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: MXFP4(torch.zeros(2, 4, 8, dtype=torch.uint8), torch.full((2, 4, 1), 127, dtype=torch.uint8)),
+     ValueError, "multiple of 32"),  # K = 16
+    (lambda: MXFP4(torch.zeros(2, 4, 24, dtype=torch.uint8), torch.full((2, 4, 1), 127, dtype=torch.uint8)),
+     ValueError, "multiple of 32"),  # K = 48
+    (lambda: MXFP4(torch.zeros(2, 4, 32, dtype=torch.uint8), torch.full((2, 4, 3), 127, dtype=torch.uint8)),
+     ValueError, "scales"),  # K/32 + 1 groups
+    (lambda: MXFP4(torch.zeros(2, 4, 32, dtype=torch.uint8), torch.full((2, 5, 2), 127, dtype=torch.uint8)),
+     ValueError, "scales"),  # N + 1 rows
+    (lambda: MXFP4(torch.zeros(2, 4, 32, dtype=torch.uint8), torch.full((3, 4, 2), 127, dtype=torch.uint8)),
+     ValueError, "scales"),  # E + 1 experts
+    (lambda: MXFP4(torch.zeros(2, 4, 32, dtype=torch.uint8), torch.full((2, 4, 2), 127, dtype=torch.int32)),
+     TypeError, "scales"),
+    (lambda: MXFP4(torch.zeros(2, 4, 32, dtype=torch.float32), torch.full((2, 4, 2), 127, dtype=torch.uint8)),
+     TypeError, "values"),
+    (lambda: MXFP4.from_checkpoint(torch.zeros(2, 4, 32, dtype=torch.int8), torch.ones(2, 4, 2).half()),
+     TypeError, "scales"),
+], ids=["K16", "K48", "scales-groups", "scales-rows", "scales-experts", "scales-dtype", "values-dtype",
+        "fp16-scales"])
+def test_format_errors(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_quantize_round_trips_representable_weights(gen):
+    """Groups whose amax is a 6 x 2^s hold exact MXFP4 values: quantize gives them back, codes and exponents."""
+    codes, exps = _format_case(gen)
+    exps = exps.clamp(LOW + 3, HIGH - 3)  # away from the clamp of quantize's exponent
+    fmt = MXFP4.quantize(_decode(codes, exps).float())
+    assert torch.equal(fmt.scales, exps)
+    assert torch.equal(fmt.values.view(torch.uint8), _pack(torch.where(codes == 8, 0, codes)))  # -0 -> +0
+    assert torch.equal(fmt.dequantize(torch.float64), _decode(codes, exps))
+
+
+# --- exactness of the kernels' unpacking -----------------------------------------------------------------------
+#
+# One-hot activations reveal weights one at a time: x = 2^a at column k gives gate[n] = 2^a W1[e, n, k] and
+# up[n] = 2^a W1[e, I + n, k], a single product in each fp32 sum. SiLU is exact at both ends: a gate >= 32 gives
+# sigmoid = 1 (exp(-32) is below fp32's and bf16's half ulp of 1) and a gate <= 2^-100 gives sigmoid = 1/2, so the
+# intermediate is gate x up or gate/2 x up, a power of two times the weight (two significant bits: exact in
+# bf16). A down projection that selects intermediate column h % I into output column h passes it through
+# unchanged: the output row of (token t, expert e) is a power of two times W1[e, I + h % I, t], bit for bit.
+# Swapping roles (up one-hot, down random) reveals the down weights. The weights' exponents are random in
+# [100, 140] ("mid"), or the supported range's ends, LOW in one group of 32 and HIGH in the other ("ends"); the
+# powers of two of x and of the gate are chosen per group so that both GEMMs' activations (x, the intermediate)
+# stay within [2^-14, 65504] (fp16's normal range: these tests are about the weights, see
+# test_activations_outside_fp16_range for the activations) and every output is a normal number.
+
+E_X, H_X, I_X = 3, 64, 64  # two groups of 32 along H and along I (H = 128 to reveal the down weights)
+REVEAL_TILES = TileConfig(16, GemmTiles(32, 32, 1, 4, 2), GemmTiles(32, 32, 1, 4, 2))  # 2 K-steps, 2 col blocks
+
+
+def _random_codes(gen, E, N, K):
+    codes = torch.randint(0, 16, (E, N, K), generator=gen, dtype=torch.uint8)
+    codes[:, 0] = ALL_CODES.repeat(K // 32)  # row 0: every code, both nibble positions, in every group
+    return codes
+
+
+def _random_exps(gen, E, N, K, regime, mid=(100, 140)):
+    if regime == "mid":
+        return torch.randint(mid[0], mid[1] + 1, (E, N, K // 32), generator=gen, dtype=torch.uint8)
+    exps = torch.empty(E, N, K // 32, dtype=torch.uint8)
+    exps[..., 0], exps[..., 1] = LOW, HIGH  # group 0 at 2^-126, group 1 at 2^125
+    return exps
+
+
+def _constant(E, N, K, code, exps):
+    """Every weight = code's value x 2^(exps[k // 32] - 127) (exps per K group, the same for all rows)."""
+    return torch.full((E, N, K), code, dtype=torch.uint8), torch.tensor(exps, dtype=torch.uint8).expand(E, N, -1)
+
+
+def _selector(E, H, I):
+    """down[e, h, n] = 1 where n == h % I, else 0."""
+    codes = torch.zeros(E, H, I, dtype=torch.uint8)
+    codes[:, torch.arange(H), torch.arange(H) % I] = 2  # code 2 = 1.0
+    return codes, torch.full((E, H, I // 32), 127, dtype=torch.uint8)
+
+
+def _reveal_case(which, regime, gen):
+    """(x, gate_up codes/exps, down codes/exps, expected [M, E, H] in float64, top-k ids) of one reveal."""
+    E, H, I = E_X, H_X, I_X
+    if which == "up":
+        # Per H group: x = 2^a, the gate's exponent eg (gate = 2^(a + eg - 127)), and the factor f (SiLU(gate) x 2^a)
+        # with up = W x 2^a and the intermediate f x W. mid: x = 1, gate = 32, exponents in [109, 135] keep 32 W in
+        # [2^-14, 6 x 2^13]. ends: W = c x 2^-126 with x = 2^15 and gate = 2^111 (f = 2^126); W = c x 2^125 with
+        # x = 2^-14 and gate = 2^-110 (f = 2^-125): the intermediate is c, within 0.5 .. 6.
+        if regime == "mid":
+            a, eg, f = [0, 0], [132, 132], [32.0, 32.0]
+        else:
+            a = [15, -14]
+            eg = [254 - 2 * a[0] - LOW, 255 - 2 * a[1] - HIGH]
+            gates = [2.0 ** (a[g] + eg[g] - 127) for g in range(2)]
+            assert gates[0] >= 32 and gates[1] <= 2.0**-100
+            f = [gates[0] * 2.0 ** a[0], gates[1] / 2 * 2.0 ** a[1]]
+        M = H  # token t is one-hot at column t
+        x = torch.zeros(M, H)
+        x[torch.arange(M), torch.arange(M)] = torch.tensor([2.0 ** a[k // 32] for k in range(H)])
+        gate_codes, gate_exps = _constant(E, I, H, 2, eg)
+        up_codes, up_exps = _random_codes(gen, E, I, H), _random_exps(gen, E, I, H, regime, mid=(109, 135))
+        down_codes, down_exps = _selector(E, H, I)
+        up = _decode(up_codes, up_exps)  # [E, I, H]
+        col = torch.arange(H) % I
+        # expected[t, e, h] = f(t) x up[e, h % I, t]
+        want = torch.stack([f[t // 32] * up[:, col, t] for t in range(M)])
+    elif which == "down":
+        u = [0, 0] if regime == "mid" else [0, -10]  # up = 2^u per I group (2^-5 x 6 x 2^125 fits)
+        # Token t is one-hot (1.0) at column 2t, an even one (a low nibble: the up weights' nibble order matters
+        # here too), so up[n] = 2^u(n) [n == t] and, with a gate of 32, the intermediate is 32 x 2^u one-hot.
+        M, H = I, 2 * I
+        x = torch.zeros(M, H)
+        x[torch.arange(M), 2 * torch.arange(M)] = 1.0
+        gate_codes, gate_exps = _constant(E, I, H, 2, [132] * (H // 32))
+        up_codes = torch.zeros(E, I, H, dtype=torch.uint8)
+        up_codes[:, torch.arange(I), 2 * torch.arange(I)] = 2
+        up_exps = torch.tensor([127 + u[n // 32] for n in range(I)], dtype=torch.uint8)[None, :, None]
+        up_exps = up_exps.expand(E, I, H // 32).contiguous()
+        down_codes, down_exps = _random_codes(gen, E, H, I), _random_exps(gen, E, H, I, regime)
+        down = _decode(down_codes, down_exps)  # [E, H, I]
+        want = torch.stack([32 * 2.0 ** u[t // 32] * down[:, :, t] for t in range(M)])
+    else:  # "gate": up = 1, so the intermediate is bf16(SiLU(gate)), not exact in fp32: checked to a bf16 ulp
+        M = H
+        x = torch.zeros(M, H)
+        x[torch.arange(M), torch.arange(M)] = 1.0
+        gate_codes = _random_codes(gen, E, I, H)
+        # |gate| <= 12, so |SiLU(gate)| >= 12 e^-12 > 2^-14 wherever the gate is not zero
+        gate_exps = torch.randint(124, 129, (E, I, H // 32), generator=gen, dtype=torch.uint8)
+        up_codes, up_exps = _constant(E, I, H, 2, [127, 127])
+        down_codes, down_exps = _selector(E, H, I)
+        gate = _decode(gate_codes, gate_exps)
+        col = torch.arange(H) % I
+        want = torch.stack([torch.nn.functional.silu(gate[:, col, t]).bfloat16().double() for t in range(M)])
+    w1 = (torch.cat([gate_codes, up_codes], dim=1), torch.cat([gate_exps, up_exps], dim=1))
+    # Token t goes to every expert, in an order that differs per token.
+    ids = torch.stack([torch.roll(torch.arange(E), t) for t in range(M)]).int()
+    return x.bfloat16(), w1, (down_codes, down_exps), want, ids
+
+
+# The gate goes through SiLU, so it is revealed (to a bf16 ulp) in the middle of the range only; its rows go
+# through the same unpacking as the up rows.
+@pytest.mark.parametrize("which, regime", [("up", "mid"), ("up", "ends"), ("down", "mid"), ("down", "ends"),
+                                           ("gate", "mid")])
+def test_unpacking_is_exact(which, regime, gen, device):
+    x, w1, w2, want, ids = _reveal_case(which, regime, gen)
+    assert torch.equal(want.bfloat16().double(), want) and want.abs().max() < 2.0**127  # representable
+    assert (want[want != 0].abs() >= 2.0**-126).all()  # normal numbers: no flush to zero anywhere
+    if which != "down":  # the output is the intermediate: within fp16's normal range (the comment above)
+        assert (want[want != 0].abs() >= 2.0**-14).all() and want.abs().max() <= 65504
+    gate_up, down = _mxfp4(*w1, device), _mxfp4(*w2, device)
+    x, ids = x.to(device), ids.to(device)
+    H = x.shape[1]
+    plan = moe_dispatch(ids, E_X, 16, backend="triton")
+    out = torch.full((plan.num_rows, H), float("nan"), dtype=torch.bfloat16, device=device)
+    with configs.override(REVEAL_TILES):
+        moe_experts(x, gate_up, down, plan, out=out, backend="triton")
+    # Row of (token t, slot s) in expanded order; its expert is ids[t, s].
+    got = out[plan.expanded_to_permuted.long()].double().cpu().view(ids.shape[0], E_X, H)
+    expected = want.gather(1, ids.cpu().long()[:, :, None].expand(-1, -1, H))
+    if which == "gate":
+        bad = (got - expected).abs() > 2.0**-7 * expected.abs()
+    else:
+        bad = got != expected  # (a zero's sign does not survive the sums: -0 + 0 = +0)
+    if bool(bad.any()):
+        t, s, h = (int(i) for i in bad.nonzero()[0])
+        pytest.fail(f"{int(bad.sum())} wrong weights, first: token {t}, expert {int(ids[t, s])}, column {h}: "
+                    f"got {got[t, s, h].item()!r}, expected {expected[t, s, h].item()!r}")
+    if which != "gate":
+        assert expected.count_nonzero() > expected.numel() // 2  # the test reveals values, not zeros
+
+
+# --- Triton vs the float64 reference -----------------------------------------------------------------------------
+
+def _inputs(gen, M, K, E, H, I, *, invalid=0.1, empty=None, device="cpu"):
+    """bf16 activations, quantized random weights (gate/up values O(1), so the clamp bites), top-K ids without
+    repeats from the experts other than ``empty``, each slot -1 with probability ``invalid``."""
+    x = torch.randn(M, H, generator=gen).bfloat16()
+    w1 = MXFP4.quantize(torch.randn(E, 2 * I, H, generator=gen) / math.sqrt(H) * 2)
+    w2 = MXFP4.quantize(torch.randn(E, H, I, generator=gen) / math.sqrt(I))
+    pool = E if empty is None else E - 1
+    ids = torch.rand(M, pool, generator=gen).argsort(dim=1)[:, :K]
+    if empty is not None:
+        ids = ids + (ids >= empty).long()
+    ids = torch.where(torch.rand(M, K, generator=gen) < invalid, -1, ids).int()
+    move = lambda w: MXFP4(w.values.to(device), w.scales.to(device))  # noqa: E731
+    return x.to(device), move(w1), move(w2), ids.to(device)
+
+
+def _check(x, w1, w2, ids, *, limit=None, block_m=16):
+    plan = moe_dispatch(ids, w1.shape[0], block_m, backend="triton")
+    out = torch.full((plan.num_rows, x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
+    moe_experts(x, w1, w2, plan, swiglu_limit=limit, out=out, backend="triton")
+    ref = moe_experts_torch(x, w1, w2, plan, swiglu_limit=limit, dtype=torch.float64,
+                            out=torch.zeros(plan.num_rows, x.shape[1], dtype=torch.float64, device=x.device))
+    n_valid = int(plan.expert_offsets[-1])
+    assert_rel_close(out[:n_valid], ref[:n_valid], 1e-2, "mxfp4 gemm2_out")
+    assert out[n_valid:].isnan().all(), "rows with no token must be left unwritten"
+    return plan
+
+
+TOP_K = {0: 1, 1: 2, 7: 3, 33: 2}
+K64 = TileConfig(16, GemmTiles(64, 64, 1, 4, 2), GemmTiles(64, 64, 2, 4, 2))  # H = 96, I = 160: a 32-wide last step
+
+
+@pytest.mark.parametrize("tiles", [None, K64], ids=["heuristic", "block_k64"])
+@pytest.mark.parametrize("limit", [None, 1.5], ids=["no-clamp", "clamp"])
+@pytest.mark.parametrize("M", [0, 1, 7, 33])
+def test_triton_matches_float64(M, limit, tiles, gen, device):
+    """E = 5, H = 96 (3 groups: the heuristic's BLOCK_K 128 covers it in one masked step, block_k 64 in a full and
+    a half step), I = 160 (partial column blocks, a last GEMM2 step of 32), -1 slots, expert 2 empty."""
+    E, H, I = 5, 96, 160
+    x, w1, w2, ids = _inputs(gen, M, TOP_K[M], E, H, I, empty=2, device=device)
+    if tiles is None:
+        plan = _check(x, w1, w2, ids, limit=limit)
+    else:
+        with configs.override(tiles):
+            plan = _check(x, w1, w2, ids, limit=limit)
+    assert int(plan.expert_offsets[3] - plan.expert_offsets[2]) == 0
+
+
+def test_smallest_shapes(gen, device):
+    """H = I = 32: one scale group per row, BLOCK_K and BLOCK_N above the dims."""
+    _check(*_inputs(gen, 9, 3, 4, 32, 32, device=device), limit=1.5)
+
+
+def test_tall_tiles(gen, device):
+    """64-row tiles (block_m 64): expert 0's 70 rows are a full tile and a 6-row tail, GROUP_M 0 (per expert) in
+    GEMM1 and 2 in GEMM2, BLOCK_K 32 over H = 96 and 64 over I = 160 (a last step of 32)."""
+    x, w1, w2, _ = _inputs(gen, 70, 2, 3, 96, 160, device=device)
+    ids = torch.stack([torch.zeros(70, dtype=torch.int32), (torch.arange(70) >= 40).int() + 1], dim=1).to(device)
+    with configs.override(TileConfig(64, GemmTiles(64, 32, 0, 4, 2), GemmTiles(32, 64, 2, 4, 2))):
+        plan = _check(x, w1, w2, ids, block_m=64, limit=1.5)
+    assert plan.expert_offsets.diff().tolist() == [70, 40, 30]
+
+
+def test_strided_operands_take_pointer_loads(gen, device):
+    """Packed rows whose stride is no multiple of 16 bytes (no TMA descriptor: pointer loads, over several K steps
+    of 32) and strided scales and activations give the same result as the float64 reference."""
+    E, H, I = 3, 96, 64
+    x, w1, w2, ids = _inputs(gen, 7, 2, E, H, I, device=device)
+
+    def strided(w: MXFP4) -> MXFP4:
+        E_, N, half = w.values.shape
+        values = torch.zeros(E_, N, half + 5, dtype=torch.uint8, device=device)
+        values[:, :, 3:3 + half] = w.values
+        scales = torch.full((E_, N, 2 * w.scales.shape[2]), 127, dtype=torch.uint8, device=device)
+        scales[:, :, 0::2] = w.scales
+        return MXFP4(values[:, :, 3:3 + half], scales[:, :, 0::2])
+
+    s1, s2 = strided(w1), strided(w2)
+    assert weight_descriptor(s1.values, 32, 16) is None and weight_descriptor(s2.values, 32, 16) is None
+    wide = torch.randn(7, H + 16, generator=gen).bfloat16().to(device)
+    wide[:, 5:5 + H] = x
+    with configs.override(TileConfig(16, GemmTiles(32, 32, 1, 4, 2), GemmTiles(32, 32, 2, 4, 2))):
+        _check(wide[:, 5:5 + H], s1, s2, ids, limit=1.5)
+
+
+def test_reference_backend(gen, device):
+    x, w1, w2, ids = _inputs(gen, 7, 2, 3, 64, 32, device=device)
+    plan = moe_dispatch(ids, 3, 16, backend="reference")
+    got = moe_experts(x, w1, w2, plan, swiglu_limit=2.0, backend="reference")
+    want = moe_experts_torch(x, w1, w2, plan, swiglu_limit=2.0)
+    n_valid = int(plan.expert_offsets[-1])
+    assert got.dtype == torch.bfloat16 and torch.equal(got[:n_valid], want[:n_valid])
+
+
+@pytest.mark.parametrize("scale", [2.0**20, 2.0**-20], ids=["large", "small"])
+def test_activations_outside_fp16_range(scale, gen, device):
+    """bf16 activations keep bf16's range: hidden ~ 2^20 (an intermediate ~ 2^40) or ~ 2^-20 (~ 2^-41), beyond
+    fp16's normal range both ways, still match the float64 reference."""
+    x, w1, w2, ids = _inputs(gen, 7, 2, 3, 64, 32, invalid=0.0, device=device)
+    _check((x.float() * scale).bfloat16(), w1, w2, ids)
+
+
+# --- errors ----------------------------------------------------------------------------------------------------
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        raise AssertionError("a kernel was launched before the arguments were checked")
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    monkeypatch.setattr(mxfp4_kernels, "_gemm1_mxfp4_kernel", _NoLaunch())
+    monkeypatch.setattr(mxfp4_kernels, "_gemm2_mxfp4_kernel", _NoLaunch())
+
+
+def test_errors_name_the_argument(gen, device, no_launch):
+    x, w1, w2, ids = _inputs(gen, 3, 2, 4, 64, 32, device=device)
+    plan = moe_dispatch(ids, 4, 16, backend="triton")
+    out = torch.full((plan.num_rows, 64), float("nan"), dtype=torch.bfloat16, device=device)
+    for dtype in (torch.float16, torch.float32):
+        with pytest.raises(TypeError, match="hidden"):
+            moe_experts(x.to(dtype), w1, w2, plan, backend="triton")
+    with pytest.raises(TypeError, match="down_proj"):
+        moe_experts(x, w1, w2.dequantize(torch.bfloat16), plan, out=out, backend="triton")
+    with pytest.raises(TypeError, match="down_proj"):
+        moe_experts(x, w1, BlockFP8.quantize(w2.dequantize()), plan, out=out, backend="triton")
+    with pytest.raises(TypeError, match="down_proj"):  # and the other way round
+        moe_experts(x, BlockFP8.quantize(w1.dequantize()), w2, plan, out=out, backend="triton")
+    with pytest.raises(ValueError, match="gate_up_proj"):  # H mismatch: hidden 32 wide, weights 64
+        moe_experts(x[:, :32].contiguous(), w1, w2, plan, backend="triton")
+    with pytest.raises(ValueError, match="down_proj"):  # I mismatch: a down projection of width 64
+        moe_experts(x, w1, MXFP4.quantize(torch.randn(4, 64, 64, generator=gen)), plan, out=out, backend="triton")
+    with pytest.raises(ValueError, match="plan"):  # E mismatch
+        moe_experts(x, w1[:3], w2[:3], plan, out=out, backend="triton")
+    assert out.isnan().all()

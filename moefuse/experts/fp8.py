@@ -45,7 +45,7 @@ from .kernel import _program_tile, _round, rows_descriptor, weight_descriptor
 # before adding into fp32 (its default on sm_90: the whole dot). On an H200, 64- and 128-row tiles with 128 (one
 # scale step) erred 2.4e-2 max / 5e-3 RMS from float64 against 2e-3 / 1.7e-3 for 16-row (mma.sync) tiles; with 32
 # (one wgmma), 3-7e-3 / 1.8e-3 on the same inputs.
-IMPRECISE_K: tl.constexpr = 32
+IMPRECISE_K = tl.constexpr(32)
 
 
 @triton.jit

@@ -23,7 +23,7 @@ from torch import nn
 from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
 from moefuse.formats import MX_GROUP, MXFP4, BlockFP8, ue8m0_of
-from moefuse.layer import MoELayer, routed_experts
+from moefuse.layer import MoELayer, routed_experts, stack_gate_up
 
 # Block class name -> scoring function of its router ("config" = read the router's activation).
 SUPPORTED_BLOCKS: dict[str, str] = {
@@ -182,19 +182,15 @@ def layer_from_hf(block: nn.Module, *, backend: Backend = "auto", activation_dty
     return layer
 
 
-@torch.no_grad()
 def _stack_fp8_gate_up(shared: nn.Module) -> None:
-    """Put an fp8 shared expert's gate and up weights (and block scales) into one tensor each, gate rows first,
-    and make the block's own parameters views into them: the grouped GEMMs read [gate; up] as one expert. One
-    copy at load, no extra memory after it; the values are unchanged."""
+    """An fp8 shared expert's gate and up as one tensor each (:func:`moefuse.layer.stack_gate_up`), its ue8m0 scales
+    converted to fp32 first (the format keeps fp32 scales)."""
     gate, up = shared.gate_proj, shared.up_proj
-    for name in ("weight", "weight_scale_inv"):
-        a, b = getattr(gate, name), getattr(up, name)
-        if name == "weight_scale_inv" and a.dtype != torch.float32:  # ue8m0: the format keeps fp32 scales
-            a, b = fp8_weight(gate.weight, a).scales, fp8_weight(up.weight, b).scales
-        stacked = torch.cat([a, b])
-        setattr(gate, name, nn.Parameter(stacked[: a.shape[0]], requires_grad=False))
-        setattr(up, name, nn.Parameter(stacked[a.shape[0]:], requires_grad=False))
+    if gate.weight_scale_inv.dtype != torch.float32:
+        for proj in (gate, up):
+            proj.weight_scale_inv = nn.Parameter(fp8_weight(proj.weight, proj.weight_scale_inv).scales,
+                                                 requires_grad=False)
+    stack_gate_up(shared)
 
 
 @dataclass

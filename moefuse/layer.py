@@ -241,6 +241,21 @@ def init_random_(module: nn.Module, seed: int = 0, std: float = 0.02) -> None:
             part.normal_(0.0, scale, generator=gens[tensor.device])
 
 
+@torch.no_grad()
+def stack_gate_up(shared: nn.Module) -> None:
+    """Put a quantized shared expert's gate and up weights (and fp32 block scales) into one tensor each, gate rows
+    first, its parameters becoming views into them: the grouped GEMMs read [gate; up] as one expert. One copy when
+    they do not lie so already; the values are unchanged."""
+    gate, up = shared.gate_proj, shared.up_proj
+    for name in ("weight", "weight_scale_inv"):
+        a, b = getattr(gate, name), getattr(up, name)
+        if _stacked(a[None], b) is not None:
+            continue
+        stacked = torch.cat([a, b])
+        setattr(gate, name, nn.Parameter(stacked[: a.shape[0]], requires_grad=False))
+        setattr(up, name, nn.Parameter(stacked[a.shape[0]:], requires_grad=False))
+
+
 def _stacked(base: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor | None:
     """``base`` [E, ...] extended by one expert over the same storage, when ``parts`` fill that expert exactly,
     one after the other (the shared expert as this layer allocates it); else None."""
@@ -394,6 +409,15 @@ class MoELayer(nn.Module):
             (gate_up, down), (gate_up_scales, down_scales) = stacked
             return BlockFP8(gate_up, gate_up_scales), BlockFP8(down, down_scales)
         return stacked[0]
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+        """``.to()``, ``.cuda()`` and the like copy parameters one by one, so an fp8 shared expert's gate and up
+        tensors no longer lie one after the other as the grouped GEMMs read them: put them together again."""
+        module = super()._apply(fn, recurse)
+        shared = self.shared_experts
+        if self.quant is not None and shared is not None and self.shared_slot_weights() is None:
+            stack_gate_up(shared)
+        return module
 
     def uses_shared_slot(self, num_tokens: int, device: torch.device, num_token_non_padded: object = None) -> bool:
         """Whether a call on ``num_tokens`` tokens on ``device`` runs the shared expert as a slot of the grouped

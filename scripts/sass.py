@@ -12,8 +12,10 @@ and SASS there.
 
 ``experts``: every distinct launch of the two grouped GEMMs that the tile table or the heuristic picks for the
 SPEC §4 presets on sm_90 (``configs.pick`` at the table's token buckets), compiled as ``gemm1_swiglu`` / ``gemm2``
-launch them (TMA weights, PDL): shared memory, registers, stack bytes, and the HGMMA (wgmma) and HMMA (mma.sync)
-instructions in the SASS.
+launch them (TMA weights, PDL): shared memory, registers, stack bytes, the HGMMA (wgmma) and HMMA (mma.sync)
+instructions in the SASS, and the main loop's instructions (all threads) per weight of one K step, which is what
+bounds the MXFP4 kernels (an SM issues 128 per clock, half of them on the integer pipe, and the read floor needs
+about 32 weights per clock per SM on an H200).
 
 ``--check`` exits with status 1 when a kernel fails to compile, needs more shared memory than a Hopper block
 may have (227 KB; on a GPU that is an ``OutOfResources`` at launch), or, for the experts, when a 16-bit tile of
@@ -98,6 +100,19 @@ def sass_stats(cubin: bytes) -> tuple[str, dict]:
         "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
     }
     return sass, stats
+
+
+def main_loop_instructions(sass: str) -> int:
+    """Instructions (NOPs left out) of the longest backward branch's body: a GEMM's K loop."""
+    lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+    address = [int(re.search(r"/\*([0-9a-f]{4,})\*/", line).group(1), 16) for line in lines]
+    best = 0
+    for here, line in zip(address, lines):
+        jump = re.search(r"\bBRA\s+(?:`?\(?\.L_x_\d+\)?|0x([0-9a-f]+))", line)
+        if jump and jump.group(1) and int(jump.group(1), 16) < here:
+            body = [op for a, op in zip(address, lines) if int(jump.group(1), 16) <= a <= here and " NOP" not in op]
+            best = max(best, len(body))
+    return best
 
 
 def compile_router(E, topk, shared, G, topk_group, scoring, bias, renormalize, scale_output, block_m):
@@ -221,7 +236,8 @@ def experts(args: argparse.Namespace) -> list[str]:
                       for m in entry["buckets"]})
     dtypes = [dtype for dtype, ty in TYPE_NAMES.items() if ty in args.dtype]
     print(f"{'preset':18s} {'dtype':5s} {'M':>5s} {'GEMM':4s} {'BLOCK_M':>7s} {'N x K':>9s} {'group':>5s} "
-          f"{'warps':>5s} {'stages':>6s} {'smem':>6s} {'regs':>4s} {'stack':>5s} {'HGMMA':>5s} {'HMMA':>5s}")
+          f"{'warps':>5s} {'stages':>6s} {'smem':>6s} {'regs':>4s} {'stack':>5s} {'HGMMA':>5s} {'HMMA':>5s} "
+          f"{'loop/weight':>11s}")
     seen = set()
     for name in args.preset:
         c = PRESETS[name]
@@ -251,12 +267,15 @@ def experts(args: argparse.Namespace) -> list[str]:
                         problems.append(f"{where}: does not compile ({type(error).__name__}: {error})")
                         print(problems[-1], flush=True)
                         continue
-                    _, s = sass_stats(compiled.asm["cubin"])
+                    text, s = sass_stats(compiled.asm["cubin"])
                     smem = compiled.metadata.shared
+                    # Main-loop instructions of all threads per weight of one K step: the unpacking cost (MXFP4).
+                    weights = tiles.block_n * tiles.block_k * (2 if gemm == 1 else 1)
+                    per_weight = main_loop_instructions(text) * tiles.num_warps * 32 / weights
                     print(f"{name:18s} {TYPE_NAMES[dtype]:5s} {M:5d} {gemm:4d} {cfg.block_m:7d} "
                           f"{tiles.block_n:4d}x{tiles.block_k:<4d} {tiles.group_m:5d} {tiles.num_warps:5d} "
                           f"{tiles.num_stages:6d} {smem:6d} {s['regs']:4d} {s['stack']:5d} {s['hgmma']:5d} "
-                          f"{s['hmma']:5d}", flush=True)
+                          f"{s['hmma']:5d} {per_weight:11.2f}", flush=True)
                     if smem > configs.HOPPER_SMEM:
                         problems.append(f"{where}: {smem} bytes of shared memory (at most {configs.HOPPER_SMEM})")
                     if dtype != torch.float32 and cfg.block_m >= 64 and s["hgmma"] == 0:

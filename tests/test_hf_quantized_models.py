@@ -101,9 +101,9 @@ def _quantized_pair(name: str, seed: int) -> tuple[torch.nn.Module, torch.nn.Mod
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("name", ["deepseek-v3", "deepseek-v4"])
-def test_patched_blocks_match_float64_inside_the_model(name, backend, gen):
+def test_patched_blocks_match_float64_inside_the_model(name, backend, gen, device):
     """Each patched block on the hidden states the model feeds it (fresh tokens) against the float64 reference."""
-    model, twin = _quantized_pair(name, seed=2)
+    model, twin = (m.to(device) for m in _quantized_pair(name, seed=2))
     report = moefuse.patch(model, backend=backend)
     assert len(report.patched) == 2 and not report.skipped, report
     assert all(isinstance(layer.mlp, MoELayer) for layer in model.model.layers)
@@ -111,7 +111,7 @@ def test_patched_blocks_match_float64_inside_the_model(name, backend, gen):
     for layer in twin.model.layers:
         layer.mlp.register_forward_hook(lambda mod, args, kwargs, out: seen.append((args, kwargs, out)),
                                         with_kwargs=True)
-    ids = torch.randint(0, VOCAB, (2, 6), generator=gen)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=gen).to(device)
     with torch.no_grad():
         twin(ids)
         for layer, (args, kwargs, want) in zip(model.model.layers, seen):
@@ -120,14 +120,14 @@ def test_patched_blocks_match_float64_inside_the_model(name, backend, gen):
             assert_rel_close(got.double(), want.double(), 2e-2, f"{name} block inside the model ({backend})")
 
 
-def test_patched_logits_match_float64_twin():
+def test_patched_logits_match_float64_twin(device):
     """DeepSeek-V3 (fp8) logits. A fixed model and fixed tokens: through a random model one expert chosen differently
     in a near tie moves the logits by tens of percent. The tiny random DeepSeek-V4 amplifies its blocks' 0.4%
     (bf16 output rounding) to about 16% of the logits' range, so its logits are not compared; its blocks and its
     greedy tokens are."""
-    model, twin = _quantized_pair("deepseek-v3", seed=2)
+    model, twin = (m.to(device) for m in _quantized_pair("deepseek-v3", seed=2))
     moefuse.patch(model, backend="triton")
-    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(7)).to(device)
     with torch.no_grad():
         err = rel_error(model(ids).logits.double(), twin(ids).logits.double())
     assert err < 5e-2, f"deepseek-v3 patched logits vs float64 twin: {err:.3e}"

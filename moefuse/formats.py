@@ -40,6 +40,8 @@ class QuantizedWeight:
     values: torch.Tensor
     scales: torch.Tensor
     tile_dtype: ClassVar[torch.dtype]  # keys the experts' tile choice (``configs.pick``)
+    row_step: ClassVar[int]  # where rows (N) may be cut without splitting a scale
+    col_step: ClassVar[int]  # where columns (K) may be cut likewise
 
     @classmethod
     def unchecked(cls, values: torch.Tensor, scales: torch.Tensor) -> Self:
@@ -61,6 +63,31 @@ class QuantizedWeight:
             values, scales = values[None], scales[None]
         return type(self)(values, scales)
 
+    @classmethod
+    def cat_rows(cls, parts: list[Self]) -> Self:
+        """The parts' rows (dim 1) one after the other, as one weight (new tensors)."""
+        return cls(torch.cat([p.values for p in parts], 1), torch.cat([p.scales for p in parts], 1))
+
+    def rows(self, start: int, stop: int) -> Self:
+        """Rows ``[start, stop)`` (dim 1, N) of every expert, as a view; cuts at multiples of :attr:`row_step`."""
+        return self._cut(1, start, stop, self.row_step)
+
+    def cols(self, start: int, stop: int) -> Self:
+        """Columns ``[start, stop)`` (dim 2, K: what the weight multiplies) of every expert, as a view."""
+        return self._cut(2, start, stop, self.col_step)
+
+    def _cut(self, dim: int, start: int, stop: int, step: int) -> Self:
+        size = self.shape[dim]
+        if not (0 <= start < stop <= size and start % step == 0 and (stop % step == 0 or stop == size)):
+            raise ValueError(f"{type(self).__name__}: dim {dim} can only be cut at multiples of {step} (the scale "
+                             f"blocks), got [{start}, {stop}) of {size}")
+        pack = self.values.shape[dim] / size  # stored values per weight along dim (1/2 for packed MXFP4 K)
+        per_scale = size / self.scales.shape[dim] if self.scales.shape[dim] else 1
+        values = self.values.narrow(dim, int(start * pack), int(stop * pack) - int(start * pack))
+        first, last = start // int(per_scale), -(-stop // int(per_scale))
+        return type(self)(values, self.scales.narrow(dim, first, last - first))
+
+
 
 @dataclass(frozen=True, eq=False)
 class BlockFP8(QuantizedWeight):
@@ -74,6 +101,8 @@ class BlockFP8(QuantizedWeight):
     values: torch.Tensor
     scales: torch.Tensor
     tile_dtype: ClassVar[torch.dtype] = torch.float8_e4m3fn  # the GEMMs' operands: keys the tile choice
+    row_step: ClassVar[int] = BLOCK
+    col_step: ClassVar[int] = BLOCK
 
     def __post_init__(self) -> None:
         values = _checks.check_tensor("values", self.values, dtypes=(torch.float8_e4m3fn,), ndim=3)
@@ -149,6 +178,8 @@ class MXFP4(QuantizedWeight):
     values: torch.Tensor
     scales: torch.Tensor
     tile_dtype: ClassVar[torch.dtype] = torch.uint8  # packed e2m1: the heuristic's MXFP4 tiles (configs.heuristic)
+    row_step: ClassVar[int] = 1  # one scale per row
+    col_step: ClassVar[int] = MX_GROUP
 
     def __post_init__(self) -> None:
         values = _checks.check_tensor("values", self.values, dtypes=(torch.int8, torch.uint8), ndim=3)

@@ -135,9 +135,8 @@ class MoEExperts(nn.Module):
         self.quant = quant
         E, H, I = config.num_experts, config.hidden_size, config.intermediate_size
         if quant is not None:  # transformers' FP8Experts names: a checkpoint's tensors load as they are
-            params = _fp8_params if quant == "fp8" else _mxfp4_params
-            self.gate_up_proj, self.gate_up_proj_scale_inv = params(E, 2 * I, H, device)
-            self.down_proj, self.down_proj_scale_inv = params(E, H, I, device)
+            self.gate_up_proj, self.gate_up_proj_scale_inv = quantized_params(quant, E, 2 * I, H, device)
+            self.down_proj, self.down_proj_scale_inv = quantized_params(quant, E, H, I, device)
         else:
             self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H, dtype=dtype, device=device))
             self.down_proj = nn.Parameter(torch.empty(E, H, I, dtype=dtype, device=device))
@@ -145,13 +144,7 @@ class MoEExperts(nn.Module):
     def weights(self) -> tuple[ExpertWeight, ExpertWeight]:
         """``(gate_up_proj, down_proj)`` as the experts op takes them: tensors, :class:`BlockFP8` s or
         :class:`MXFP4` s (unchecked: see :meth:`MoELayer.check_weights`)."""
-        if self.quant == "fp8":
-            return (BlockFP8(self.gate_up_proj, self.gate_up_proj_scale_inv),
-                    BlockFP8(self.down_proj, self.down_proj_scale_inv))
-        if self.quant == "mxfp4":
-            return (MXFP4.unchecked(self.gate_up_proj, self.gate_up_proj_scale_inv.view(torch.uint8)),
-                    MXFP4.unchecked(self.down_proj, self.down_proj_scale_inv.view(torch.uint8)))
-        return self.gate_up_proj, self.down_proj
+        return expert_weights(self, self.quant)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, defer: bool | None = None
                 ) -> torch.Tensor | DeferredFinalizeOutput:
@@ -163,6 +156,24 @@ class MoEExperts(nn.Module):
             defer = deferred_finalize_enabled()
         return routed_experts(x, *self.weights(), weights, ids, swiglu_limit=self.config.swiglu_limit, defer=defer,
                               backend=self.backend)
+
+
+def expert_weights(module: nn.Module, quant: Quant) -> tuple[ExpertWeight, ExpertWeight]:
+    """A module's ``gate_up_proj`` and ``down_proj`` (and, quantized, their ``*_scale_inv``) as the experts op
+    takes them."""
+    if quant is None:
+        return module.gate_up_proj, module.down_proj
+    if quant == "fp8":
+        return (BlockFP8(module.gate_up_proj, module.gate_up_proj_scale_inv),
+                BlockFP8(module.down_proj, module.down_proj_scale_inv))
+    return (MXFP4.unchecked(module.gate_up_proj, module.gate_up_proj_scale_inv.view(torch.uint8)),
+            MXFP4.unchecked(module.down_proj, module.down_proj_scale_inv.view(torch.uint8)))
+
+
+def quantized_params(quant: Quant, E: int, N: int, K: int, device: torch.device | str | None
+                     ) -> tuple[nn.Parameter, nn.Parameter]:
+    """Empty values and scales of ``quant`` for ``E`` experts of [N, K], named and typed as transformers has them."""
+    return (_fp8_params if quant == "fp8" else _mxfp4_params)(E, N, K, device)
 
 
 Quant = Literal[None, "fp8", "mxfp4"]
@@ -196,16 +207,18 @@ class FP8Projection(nn.Module):
 class SharedExpert(nn.Module):
     """An ordinary SwiGLU MLP (``gate_proj``, ``up_proj``, ``down_proj``), not scaled by the routing factor.
 
-    With ``quant="fp8"`` the projections are :class:`FP8Projection` s, which the layer runs (as one more expert of
-    its grouped GEMMs); calling the module itself is then an error. Their gate and up tensors lie one after the
-    other, so the grouped GEMMs read them as one [2I, H] expert.
+    With ``quant="fp8"`` the projections are :class:`FP8Projection` s and the module runs as a one-expert fp8 grouped
+    GEMM (SPEC §5) on ``backend``. Their gate and up tensors lie one after the other, so the grouped GEMMs read them
+    as one [2I, H] expert (:meth:`fp8_weights`).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None, *,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None, quant: Quant = None):
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None, quant: Quant = None,
+                 backend: Backend = "auto"):
         super().__init__()
         self.limit = swiglu_limit
         self.quant = quant
+        self.backend = backend
         if quant == "fp8":
             gate_up, gate_up_scales = _fp8_params(1, 2 * intermediate_size, hidden_size, device)
             down, down_scales = _fp8_params(1, hidden_size, intermediate_size, device)
@@ -219,9 +232,27 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None:
-            raise TypeError("an fp8 shared expert runs inside its MoELayer (as one more expert of the grouped GEMMs)")
-        return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        if self.quant is None:
+            return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        gate_up, down = self.fp8_weights()
+        ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        ids = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device)
+        out = routed_experts(x, gate_up, down, ones, ids, swiglu_limit=self.limit, backend=self.backend)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def fp8_weights(self) -> tuple[BlockFP8, BlockFP8]:
+        """The fp8 projections as a one-expert stack (``[1, 2S, H]``, ``[1, H, S]``) over their own storage."""
+        parts = []
+        for name in ("weight", "weight_scale_inv"):
+            gate, up, down = (getattr(proj, name) for proj in (self.gate_proj, self.up_proj, self.down_proj))
+            gate_up = _stacked(gate[None], up)
+            if gate_up is None:
+                raise ValueError("the fp8 shared expert's gate and up tensors must lie one after the other "
+                                 "(as MoELayer, from_hf and .to() put them; see moefuse.layer.stack_gate_up)")
+            parts.append((gate_up.reshape(1, -1, gate.shape[1]), down[None]))
+        (gate_up, down), (gate_up_scales, down_scales) = parts
+        return BlockFP8(gate_up, gate_up_scales), BlockFP8(down, down_scales)
 
 
 @torch.no_grad()
@@ -354,7 +385,7 @@ class MoELayer(nn.Module):
                                   quant=quant)
         self.shared_experts = (
             SharedExpert(config.hidden_size, config.shared_intermediate_size, config.swiglu_limit,
-                         dtype=dtype, device="meta" if stack else device, quant=shared_quant)
+                         dtype=dtype, device="meta" if stack else device, quant=shared_quant, backend=backend)
             if config.num_shared_experts else None
         )
         if stack:
@@ -498,17 +529,7 @@ class MoELayer(nn.Module):
         if stacked is not None:
             E = self.config.num_experts
             return stacked[0][E:], stacked[1][E:]
-        s = self.shared_experts
-        parts = []
-        for name in ("weight", "weight_scale_inv"):
-            gate, up, down = (getattr(proj, name) for proj in (s.gate_proj, s.up_proj, s.down_proj))
-            gate_up = _stacked(gate[None], up)
-            if gate_up is None:
-                raise ValueError("the fp8 shared expert's gate and up tensors must lie one after the other "
-                                 "(as MoELayer and from_hf allocate them)")
-            parts.append((gate_up.reshape(1, -1, gate.shape[1]), down[None]))
-        (gate_up, down), (gate_up_scales, down_scales) = parts
-        return BlockFP8(gate_up, gate_up_scales), BlockFP8(down, down_scales)
+        return self.shared_experts.fp8_weights()
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -517,15 +538,7 @@ class MoELayer(nn.Module):
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert's output [M, H]: its MLP, or with ``quant`` an fp8 one-expert grouped GEMM."""
-        if self.quant is None:
-            return self.shared_experts(x)
-        gate_up, down = self.shared_fp8_weights()
-        ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
-        ids = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device)
-        out = routed_experts(x, gate_up, down, ones, ids, swiglu_limit=self.config.swiglu_limit,
-                             backend=self.backend)
-        assert isinstance(out, torch.Tensor)
-        return out
+        return self.shared_experts(x)
 
     @property
     def supports_deferred_finalize(self) -> bool:

@@ -39,7 +39,17 @@ from torch import nn
 from moefuse._runtime import Backend, checks_enabled
 from moefuse.config import MoEConfig
 from moefuse.finalize import DeferredFinalizeOutput, finalize_deferred_output
-from moefuse.layer import MoELayer, MoERouter, SharedExpert, init_random_, routed_experts
+from moefuse.formats import BLOCK, MX_GROUP, ExpertWeight, QuantizedWeight
+from moefuse.layer import (
+    MoELayer,
+    MoERouter,
+    Quant,
+    SharedExpert,
+    expert_weights,
+    init_random_,
+    quantized_params,
+    routed_experts,
+)
 
 Mode = Literal["ep", "tp", "ep-a2a"]
 MODES: tuple[str, ...] = ("ep", "tp", "ep-a2a")
@@ -61,7 +71,7 @@ class ShardedMoELayer(nn.Module):
     def __init__(self, config: MoEConfig, mode: Mode, group: dist.ProcessGroup | None = None, *,
                  shared: Literal["tp", "rank0"] = "tp", capacity: int | None = None, scatter_output: bool = False,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
-                 backend: Backend = "auto"):
+                 backend: Backend = "auto", quant: Quant = None):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -77,6 +87,15 @@ class ShardedMoELayer(nn.Module):
         if split_shared and S % world:
             raise ValueError(f"shared='tp': the shared intermediate {S} does not split over {world} ranks "
                              "(use shared='rank0')")
+        # A quantized weight is cut only between its scale blocks: expert TP splits I (the routed experts' and, with
+        # shared="tp", the fp8 shared expert's), which must then be a multiple of the block on every rank.
+        step = {None: 1, "fp8": BLOCK, "mxfp4": MX_GROUP}[quant]
+        if mode == "tp" and (I // world) % step:
+            raise ValueError(f"mode='tp' with quant={quant!r}: each rank's {I // world} intermediate columns must be "
+                             f"a multiple of {step}")
+        if split_shared and quant is not None and (S // world) % BLOCK:
+            raise ValueError(f"shared='tp' with quant={quant!r}: each rank's {S // world} shared intermediate columns "
+                             f"must be a multiple of {BLOCK} (fp8 blocks); use shared='rank0'")
         if capacity is not None and (mode != "ep-a2a" or isinstance(capacity, bool) or not isinstance(capacity, int)
                                      or capacity < 1):
             raise ValueError(f"capacity must be None, or an int >= 1 with mode='ep-a2a', got {capacity!r}")
@@ -84,18 +103,24 @@ class ShardedMoELayer(nn.Module):
             raise ValueError("scatter_output applies to the token-replicated modes ('ep', 'tp')")
         self.config, self.mode, self.group, self.rank, self.world = config, mode, group, rank, world
         self.shared_mode, self.capacity, self.scatter_output, self.backend = shared, capacity, scatter_output, backend
+        self.quant = quant
         self.num_local_experts = E // world if mode != "tp" else E
         width = I // world if mode == "tp" else I
         self.gate = MoERouter(config, device=device, backend=backend)
         self.experts = nn.Module()
-        self.experts.gate_up_proj = nn.Parameter(
-            torch.empty(self.num_local_experts, 2 * width, config.hidden_size, dtype=dtype, device=device))
-        self.experts.down_proj = nn.Parameter(
-            torch.empty(self.num_local_experts, config.hidden_size, width, dtype=dtype, device=device))
+        local, H = self.num_local_experts, config.hidden_size
+        if quant is None:
+            self.experts.gate_up_proj = nn.Parameter(torch.empty(local, 2 * width, H, dtype=dtype, device=device))
+            self.experts.down_proj = nn.Parameter(torch.empty(local, H, width, dtype=dtype, device=device))
+        else:  # the names and dtypes of MoELayer's (transformers'), values and scales
+            self.experts.gate_up_proj, self.experts.gate_up_proj_scale_inv = quantized_params(
+                quant, local, 2 * width, H, device)
+            self.experts.down_proj, self.experts.down_proj_scale_inv = quantized_params(quant, local, H, width, device)
         runs_shared = S > 0 and (split_shared or mode == "ep-a2a" or rank == 0)
         shared_width = S // world if split_shared else S
         self.shared_experts = (SharedExpert(config.hidden_size, shared_width, config.swiglu_limit, dtype=dtype,
-                                            device=device) if runs_shared else None)
+                                            device=device, quant=None if quant is None else "fp8", backend=backend)
+                               if runs_shared else None)
 
     def init_random_(self, seed: int = 0, std: float = 0.02) -> ShardedMoELayer:
         """Random weights for this shard (benchmarks; not the full layer's values: use :meth:`from_layer`)."""
@@ -109,30 +134,39 @@ class ShardedMoELayer(nn.Module):
         """This rank's shard of ``layer`` (copied to ``device``, default the layer's); ``kwargs`` as ``__init__``."""
         if not isinstance(layer, MoELayer):
             raise TypeError(f"layer must be a moefuse.MoELayer, got {type(layer).__name__}")
-        full_up = layer.experts.gate_up_proj
-        device = full_up.device if device is None else device
+        device = layer.experts.gate_up_proj.device if device is None else device
         kwargs.setdefault("backend", layer.backend)
-        sharded = cls(layer.config, mode, group, dtype=full_up.dtype, device=device, **kwargs)
+        sharded = cls(layer.config, mode, group, dtype=layer.activation_dtype, device=device, quant=layer.quant,
+                      **kwargs)
         c, r, W = layer.config, sharded.rank, sharded.world
         sharded.gate.weight.copy_(layer.gate.weight)
         if layer.gate.e_score_correction_bias is not None:
             sharded.gate.e_score_correction_bias.copy_(layer.gate.e_score_correction_bias)
+        gate_up, down = layer.experts.weights()
         if mode == "tp":
             cols = _slice(c.intermediate_size, r, W)
-            gate, up = full_up[:, :c.intermediate_size], full_up[:, c.intermediate_size:]
-            sharded.experts.gate_up_proj.copy_(torch.cat([gate[:, cols], up[:, cols]], 1))
-            sharded.experts.down_proj.copy_(layer.experts.down_proj[:, :, cols])
+            gate_up = _gate_up_cols(gate_up, c.intermediate_size, cols)
+            down = _cut(down, 2, cols)
         else:
             experts = _slice(c.num_experts, r, W)
-            sharded.experts.gate_up_proj.copy_(full_up[experts])
-            sharded.experts.down_proj.copy_(layer.experts.down_proj[experts])
+            gate_up, down = gate_up[experts], down[experts]
+        for mine, theirs in zip(expert_weights(sharded.experts, sharded.quant), (gate_up, down)):
+            _copy(mine, theirs)
         if sharded.shared_experts is not None:
             src, dst = layer.shared_experts, sharded.shared_experts
-            split = dst.gate_proj.weight.shape != src.gate_proj.weight.shape
-            rows = _slice(src.gate_proj.weight.shape[0], r, W) if split else slice(None)
-            dst.gate_proj.weight.copy_(src.gate_proj.weight[rows])
-            dst.up_proj.weight.copy_(src.up_proj.weight[rows])
-            dst.down_proj.weight.copy_(src.down_proj.weight[:, rows])
+            S = c.shared_intermediate_size
+            rows = _slice(S, r, W) if sharded.shared_mode == "tp" and mode != "ep-a2a" else slice(0, S)
+            if layer.quant is None:
+                gate_up = torch.cat([src.gate_proj.weight, src.up_proj.weight])[None]
+                shard_up, shard_down = _gate_up_cols(gate_up, S, rows), _cut(src.down_proj.weight[None], 2, rows)
+                width = rows.stop - rows.start
+                dst.gate_proj.weight.copy_(shard_up[0, :width])
+                dst.up_proj.weight.copy_(shard_up[0, width:])
+                dst.down_proj.weight.copy_(shard_down[0])
+            else:  # one-expert fp8 stacks, [gate; up] over the shared expert's own storage
+                (src_up, src_down), (dst_up, dst_down) = layer.shared_fp8_weights(), dst.fp8_weights()
+                _copy(dst_up, _gate_up_cols(src_up, S, rows))
+                _copy(dst_down, _cut(src_down, 2, rows))
         return sharded
 
     def forward(self, hidden_states: torch.Tensor, num_token_non_padded: int | torch.Tensor | None = None
@@ -207,7 +241,7 @@ class ShardedMoELayer(nn.Module):
         return torch.where((local >= 0) & (local < self.num_local_experts), local, -1).to(torch.int32)
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> DeferredFinalizeOutput:
-        out = routed_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
+        out = routed_experts(x, *expert_weights(self.experts, self.quant), weights, ids,
                              swiglu_limit=self.config.swiglu_limit, defer=True, backend=self.backend)
         assert isinstance(out, DeferredFinalizeOutput)
         return out
@@ -255,6 +289,30 @@ class Exchange:
     recv_ids: torch.Tensor | None = None  # ep-a2a: [R] their local experts (-1: unused capacity)
     routed: DeferredFinalizeOutput | None = None  # ep, tp: this rank's expert rows
     results: torch.Tensor | None = None  # ep-a2a: [R, H] expert outputs of the received rows, in received order
+
+
+def _cut(weight: ExpertWeight, dim: int, index: slice) -> ExpertWeight:
+    """``weight`` narrowed to ``index`` along dim 1 (rows) or 2 (columns): a tensor's slice, a format's cut."""
+    if isinstance(weight, torch.Tensor):
+        return weight.narrow(dim, index.start, index.stop - index.start)
+    return (weight.rows if dim == 1 else weight.cols)(index.start, index.stop)
+
+
+def _gate_up_cols(gate_up: ExpertWeight, width: int, cols: slice) -> ExpertWeight:
+    """The gate rows ``cols`` and the up rows ``width + cols`` of a [E, 2·width, H] weight, stacked again."""
+    parts = [_cut(gate_up, 1, cols), _cut(gate_up, 1, slice(width + cols.start, width + cols.stop))]
+    if isinstance(gate_up, torch.Tensor):
+        return torch.cat(parts, 1)
+    return type(gate_up).cat_rows(parts)
+
+
+def _copy(dst: ExpertWeight, src: ExpertWeight) -> None:
+    """Copy a weight into another of the same format and shape (a format: values and scales, in place)."""
+    if isinstance(dst, QuantizedWeight):
+        dst.values.copy_(src.values.view(dst.values.dtype))
+        dst.scales.copy_(src.scales)
+    else:
+        dst.copy_(src)
 
 
 def _slice(n: int, rank: int, world: int) -> slice:

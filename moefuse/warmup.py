@@ -56,8 +56,17 @@ def launch_signature(layer: MoELayer, num_tokens: int) -> tuple:
     device, dtype = layer.experts.gate_up_proj.device, layer.activation_dtype
     slot = layer.uses_shared_slot(num_tokens, device)
     top_k = c.top_k + slot
-    tiles = configs.pick(num_tokens, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k,
-                         tile_dtype(layer.experts.weights()[0], dtype), configs.arch_of(device))
+    arch = configs.arch_of(device)
+    experts_dtype = tile_dtype(layer.experts.weights()[0], dtype)
+    tiles = configs.pick(num_tokens, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, experts_dtype, arch)
+    fp8 = torch.float8_e4m3fn
+    # fp8: whether GEMM1 quantizes its activations itself or reads them from the quantization pass.
+    prequantized = experts_dtype == fp8 and num_tokens * top_k >= configs.FP8_PREQUANTIZE_MIN_ROWS
+    shared = None  # a quantized shared expert off the slot runs as a one-expert fp8 grouped GEMM of its own
+    if layer.quant is not None and layer.shared_experts is not None and not slot:
+        shared_tiles = configs.pick(num_tokens, 1, c.hidden_size, c.shared_intermediate_size, 1, fp8, arch)
+        shared = (shared_tiles, dispatch_shape(num_tokens, 1, shared_tiles.block_m),
+                  num_tokens >= configs.FP8_PREQUANTIZE_MIN_ROWS)
     return (
         num_tokens if num_tokens <= layer.graphs.max_tokens else None,
         slot,
@@ -66,6 +75,8 @@ def launch_signature(layer: MoELayer, num_tokens: int) -> tuple:
         gate_kernel.launch_config(num_tokens, c.num_experts, c.num_expert_group),
         dispatch_shape(num_tokens * top_k, c.num_experts + slot, tiles.block_m),
         tiles,
+        prequantized,
+        shared,
         finalize_tile(num_tokens, c.hidden_size, dtype),
     )
 

@@ -72,6 +72,38 @@ def _all_to_all_modes(rank: int, world: int, failures: list[str]) -> None:
                        failures)
 
 
+QUANT_CONFIG = MoEConfig(hidden_size=64, intermediate_size=256, num_experts=8, top_k=3, num_shared_experts=1,
+                         num_expert_group=2, topk_group=1, routed_scaling_factor=2.5)
+QUANT_TOL = 1e-2  # bf16 activations: the sharded shared expert's output is rounded before it joins the sum
+
+
+def _quantized_modes(rank: int, world: int, failures: list[str]) -> None:
+    """fp8 and MXFP4 layers (bf16 activations, fp8 shared expert): every mode their blocks allow on this world."""
+    config = QUANT_CONFIG
+    for quant in ("fp8", "mxfp4"):
+        layer = MoELayer(config, quant=quant).init_random_(seed=51, std=0.1)
+        x = _tokens(config, 2 * world, seed=52).bfloat16()
+        mine = _tokens(config, 2 + rank, seed=60 + rank).bfloat16()
+        step = 128 if quant == "fp8" else 32
+        with torch.no_grad():
+            want, want_mine = layer(x), layer(mine)
+            for mode in ("ep", "tp", "ep-a2a"):
+                if mode == "tp" and (config.intermediate_size // world) % step:
+                    continue  # refused, checked below
+                shared = "tp" if (config.shared_intermediate_size // world) % 128 == 0 else "rank0"
+                sharded = ShardedMoELayer.from_layer(layer, mode, shared=shared)
+                tokens, expected = (mine, want_mine) if mode == "ep-a2a" else (x, want)
+                err = rel_error(sharded(tokens), expected)
+                if not err <= QUANT_TOL:
+                    failures.append(f"{quant} {mode} shared={shared}: rel err {err:.2e}")
+    if (config.intermediate_size // world) % 128:
+        try:
+            ShardedMoELayer.from_layer(MoELayer(config, quant="fp8").init_random_(), "tp")
+            failures.append("fp8 tp with I/world not a multiple of 128: no ValueError")
+        except ValueError:
+            pass
+
+
 def _experts_elsewhere(rank: int, world: int, failures: list[str]) -> None:
     """Every token routed to the last rank's experts only: the other ranks' experts get nothing."""
     config = CONFIGS["deepseek-v3-shaped"]
@@ -113,7 +145,7 @@ def worker(rank: int, world: int, init_file: str, errors_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     failures: list[str] = []
     try:
-        for part in (_replicated_modes, _all_to_all_modes, _experts_elsewhere, _errors):
+        for part in (_replicated_modes, _all_to_all_modes, _quantized_modes, _experts_elsewhere, _errors):
             part(rank, world, failures)
     except Exception:  # noqa: BLE001 - reported to the test below, with the traceback
         failures.append(traceback.format_exc())

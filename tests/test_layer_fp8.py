@@ -9,6 +9,7 @@ from hf_blocks import block
 
 from moefuse import MoEConfig, MoELayer, moe_layer_torch
 from moefuse.formats import BlockFP8
+from moefuse.layer import _expert_mlp
 from moefuse.testing import assert_rel_close
 
 # I a multiple of 128 (a shared expert's gate and up blocks are separate); H not one (partial blocks and groups)
@@ -70,8 +71,18 @@ def test_refused_formats():
     odd = MoEConfig(hidden_size=64, intermediate_size=96, num_experts=4, top_k=2, num_shared_experts=1)
     with pytest.raises(ValueError, match="128"):
         MoELayer(odd, quant="fp8")
-    with pytest.raises(TypeError, match="fp8 shared expert"):
-        _layer("reference", 0, "cpu").shared_experts(torch.zeros(1, CONFIG.hidden_size, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_shared_expert_module_runs_itself(backend, gen, device):
+    """The fp8 shared expert called on its own: a one-expert fp8 grouped GEMM, as inside the layer."""
+    layer = _layer(backend, 0, device)
+    x = torch.randn(5, CONFIG.hidden_size, generator=gen).bfloat16().to(device)
+    gate_up, down = layer.shared_fp8_weights()
+    with torch.no_grad():
+        got = layer.shared_experts(x)
+        want = _expert_mlp(x, gate_up[0], down[0], CONFIG.swiglu_limit, torch.bfloat16, torch.float64)
+    assert_rel_close(got.double(), want, 1e-2, f"fp8 shared expert ({backend})")
 
 
 @pytest.mark.parametrize("dtype, match", [(torch.float8_e4m3fn, "fp8 experts .* block size None"),

@@ -9,8 +9,8 @@ Contract (inputs validated by :func:`moefuse.experts.moe_experts`):
 The kernels are the bf16 ones (``kernel.py``: same grid, tile order, gathered activation rows, SwiGLU epilogue)
 with one change: each weight tile is read packed (half a byte per weight, plus a byte of scale per 32) and goes
 to ``tl.dot_scaled`` (bf16 activations, e2m1 weights with ue8m0 scales). On Hopper, which has no FP4 tensor
-cores, Triton unpacks the tile in registers to bf16, ``code value x 2^(e - 127)`` (exact: at most two significant
-bits; a value past bf16's range would be inf, SPEC §6), and runs bf16 MMAs. No dequantized copy of a weight is
+cores, Triton unpacks the tile in registers to bf16, ``code value x 2^(e - 127)`` (exact for the exponents the
+format allows, 1..252: SPEC §6 says what it gave outside them), and runs bf16 MMAs. No dequantized copy of a weight is
 ever written. A first version built each bf16 weight from bits with Triton integer ops: 12 instructions per
 weight in the main loop (sm_90 SASS), 4.7x the read floor at 16 and 128 tokens on an H200; Triton's own
 conversion works on eight codes per 32-bit register.

@@ -1,0 +1,33 @@
+"""Weight formats' cuts (what the sharded layer slices experts with): views equal to slicing the dequantized weight,
+refused where they would split a scale block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moefuse.formats import MXFP4, BlockFP8
+
+
+@pytest.mark.parametrize("cls, rows, cols", [(BlockFP8, (128, 384), (128, 256)), (MXFP4, (5, 77), (64, 160))])
+def test_cuts_are_slices_of_the_weight(cls, rows, cols, gen):
+    weight = cls.quantize(torch.randn(3, 512, 256, generator=gen))
+    dense = weight.dequantize(torch.float64)
+    cut = weight.rows(*rows)
+    assert cut.values.untyped_storage().data_ptr() == weight.values.untyped_storage().data_ptr()  # a view
+    assert torch.equal(cut.dequantize(torch.float64), dense[:, slice(*rows)])
+    assert torch.equal(weight.cols(*cols).dequantize(torch.float64), dense[:, :, slice(*cols)])
+    both = cls.cat_rows([weight.rows(*rows), weight.rows(0, rows[0])])
+    assert torch.equal(both.dequantize(torch.float64), torch.cat([dense[:, slice(*rows)], dense[:, : rows[0]]], 1))
+    assert torch.equal(weight[1:].rows(*rows).dequantize(torch.float64), dense[1:, slice(*rows)])
+
+
+def test_partial_last_block_and_refused_cuts(gen):
+    edge = BlockFP8.quantize(torch.randn(1, 200, 136, generator=gen))
+    assert torch.equal(edge.rows(128, 200).dequantize(), edge.dequantize()[:, 128:])  # the last, partial block
+    for cut in (lambda: edge.rows(5, 128), lambda: edge.cols(0, 100), lambda: edge.rows(128, 128)):
+        with pytest.raises(ValueError, match="BlockFP8"):
+            cut()
+    packed = MXFP4.quantize(torch.randn(1, 8, 64, generator=gen))
+    with pytest.raises(ValueError, match="MXFP4.*32"):
+        packed.cols(16, 64)

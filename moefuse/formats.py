@@ -81,10 +81,9 @@ class QuantizedWeight:
         if not (0 <= start < stop <= size and start % step == 0 and (stop % step == 0 or stop == size)):
             raise ValueError(f"{type(self).__name__}: dim {dim} can only be cut at multiples of {step} (the scale "
                              f"blocks), got [{start}, {stop}) of {size}")
-        pack = self.values.shape[dim] / size  # stored values per weight along dim (1/2 for packed MXFP4 K)
-        per_scale = size / self.scales.shape[dim] if self.scales.shape[dim] else 1
-        values = self.values.narrow(dim, int(start * pack), int(stop * pack) - int(start * pack))
-        first, last = start // int(per_scale), -(-stop // int(per_scale))
+        stored = self.values.shape[dim]  # stored values along dim: size, or size / 2 for packed MXFP4 K
+        values = self.values.narrow(dim, start * stored // size, (stop - start) * stored // size)
+        first, last = start // step, -(-stop // step)  # the step is the scale's span, so its blocks cut with it
         return type(self)(values, self.scales.narrow(dim, first, last - first))
 
 

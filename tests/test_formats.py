@@ -25,6 +25,8 @@ def test_cuts_are_slices_of_the_weight(cls, rows, cols, gen):
 def test_partial_last_block_and_refused_cuts(gen):
     edge = BlockFP8.quantize(torch.randn(1, 200, 136, generator=gen))
     assert torch.equal(edge.rows(128, 200).dequantize(), edge.dequantize()[:, 128:])  # the last, partial block
+    three = BlockFP8.quantize(torch.randn(1, 300, 128, generator=gen))  # blocks of 128, 128 and 44 rows
+    assert torch.equal(three.rows(128, 256).dequantize(), three.dequantize()[:, 128:256])
     for cut in (lambda: edge.rows(5, 128), lambda: edge.cols(0, 100), lambda: edge.rows(128, 128)):
         with pytest.raises(ValueError, match="BlockFP8"):
             cut()

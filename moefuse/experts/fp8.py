@@ -39,7 +39,7 @@ from .. import _runtime
 from ..dispatch import DispatchPlan
 from ..formats import BLOCK, BlockFP8
 from .configs import FP8_PREQUANTIZE_MIN_ROWS, SMEM_BUDGET, GemmTiles
-from .kernel import _program_tile, _round, rows_descriptor, weight_descriptor
+from .kernel import _program_tile, _round, _tile_span, rows_descriptor, weight_descriptor
 
 # Hopper's fp8 wgmma sums products in an accumulator of fewer bits than fp32; Triton lets it run this many K values
 # before adding into fp32 (its default on sm_90: the whole dot). On an H200, 64- and 128-row tiles with 128 (one
@@ -132,15 +132,9 @@ def _gemm1_fp8_kernel(
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
         return
-    row_start = tl.load(tile_row_start_ptr + tile)
-    row_end = tl.load(expert_offsets_ptr + expert + 1)
-    rows = row_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] permuted rows
-    row_ok = rows < row_end
-    a_rows = tl.where(row_ok, rows, row_start).to(tl.int64)  # rows past the end re-read the first one
+    row_start, rows, row_ok, a_rows, cols, col_ok, wrapped = _tile_span(
+        tile, col_block, expert, N, tile_row_start_ptr, expert_offsets_ptr, BLOCK_M, BLOCK_N)
     tokens = (tl.load(p2e_ptr + a_rows) // top_k).to(tl.int64)
-    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    col_ok = cols < N
-    wrapped = cols % N  # columns past N read real rows; the store drops them
     ks = tl.arange(0, BLOCK_K)
     w_expert = w_ptr + expert.to(tl.int64) * stride_we
     gate_ptrs = w_expert + wrapped[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
@@ -204,14 +198,8 @@ def _gemm2_fp8_kernel(
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
         return
-    row_start = tl.load(tile_row_start_ptr + tile)
-    row_end = tl.load(expert_offsets_ptr + expert + 1)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_end
-    a_rows = tl.where(row_ok, rows, row_start).to(tl.int64)  # rows past the end re-read the first one
-    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    wrapped = cols % N
+    row_start, rows, row_ok, a_rows, cols, col_ok, wrapped = _tile_span(
+        tile, col_block, expert, N, tile_row_start_ptr, expert_offsets_ptr, BLOCK_M, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + wrapped[None, :].to(tl.int64) * stride_wn
               + ks[:, None] * stride_wk)

@@ -78,6 +78,24 @@ def _program_tile(num_tiles, num_col_blocks, tile_expert_ptr, tile_row_start_ptr
 
 
 @triton.jit
+def _tile_span(tile, col_block, expert, N, tile_row_start_ptr, expert_offsets_ptr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The rows and columns of a program's tile (its expert is ``expert`` >= 0), as the fp8 and MXFP4 kernels use them.
+
+    Returns ``row_start``; ``rows`` [BLOCK_M] and ``row_ok`` (rows of the expert); ``a_rows`` (int64: rows past the
+    expert's end re-read its first one, so loads need no row mask); ``cols`` [BLOCK_N] and ``col_ok`` (< N); and
+    ``wrapped`` (columns past N wrapped around to real rows, which the store drops).
+    """
+    row_start = tl.load(tile_row_start_ptr + tile)
+    row_end = tl.load(expert_offsets_ptr + expert + 1)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    a_rows = tl.where(row_ok, rows, row_start).to(tl.int64)
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    return row_start, rows, row_ok, a_rows, cols, cols < N, cols % N
+
+
+@triton.jit
 def _round(x, dtype: tl.constexpr, EMULATE_RTNE: tl.constexpr):
     """Round fp32 ``x`` to ``dtype`` to nearest-even.
 

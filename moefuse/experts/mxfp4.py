@@ -28,7 +28,7 @@ from .. import _runtime
 from ..dispatch import DispatchPlan
 from ..formats import MX_GROUP, MXFP4
 from .configs import GemmTiles
-from .kernel import _program_tile, _round, weight_descriptor
+from .kernel import _program_tile, _round, _tile_span, weight_descriptor
 
 
 @triton.jit
@@ -82,14 +82,10 @@ def _gemm1_mxfp4_kernel(
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
         return
-    row_start = tl.load(tile_row_start_ptr + tile)
-    row_end = tl.load(expert_offsets_ptr + expert + 1)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_end
-    tokens = (tl.load(p2e_ptr + tl.where(row_ok, rows, row_start)) // top_k).to(tl.int64)  # past the end: row 0's
-    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    wrapped = (cols % N).to(tl.int64)  # columns past N read real rows; the store drops them
+    _, rows, row_ok, a_rows, cols, col_ok, wrapped = _tile_span(
+        tile, col_block, expert, N, tile_row_start_ptr, expert_offsets_ptr, BLOCK_M, BLOCK_N)
+    tokens = (tl.load(p2e_ptr + a_rows) // top_k).to(tl.int64)
+    wrapped = wrapped.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     kp = tl.arange(0, BLOCK_K // 2)
     kg = tl.arange(0, BLOCK_K // 32)
@@ -136,14 +132,9 @@ def _gemm2_mxfp4_kernel(
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
         return
-    row_start = tl.load(tile_row_start_ptr + tile)
-    row_end = tl.load(expert_offsets_ptr + expert + 1)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_end
-    a_rows = tl.where(row_ok, rows, row_start).to(tl.int64)  # rows past the end re-read the first one
-    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    wrapped = (cols % N).to(tl.int64)
+    _, rows, row_ok, a_rows, cols, col_ok, wrapped = _tile_span(
+        tile, col_block, expert, N, tile_row_start_ptr, expert_offsets_ptr, BLOCK_M, BLOCK_N)
+    wrapped = wrapped.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     kp = tl.arange(0, BLOCK_K // 2)
     kg = tl.arange(0, BLOCK_K // 32)

@@ -76,3 +76,22 @@ def randomize_(module: nn.Module, gen: torch.Generator, std: float = 0.1) -> nn.
 def block(name: str, gen: torch.Generator) -> nn.Module:
     """A randomly initialised fp32 transformers block of model ``name``, in eval mode."""
     return randomize_(BLOCKS[name](), gen).eval()
+
+
+@torch.no_grad()
+def load_dequantized_(dense: nn.Module, block: nn.Module, layer: nn.Module) -> nn.Module:
+    """Fill a float transformers block ``dense`` with what a quantized ``block`` computes: its router (bias, hash
+    table), and the dequantized routed and fp8 shared expert weights of ``layer`` (``MoELayer.from_hf(block)``)."""
+    dense.gate.weight.copy_(block.gate.weight)
+    for name in ("e_score_correction_bias", "tid2eid"):
+        if getattr(block.gate, name, None) is not None:
+            getattr(dense.gate, name).copy_(getattr(block.gate, name))
+    gate_up, down = layer.experts.weights()
+    dense.experts.gate_up_proj.copy_(gate_up.dequantize(torch.float64))
+    dense.experts.down_proj.copy_(down.dequantize(torch.float64))
+    shared_up, shared_down = (w.dequantize(torch.float64)[0] for w in layer.shared_fp8_weights())
+    width = shared_up.shape[0] // 2
+    dense.shared_experts.gate_proj.weight.copy_(shared_up[:width])
+    dense.shared_experts.up_proj.weight.copy_(shared_up[width:])
+    dense.shared_experts.down_proj.weight.copy_(shared_down)
+    return dense

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_blocks import load_dequantized_
 
 from moefuse import MoELayer, moe_layer_torch, register_experts_implementation
 from moefuse.formats import BlockFP8, dequantize_rows, quantize_rows
@@ -80,17 +81,8 @@ def test_against_transformers_dequantized_block(gen):
 
     block = _fp8_block(gen)
     layer = MoELayer.from_hf(block)
-    dense = DeepseekV3MoE(_config()).double().eval()
+    dense = load_dequantized_(DeepseekV3MoE(_config()).double().eval(), block, layer)
     with torch.no_grad():
-        dense.gate.weight.copy_(block.gate.weight)
-        dense.gate.e_score_correction_bias.copy_(block.gate.e_score_correction_bias)
-        gate_up, down = layer.experts.weights()
-        dense.experts.gate_up_proj.copy_(gate_up.dequantize(torch.float64))
-        dense.experts.down_proj.copy_(down.dequantize(torch.float64))
-        shared_up, shared_down = layer.shared_fp8_weights()
-        dense.shared_experts.gate_proj.weight.copy_(shared_up.dequantize(torch.float64)[0, :I])
-        dense.shared_experts.up_proj.weight.copy_(shared_up.dequantize(torch.float64)[0, I:])
-        dense.shared_experts.down_proj.weight.copy_(shared_down.dequantize(torch.float64)[0])
         x = torch.randn(1, 9, H, generator=gen).bfloat16()
         err = rel_error(layer(x).double(), dense(x.double()))
     print(f"rel err vs transformers (dequantized, float64): {err:.3e}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_blocks import load_dequantized_
 
 import moefuse
 from moefuse import MoELayer, moe_layer_torch
@@ -84,21 +85,7 @@ def _dense_twin(block, layer):
     """The same transformers block in float64 with the weights unpacked (routed) and dequantized (shared)."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4SparseMoeBlock
 
-    dense = DeepseekV4SparseMoeBlock(block.experts.config, 0).double().eval()
-    I = CONFIG.intermediate_size
-    with torch.no_grad():
-        dense.gate.weight.copy_(block.gate.weight)
-        for name in ("e_score_correction_bias", "tid2eid"):
-            if getattr(block.gate, name, None) is not None:
-                getattr(dense.gate, name).copy_(getattr(block.gate, name))
-        gate_up, down = layer.experts.weights()
-        dense.experts.gate_up_proj.copy_(gate_up.dequantize(torch.float64))
-        dense.experts.down_proj.copy_(down.dequantize(torch.float64))
-        shared_up, shared_down = layer.shared_fp8_weights()
-        dense.shared_experts.gate_proj.weight.copy_(shared_up.dequantize(torch.float64)[0, :I])
-        dense.shared_experts.up_proj.weight.copy_(shared_up.dequantize(torch.float64)[0, I:])
-        dense.shared_experts.down_proj.weight.copy_(shared_down.dequantize(torch.float64)[0])
-    return dense
+    return load_dequantized_(DeepseekV4SparseMoeBlock(block.experts.config, 0).double().eval(), block, layer)
 
 
 @pytest.mark.parametrize("hash_routed", [False, True], ids=["routed", "hash-routed"])

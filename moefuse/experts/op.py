@@ -91,7 +91,7 @@ def _check_weights(hidden: torch.Tensor, gate_up_proj: object, down_proj: object
     """Both expert weights: plain tensors of hidden's dtype, or one format with activations it takes (the format
     checked its own tensors when built). Returns (E, 2I, H) as the weights say."""
     device = hidden.device
-    if isinstance(gate_up_proj, torch.Tensor) or not isinstance(gate_up_proj, tuple(_FORMATS)):
+    if not isinstance(gate_up_proj, tuple(_FORMATS)):  # plain tensors (or a wrong type, which check_tensor names)
         gate_up_proj = _checks.check_tensor("gate_up_proj", gate_up_proj, dtypes=(hidden.dtype,), ndim=3,
                                             device=device)
         shape = tuple(gate_up_proj.shape)

@@ -283,8 +283,9 @@ def heuristic(
        (BLOCK_N 32-64, two programs per SM) cost Kimi-K2's layer 20 µs at M = 1.
     3. Tall tiles (prefill) are bound by tensor-core throughput: 8 warps, BLOCK_N 128 (GEMM1 keeps gate and
        up accumulators) or 256 (GEMM2, one accumulator, when 128 rows tall), BLOCK_K 64, 4 stages (TMA
-       weight loads leave room for them: 192 KB), and groups of 4 tiles sharing a column block so one
-       expert's weight tiles are read from L2 by its tiles.
+       weight loads leave room for them: 192 KB), and each expert's tiles one group sharing a column block
+       (GROUP_M 0), so its weight tiles are read from L2 by all its tiles however skewed the routing (DeepSeek-V3
+       on an H200, against groups of 4: within noise to 3% faster at 4096 tokens, uniform and skewed, 5% at 8192).
     4. fp32 operands take IEEE products on the FMA units, not the tensor cores, so the operand tiles live in
        registers: tiles of at most 32 rows, BLOCK_N 64, BLOCK_K 32, 8 warps. Compiled for sm_90, those are
        the largest that do not spill (``scripts/sass.py experts``; the 16-bit tiles above spilled up to 23 KB
@@ -293,12 +294,14 @@ def heuristic(
        stages and BLOCK_K shrink until the operand buffers fit in shared memory.
     6. fp8 block-scale weights (``dtype`` float8_e4m3fn, ``experts/fp8.py``): BLOCK_K 128 (one scale step) and
        GEMM1's BLOCK_N 128 (one intermediate scale group); tiles of 16 rows up to 16 rows per expert, else 64;
-       GEMM1 8 warps where it quantizes its own activations or the tiles are tall, else 4 (swept on an H200: 4
-       warps and 4 stages saved 2% at 16 and 128 tokens). Each 128-deep step adds a fresh fp32 product tile into
-       the accumulator, so a program holds twice the accumulators of the bf16 kernel: 64 rows keep GEMM1's gate and
-       up tiles in registers, 128 rows spilled (sm_90 compile). 32 rows run on mma.sync, not wgmma: on one H200
-       (DeepSeek-V3, M = 1024, 32 rows per expert) 64-row tiles took 3,483 µs against 4,480 for 32 rows; at
-       M = 4096, 7,749 against 13,784.
+       GEMM1 8 warps where it quantizes its own activations or the tiles are tall, else 4 (swept on an H200: 4 warps
+       and 4 stages saved 2% at 16 and 128 tokens); GEMM2 4 warps (at 64 rows, DeepSeek-V3: 1,854 against 1,971 µs at
+       4096 tokens, 750 against 939 at 1024); tall tiles grouped per expert (GROUP_M 0: an expert's tiles share its
+       weight tiles through L2 however many it has; 5,605 against 5,665 µs for groups of 4). Each 128-deep step adds
+       a fresh fp32 product tile into the accumulator, so a program holds twice the accumulators of the bf16 kernel:
+       64 rows keep GEMM1's gate and up tiles in registers, 128 rows spilled (sm_90 compile). 32 rows run on
+       mma.sync, not wgmma: on one H200 (DeepSeek-V3, M = 1024, 32 rows per expert) 64-row tiles took 3,483 µs
+       against 4,480 for 32 rows; at M = 4096, 7,749 against 13,784.
     7. MXFP4 weights (``dtype`` uint8, ``experts/mxfp4.py``): unpacking in registers bounds the short tiles, not
        the bytes: BLOCK_N 64, BLOCK_K 256, 4 warps, 3 stages for both GEMMs; tall tiles as for bf16 with 3 stages.
        Swept on one H200 (DeepSeek-V4): 100 µs at M = 1 against 163 for the bf16 short tiles, within 4% of the
@@ -335,18 +338,18 @@ def heuristic(
     elif fp8:
         tall = block_m >= 64
         fused = rows < FP8_PREQUANTIZE_MIN_ROWS  # GEMM1 quantizes its activation tiles itself: 8 warps share that
-        gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=128, group_m=4 if tall else 1,
+        gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=128, group_m=0 if tall else 1,
                      num_warps=8 if tall or fused else 4, num_stages=4, spread=False)
-        gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=128, block_k=128, group_m=4 if tall else 1,
-                     num_warps=8 if tall else 4, num_stages=4, spread=not tall)
+        gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=128, block_k=128, group_m=0 if tall else 1,
+                     num_warps=4, num_stages=4, spread=not tall)
     elif block_m <= 32:
         gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=128, group_m=1, num_warps=8,
                      num_stages=3, spread=True)
         gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=128, block_k=128, group_m=1, num_warps=4,
                      num_stages=4, spread=True)
     else:
-        gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=64, group_m=4, num_warps=8,
+        gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=64, group_m=0, num_warps=8,
                      num_stages=4, spread=False)
         gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=256 if block_m >= 128 else 128, block_k=64,
-                     group_m=4, num_warps=8, num_stages=4, spread=False)
+                     group_m=0, num_warps=8, num_stages=4, spread=False)
     return TileConfig(block_m, gemm1, gemm2)

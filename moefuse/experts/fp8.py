@@ -13,15 +13,19 @@ What the peers run as separate kernels is fused here:
   kernel does), and per 128-column step computes each row's amax, scale and e4m3 values in registers: no
   quantized copy of the activations is written.
 - **Both GEMMs promote per block.** Each 128-deep step is one fp8 ``tl.dot`` into a fresh fp32 tile, scaled by
-  the rows' activation scales and the columns' weight-block scales and added to the fp32 accumulator; within a
-  step, Hopper's fp8 wgmma (tiles of 64 rows or more) adds into fp32 every 32 products (``IMPRECISE_K``), as its
-  own accumulator keeps fewer bits.
+  the rows' activation scales and the tile's weight-block scale (one scalar per step: a tile's columns lie in one
+  block) and added to the fp32 accumulator: DeepSeek-V3's recipe (promotion every 128 products). Within a step,
+  Hopper's fp8 wgmma (tiles of 64 rows or more) sums with fewer bits than fp32. Promoting more often (Triton's
+  ``max_num_imprecise_acc``) bought little accuracy for much time; on one H200, DeepSeek-V3 widths, every 32
+  products against every 128: 5.4e-3 against 7.8e-3 max and 2.5e-3 against 3.6e-3 RMS from float64, and 7,796
+  against 5,931 µs at 4096 tokens (3,561 against 2,947 at 1024). The largest errors (3e-2 max on narrow test
+  shapes, the same at 32, 64 and 128) come from e4m3 roundings of the intermediate that any non-fp32 sum flips.
 - **GEMM1's epilogue quantizes the intermediate**: SwiGLU (and the clamp) in fp32, then per row of the 128-column
   tile the same quantization, written as e4m3 plus one scale per row.
 
 Grid and tile order are the bf16 kernels' (``_program_tile``). BLOCK_K is 128 (one scale step); GEMM1's BLOCK_N
-is 128 (one intermediate scale group per tile row); GEMM2's BLOCK_N is any power of two (a column's weight scale
-is read per column). Weights go through TMA on sm90+ where their layout allows, as in ``kernel.py``.
+is 128 (one intermediate scale group per tile row); GEMM2's BLOCK_N is at most 128, so a tile's columns lie in one
+weight block. Weights go through TMA on sm90+ where their layout allows, as in ``kernel.py``.
 
 Under Triton's interpreter the fp32 -> e4m3 cast does not round to nearest even for about 2% of values, so there
 the rounding is done on the bits first and the cast is then exact (``EMULATE_RTNE``).
@@ -40,12 +44,6 @@ from ..dispatch import DispatchPlan
 from ..formats import BLOCK, BlockFP8
 from .configs import FP8_PREQUANTIZE_MIN_ROWS, SMEM_BUDGET, GemmTiles
 from .kernel import _program_tile, _round, _tile_span, rows_descriptor, weight_descriptor
-
-# Hopper's fp8 wgmma sums products in an accumulator of fewer bits than fp32; Triton lets it run this many K values
-# before adding into fp32 (its default on sm_90: the whole dot). On an H200, 64- and 128-row tiles with 128 (one
-# scale step) erred 2.4e-2 max / 5e-3 RMS from float64 against 2e-3 / 1.7e-3 for 16-row (mma.sync) tiles; with 32
-# (one wgmma), 3-7e-3 / 1.8e-3 on the same inputs.
-IMPRECISE_K = tl.constexpr(32)
 
 
 @triton.jit
@@ -70,6 +68,17 @@ def _quantize(x, EMULATE_RTNE: tl.constexpr):
     y = tl.maximum(y, -448.0, propagate_nan=tl.PropagateNan.ALL)
     y = tl.minimum(y, 448.0, propagate_nan=tl.PropagateNan.ALL)
     return _to_e4m3(y, EMULATE_RTNE), tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+
+
+@triton.jit
+def _add_scaled(acc, product, a_scale, w_scale, ONE_BLOCK: tl.constexpr):
+    """``acc + product · a_scale[row] · w_scale``: one step's fp32 product tile, scaled by its rows' activation scales
+    and its weight-block scale (``ONE_BLOCK``: a scalar; else [BLOCK_N], for a tile that straddles two blocks)."""
+    if ONE_BLOCK:
+        acc += product * (a_scale * w_scale)[:, None]  # one multiply per row, one FMA per element
+    else:
+        acc += product * a_scale[:, None] * w_scale[None, :]
+    return acc
 
 
 @triton.jit
@@ -117,10 +126,11 @@ def _gemm1_fp8_kernel(
     stride_im, stride_in, stride_ism, stride_isg,
     HAS_LIMIT: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr, A_QUANTIZED: tl.constexpr,
-    A_TMA: tl.constexpr, USE_PDL: tl.constexpr,
+    A_TMA: tl.constexpr, USE_PDL: tl.constexpr, UP_ALIGNED: tl.constexpr,
 ):
     """intermediate[rows, n] = quant(SwiGLU(deq(q(x)) @ deq(W)[e, n]^T, ... [e, N + n]^T)). N = I, K = H.
 
+    ``UP_ALIGNED``: N is a multiple of 128, so the up tile's rows N + cols start a weight block as the gate tile's do.
     ``A_QUANTIZED``: the activations come quantized in the plan's row order (``a_ptr``/``a_desc``, scales
     ``as_ptr``, from ``_quantize_rows_kernel``); else they are gathered from ``hidden`` and quantized here.
     """
@@ -140,9 +150,14 @@ def _gemm1_fp8_kernel(
     gate_ptrs = w_expert + wrapped[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
     up_ptrs = gate_ptrs + N * stride_wn
     gate_row = expert * 2 * N + col_block * BLOCK_N  # first weight row of the tile in the [E·2N, K] view
+    # The weight-block scale of the tile's columns: one scalar per step for the gate tile (BLOCK_N is one block, and
+    # wrapped columns past N are never stored), and for the up tile when its rows N + cols start a block too.
     s_expert = ws_ptr + expert.to(tl.int64) * stride_se
-    gate_scale_ptrs = s_expert + (wrapped // 128) * stride_sn  # [BLOCK_N]: the weight block of each column
-    up_scale_ptrs = s_expert + ((N + wrapped) // 128) * stride_sn
+    gate_scale_ptrs = s_expert + col_block * stride_sn
+    if UP_ALIGNED:
+        up_scale_ptrs = s_expert + (N // 128 + col_block) * stride_sn
+    else:  # [BLOCK_N]: the up tile straddles two weight blocks
+        up_scale_ptrs = s_expert + ((N + wrapped) // 128) * stride_sn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -161,10 +176,10 @@ def _gemm1_fp8_kernel(
             gate_w = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
             up_w = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
         step = k0 // BLOCK_K * stride_sk
-        gate_scale = tl.load(gate_scale_ptrs + step)  # [BLOCK_N]
-        up_scale = tl.load(up_scale_ptrs + step)
-        acc_gate += tl.dot(a, gate_w, max_num_imprecise_acc=IMPRECISE_K) * a_scale[:, None] * gate_scale[None, :]
-        acc_up += tl.dot(a, up_w, max_num_imprecise_acc=IMPRECISE_K) * a_scale[:, None] * up_scale[None, :]
+        acc_gate = _add_scaled(acc_gate, tl.dot(a, gate_w), a_scale,
+                               tl.load(gate_scale_ptrs + step), True)
+        acc_up = _add_scaled(acc_up, tl.dot(a, up_w), a_scale,
+                             tl.load(up_scale_ptrs + step), UP_ALIGNED)
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
 
@@ -204,7 +219,8 @@ def _gemm2_fp8_kernel(
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + wrapped[None, :].to(tl.int64) * stride_wn
               + ks[:, None] * stride_wk)
     w_row = expert * N + col_block * BLOCK_N
-    w_scale_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + (wrapped // 128) * stride_sn
+    # BLOCK_N <= 128: the tile's columns lie in one weight block (wrapped ones past N are never stored).
+    w_scale_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + (col_block * BLOCK_N // 128) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = ks < K - k0
@@ -214,8 +230,8 @@ def _gemm2_fp8_kernel(
             w = w_desc.load([w_row, k0]).T
         else:
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        w_scale = tl.load(w_scale_ptrs + k0 // BLOCK_K * stride_sk)  # [BLOCK_N]
-        acc += tl.dot(a, w, max_num_imprecise_acc=IMPRECISE_K) * a_scale[:, None] * w_scale[None, :]
+        acc = _add_scaled(acc, tl.dot(a, w), a_scale,
+                          tl.load(w_scale_ptrs + k0 // BLOCK_K * stride_sk), True)
         w_ptrs += BLOCK_K * stride_wk
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
     tl.store(out_ptrs, _round(acc, out_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
@@ -288,7 +304,7 @@ def experts_fp8(
         HAS_LIMIT=swiglu_limit is not None, EMULATE_RTNE=emulate, BLOCK_M=plan.block_m, BLOCK_N=t1.block_n,
         BLOCK_K=t1.block_k, GROUP_M=t1.group_m, W_TMA=desc1 is not None,
         A_QUANTIZED=prequantize, A_TMA=a_desc is not None, USE_PDL=use_pdl,
-        num_warps=t1.num_warps, num_stages=t1.num_stages, **launch,
+        UP_ALIGNED=width % BLOCK == 0, num_warps=t1.num_warps, num_stages=t1.num_stages, **launch,
     )
     desc2 = weight_descriptor(down.values, t2.block_n, t2.block_k)
     inter_desc = rows_descriptor(inter, plan.block_m, t2.block_k)

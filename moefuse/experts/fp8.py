@@ -43,7 +43,7 @@ from .. import _runtime
 from ..dispatch import DispatchPlan
 from ..formats import BLOCK, BlockFP8
 from .configs import FP8_PREQUANTIZE_MIN_ROWS, SMEM_BUDGET, GemmTiles
-from .kernel import _program_tile, _round, _tile_span, rows_descriptor, weight_descriptor
+from .kernel import _program_start, _round, _tile_span, rows_descriptor, weight_descriptor
 
 
 @triton.jit
@@ -134,12 +134,8 @@ def _gemm1_fp8_kernel(
     ``A_QUANTIZED``: the activations come quantized in the plan's row order (``a_ptr``/``a_desc``, scales
     ``as_ptr``, from ``_quantize_rows_kernel``); else they are gathered from ``hidden`` and quantized here.
     """
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    tile, col_block = _program_tile(num_tiles, tl.cdiv(N, BLOCK_N), tile_expert_ptr, tile_row_start_ptr,
-                                    expert_offsets_ptr, BLOCK_M, GROUP_M)
-    expert = tl.load(tile_expert_ptr + tile)
+    tile, col_block, expert = _program_start(num_tiles, N, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                                             BLOCK_M, BLOCK_N, GROUP_M, USE_PDL)
     if expert < 0:
         return
     row_start, rows, row_ok, a_rows, cols, col_ok, wrapped = _tile_span(
@@ -205,12 +201,8 @@ def _gemm2_fp8_kernel(
     GROUP_M: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out[rows, n] = deq(intermediate[rows]) @ deq(down)[e, n]^T.  N = H, K = I."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    tile, col_block = _program_tile(num_tiles, tl.cdiv(N, BLOCK_N), tile_expert_ptr, tile_row_start_ptr,
-                                    expert_offsets_ptr, BLOCK_M, GROUP_M)
-    expert = tl.load(tile_expert_ptr + tile)
+    tile, col_block, expert = _program_start(num_tiles, N, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                                             BLOCK_M, BLOCK_N, GROUP_M, USE_PDL)
     if expert < 0:
         return
     row_start, rows, row_ok, a_rows, cols, col_ok, wrapped = _tile_span(

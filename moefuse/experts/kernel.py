@@ -78,6 +78,22 @@ def _program_tile(num_tiles, num_col_blocks, tile_expert_ptr, tile_row_start_ptr
 
 
 @triton.jit
+def _program_start(num_tiles, N, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr):
+    """A grouped GEMM program's (tile, column block, expert); the expert is -1 for an unused tile (the caller returns).
+
+    With PDL it first waits for the kernels it depends on (the plan from dispatch, GEMM1's intermediate for GEMM2)
+    and lets the next one start its prologue.
+    """
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    tile, col_block = _program_tile(num_tiles, tl.cdiv(N, BLOCK_N), tile_expert_ptr, tile_row_start_ptr,
+                                    expert_offsets_ptr, BLOCK_M, GROUP_M)
+    return tile, col_block, tl.load(tile_expert_ptr + tile)
+
+
+@triton.jit
 def _tile_span(tile, col_block, expert, N, tile_row_start_ptr, expert_offsets_ptr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The rows and columns of a program's tile (its expert is ``expert`` >= 0), as the fp8 and MXFP4 kernels use them.
@@ -181,12 +197,8 @@ def _gemm1_swiglu_kernel(
 
     N = I (columns of the intermediate), K = H (reduction).
     """
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # the plan and hidden come from earlier kernels
-        tl.extra.cuda.gdc_launch_dependents()
-    tile, col_block = _program_tile(num_tiles, tl.cdiv(N, BLOCK_N), tile_expert_ptr, tile_row_start_ptr,
-                                    expert_offsets_ptr, BLOCK_M, GROUP_M)
-    expert = tl.load(tile_expert_ptr + tile)
+    tile, col_block, expert = _program_start(num_tiles, N, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                                             BLOCK_M, BLOCK_N, GROUP_M, USE_PDL)
     if expert < 0:
         return
     row_start = tl.load(tile_row_start_ptr + tile)
@@ -257,12 +269,8 @@ def _gemm2_kernel(
     W_TMA: tl.constexpr, SPLIT_TAIL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out[rows, n] = intermediate[rows] @ down_proj[e, n]^T.  N = H (output columns), K = I (reduction)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # the intermediate comes from GEMM1
-        tl.extra.cuda.gdc_launch_dependents()
-    tile, col_block = _program_tile(num_tiles, tl.cdiv(N, BLOCK_N), tile_expert_ptr, tile_row_start_ptr,
-                                    expert_offsets_ptr, BLOCK_M, GROUP_M)
-    expert = tl.load(tile_expert_ptr + tile)
+    tile, col_block, expert = _program_start(num_tiles, N, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                                             BLOCK_M, BLOCK_N, GROUP_M, USE_PDL)
     if expert < 0:
         return
     row_start = tl.load(tile_row_start_ptr + tile)

@@ -28,7 +28,7 @@ from .. import _runtime
 from ..dispatch import DispatchPlan
 from ..formats import MX_GROUP, MXFP4
 from .configs import GemmTiles
-from .kernel import _program_tile, _round, _tile_span, weight_descriptor
+from .kernel import _program_start, _round, _tile_span, weight_descriptor
 
 
 @triton.jit
@@ -74,12 +74,8 @@ def _gemm1_mxfp4_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """intermediate[rows, n] = SwiGLU(x @ W[e, n]^T, x @ W[e, N + n]^T), W unpacked per tile. N = I, K = H."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    tile, col_block = _program_tile(num_tiles, tl.cdiv(N, BLOCK_N), tile_expert_ptr, tile_row_start_ptr,
-                                    expert_offsets_ptr, BLOCK_M, GROUP_M)
-    expert = tl.load(tile_expert_ptr + tile)
+    tile, col_block, expert = _program_start(num_tiles, N, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                                             BLOCK_M, BLOCK_N, GROUP_M, USE_PDL)
     if expert < 0:
         return
     _, rows, row_ok, a_rows, cols, col_ok, wrapped = _tile_span(
@@ -124,12 +120,8 @@ def _gemm2_mxfp4_kernel(
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out[rows, n] = intermediate[rows] @ down[e, n]^T, down unpacked per tile.  N = H, K = I."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    tile, col_block = _program_tile(num_tiles, tl.cdiv(N, BLOCK_N), tile_expert_ptr, tile_row_start_ptr,
-                                    expert_offsets_ptr, BLOCK_M, GROUP_M)
-    expert = tl.load(tile_expert_ptr + tile)
+    tile, col_block, expert = _program_start(num_tiles, N, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                                             BLOCK_M, BLOCK_N, GROUP_M, USE_PDL)
     if expert < 0:
         return
     _, rows, row_ok, a_rows, cols, col_ok, wrapped = _tile_span(

@@ -146,9 +146,9 @@ class BlockFP8(QuantizedWeight):
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # by code
 MX_GROUP = 32  # K values per MXFP4 scale
-# ue8m0 exponents the kernels take (SPEC §6). 255 is NaN. Measured on an H200 (Triton 3.6, tl.dot_scaled): every
-# code times 2^(e - 127) is exact for e in 1..252, while e = 0 unpacked to zeros and e = 253, 254 to NaN.
-MXFP4_EXPONENTS = (1, 252)
+# ue8m0 exponents the kernels take (SPEC §6): scales 2^-127 .. 2^1. The kernels scale each unpacked weight by one
+# bf16 multiply by 2^(e - 1) (experts/mxfp4.py), a bf16 up to e = 128. 255 is NaN.
+MXFP4_EXPONENTS = (0, 128)
 
 
 def ue8m0_of(scales: torch.Tensor) -> torch.Tensor:
@@ -190,7 +190,7 @@ class MXFP4(QuantizedWeight):
         low, high = MXFP4_EXPONENTS
         if scales.numel() and not bool(((scales >= low) & (scales <= high)).all()):
             found = (int(scales.min()), int(scales.max()))
-            raise ValueError(f"scales must be ue8m0 exponents in [{low}, {high}] (2^-126 .. 2^125), found {found}")
+            raise ValueError(f"scales must be ue8m0 exponents in [{low}, {high}] (2^-127 .. 2^1), found {found}")
 
     @classmethod
     def from_checkpoint(cls, values: torch.Tensor, scale_inv: torch.Tensor) -> MXFP4:
@@ -204,8 +204,8 @@ class MXFP4(QuantizedWeight):
     @torch.no_grad()
     def quantize(cls, weight: torch.Tensor) -> MXFP4:
         """MXFP4 of ``weight`` [E, N, K] (K a multiple of 32): per group of 32, the smallest power-of-two scale
-        that puts the amax within 6 (2^-126 for an all-zero group), codes nearest to ``w / scale`` (ties to the
-        lower magnitude). For tests and benchmarks; checkpoints come quantized."""
+        that puts the amax within 6 (2^-126 for an all-zero group; at most 2, so magnitudes past 12 saturate), codes
+        nearest to ``w / scale`` (ties to the lower magnitude). For tests and benchmarks; checkpoints come quantized."""
         E, N, K = weight.shape
         groups = weight.float().reshape(E, N, K // MX_GROUP, MX_GROUP)
         amax = groups.abs().amax(dim=3)

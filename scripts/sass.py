@@ -73,10 +73,11 @@ TYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp3
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 3):
-    """``fn`` compiled for sm_90 with these argument types; pointers 16-byte aligned, as torch allocates."""
+    """``fn`` compiled for sm_90 with these argument types; pointers 16-byte aligned, as torch allocates, and, as
+    Triton specializes them at a launch on the models' shapes, strides and the GEMMs' N and K multiples of 16."""
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
-             for name, ty in signature.items() if ty.startswith("*")}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in signature.items()
+             if ty.startswith("*") or (ty == "i32" and (name.startswith("stride_") or name in ("N", "K")))}
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
 
@@ -223,8 +224,8 @@ def compile_mxfp4_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_li
         **{name: 1 for name in UNIT_STRIDES if name in fn.arg_names},
         **({"HAS_LIMIT": has_limit} if gemm == 1 else {}),
     }
-    types = {"hidden_ptr": "*bf16", "out_ptr": "*bf16", "inter_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8",
-             "limit": "fp32", "w_desc": f"tensordesc<u8[{tiles.block_n}, {tiles.block_k // 2}]>"}
+    types = {"hidden_ptr": "*bf16", "out_ptr": "*bf16", "inter_ptr": "*bf16", "w_ptr": "*i32", "ws_ptr": "*u8",
+             "limit": "fp32", "w_desc": f"tensordesc<i32[{tiles.block_n}, {tiles.block_k // 8}]>"}
     signature = {name: types.get(name, "*i32" if name.endswith("_ptr") else "i32")
                  for name in fn.arg_names if name not in constexprs}
     return compile_sm90(fn, signature, constexprs, tiles.num_warps, tiles.num_stages)

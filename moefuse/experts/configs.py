@@ -43,6 +43,7 @@ Arch = Optional[tuple[int, int]]
 # instead of in its prologue. One H200, DeepSeek-V3: the pass cost 24 µs at one token (8 rows) and saved 103 µs at
 # 16 tokens (128 rows) and 271 µs at 128 tokens.
 FP8_PREQUANTIZE_MIN_ROWS = 64
+MXFP4_FEW_ROWS = 16  # at most this many routed rows: MXFP4's deeper decode tiles (heuristic, item 7)
 
 
 @dataclass(frozen=True)
@@ -304,10 +305,13 @@ def heuristic(
        64 rows keep GEMM1's gate and up tiles in registers, 128 rows spilled (sm_90 compile). 32 rows run on
        mma.sync, not wgmma: on one H200 (DeepSeek-V3, M = 1024, 32 rows per expert) 64-row tiles took 3,483 µs
        against 4,480 for 32 rows; at M = 4096, 7,749 against 13,784.
-    7. MXFP4 weights (``dtype`` uint8, ``experts/mxfp4.py``): unpacking in registers bounds the short tiles, not
-       the bytes: BLOCK_N 64, BLOCK_K 256, 4 warps, 3 stages for both GEMMs; tall tiles as for bf16 with 3 stages.
-       Swept on one H200 (DeepSeek-V4): 100 µs at M = 1 against 163 for the bf16 short tiles, within 4% of the
-       best at M = 16; at M = 4096 128-row tiles took 5,449 µs against 8,108 for 64 rows (which spill less).
+    7. MXFP4 weights (``dtype`` uint8, ``experts/mxfp4.py``): the short tiles are bound by the latency of each
+       step's unpacking, not by the bytes, so they are small and many: [64, 64] weight tiles, 4 warps, 3 stages
+       for both GEMMs; for a few tokens (at most 16 rows: too few programs to fill the SMs otherwise) [64, 128] with
+       6 stages, which keeps more bytes in flight per program. Swept on one H200 (DeepSeek-V4-Flash, 2026-12-01,
+       µs at M = 1 / 16 / 128 / 1024): [64, 64] s3 134 / 710 / 2,097 / 2,556; [64, 128] s6 91 / 882 / 2,625 /
+       3,298; [64, 256] s3 (the tile of the previous unpacking) 109 / 1,072 / 3,216 / 3,818; [64, 32] and 8 warps
+       slower. Tall tiles as for bf16 with 3 stages (M = 4096: 5,253 µs, against 5,356 and 5,666 for 4 stages).
     """
     M = int(M)
     rows = max(M * K, 1)
@@ -328,10 +332,12 @@ def heuristic(
         gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=64, block_k=32, group_m=1, num_warps=8,
                      num_stages=3, spread=False)
     elif mxfp4 and block_m <= 32:
-        gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=64, block_k=256, group_m=1, num_warps=4,
-                     num_stages=3, spread=False)
-        gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=64, block_k=256, group_m=1, num_warps=4,
-                     num_stages=3, spread=False)
+        few = rows <= MXFP4_FEW_ROWS
+        block_k, stages = (128, 6) if few else (64, 3)
+        gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=64, block_k=block_k, group_m=1, num_warps=4,
+                     num_stages=stages, spread=False)
+        gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=64, block_k=block_k, group_m=1, num_warps=4,
+                     num_stages=stages, spread=False)
     elif mxfp4:
         gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=128, group_m=4, num_warps=8,
                      num_stages=3, spread=False)

@@ -6,14 +6,19 @@ Contract (inputs validated by :func:`moefuse.experts.moe_experts`):
   [E, H, I] unpacked: e2m1 codes two per byte, one ue8m0 exponent per 32 K values of a row); ``plan`` as for the
   bf16 kernels. GEMM1 writes the intermediate [M·K, I] in bf16, GEMM2 ``out`` [M·K, H] in bf16.
 
-The kernels are the bf16 ones (``kernel.py``: same grid, tile order, gathered activation rows, SwiGLU epilogue)
-with one change: each weight tile is read packed (half a byte per weight, plus a byte of scale per 32) and goes
-to ``tl.dot_scaled`` (bf16 activations, e2m1 weights with ue8m0 scales). On Hopper, which has no FP4 tensor
-cores, Triton unpacks the tile in registers to bf16, ``code value x 2^(e - 127)`` (exact for the exponents the
-format allows, 1..252: SPEC §6 says what it gave outside them), and runs bf16 MMAs. No dequantized copy of a weight is
-ever written. A first version built each bf16 weight from bits with Triton integer ops: 12 instructions per
-weight in the main loop (sm_90 SASS), 4.7x the read floor at 16 and 128 tokens on an H200; Triton's own
-conversion works on eight codes per 32-bit register.
+The kernels follow the bf16 ones (``kernel.py``: same grid, tile order, gathered activation rows, SwiGLU
+epilogue) with two changes. Each weight tile is read packed, as int32 words of eight codes (half a byte per
+weight, plus a byte of scale per 32), and unpacked in registers to bf16 ``value(code) * 2^(e - 127)``, exact, by
+a few bit operations and one bf16 multiply per pair of weights (``_UNPACK_ASM``; Hopper has no FP4 tensor cores).
+And the MMA is swapped, ``(W x^T)^T``: the unpacked weights are its first operand, the activations its second, so
+a decode tile's 16 or 32 rows are the MMA's N rather than rows padded to 64. The unpacking pairs weight k + j with
+k + j + 4 of each word (one shift places both), so the weights come out in that K order and the activation tile is
+permuted the same way in registers (``_paired``); the dot product does not depend on the order. No dequantized
+copy of a weight is ever written, and the packed tensors are read as the checkpoint ships them (no re-layout).
+
+History, one H200: building each weight with Triton integer ops took 12 SASS instructions per weight in the main
+loop (4.7x the read floor at 16 and 128 tokens); ``tl.dot_scaled`` took 6.6 (3.7x); this unpacking takes about
+2.4 (2.7x, bound by each step's latency rather than by issue: see docs/PERF-NOTES.md).
 """
 
 from __future__ import annotations
@@ -30,38 +35,129 @@ from ..formats import MX_GROUP, MXFP4
 from .configs import GemmTiles
 from .kernel import _program_start, _round, _tile_span, weight_descriptor
 
+# Four bf16 pairs from one 32-bit word of packed codes (weights k..k+7 of a row, weight k + j in bits 4j..4j+3):
+# pair j holds weights k + j (low half) and k + j + 4 (high half), so one shift and mask places both magnitudes
+# (code bits 0-2 -> bf16 bits 6-8: the exponent's two low bits and the mantissa's top one) and another both signs
+# (bit 3 -> bit 15). The bf16 so built is value(code) * 2^-126 (codes 1 and 0 land on bf16 subnormals, the rest on
+# normals, all with the same factor); one multiply by 2^(e - 1), exact, makes it value(code) * 2^(e - 127).
+# Per 8 weights: 7 shifts, 8 logic ops, 4 bf16x2 multiplies (sm_90 SASS; Triton's own e2m1 conversion took about
+# 50). The multiplier 2^(e - 1) is a bf16 for e <= 128, which bounds the exponents MXFP4 takes (SPEC §6).
+_UNPACK_ASM: tl.constexpr = tl.constexpr("""
+{
+.reg .b32 t, u;
+shl.b32 t, $8, 6;
+and.b32 t, t, 0x01C001C0;
+shl.b32 u, $8, 12;
+and.b32 u, u, 0x80008000;
+or.b32 t, t, u;
+mul.rn.bf16x2 t, t, $9;
+mov.b32 {$0, $1}, t;
+shl.b32 t, $8, 2;
+and.b32 t, t, 0x01C001C0;
+shl.b32 u, $8, 8;
+and.b32 u, u, 0x80008000;
+or.b32 t, t, u;
+mul.rn.bf16x2 t, t, $9;
+mov.b32 {$2, $3}, t;
+shr.b32 t, $8, 2;
+and.b32 t, t, 0x01C001C0;
+shl.b32 u, $8, 4;
+and.b32 u, u, 0x80008000;
+or.b32 t, t, u;
+mul.rn.bf16x2 t, t, $9;
+mov.b32 {$4, $5}, t;
+shr.b32 t, $8, 6;
+and.b32 t, t, 0x01C001C0;
+and.b32 u, $8, 0x80008000;
+or.b32 t, t, u;
+mul.rn.bf16x2 t, t, $9;
+mov.b32 {$6, $7}, t;
+}
+""")
+
 
 @triton.jit
-def _dot(a, packed, exponents, acc, INTERPRETED: tl.constexpr):
-    """``acc + a @ w``: bf16 ``a`` [BLOCK_M, BLOCK_K], ``w`` from packed codes [BLOCK_K / 2, BLOCK_N] and exponents
-    [BLOCK_N, BLOCK_K / 32] (``tl.dot_scaled``). Triton's interpreter runs ``tl.dot_scaled`` on a bf16 operand
-    rounded to fp16 (activations past 65504 become inf, below 2^-24 zero), so there the weights are unpacked here,
-    exactly, and multiplied in fp32."""
-    if INTERPRETED:
-        codes = packed.to(tl.int32)
-        codes = tl.join(codes & 0xF, codes >> 4).permute(0, 2, 1).reshape(2 * packed.shape[0], packed.shape[1])
-        magnitude = codes & 7  # 0, 0.5, 1, 1.5, 2, 3, 4, 6: 2^(c/2 - 1) (1 + (c & 1) / 2) for c >= 2
-        value = tl.where(magnitude >= 2, tl.exp2((magnitude >> 1).to(tl.float32) - 1.0) * (1.0 + 0.5 * (magnitude & 1)),
-                         0.5 * magnitude)
-        value = tl.where((codes & 8) != 0, -value, value)
-        scale = tl.exp2(exponents.to(tl.float32) - 127.0).T  # [BLOCK_K / 32, BLOCK_N]
-        groups = tl.broadcast_to(scale[:, None, :], (scale.shape[0], 32, scale.shape[1])).reshape(value.shape)
-        return tl.dot(a.to(tl.float32), value * groups, acc, input_precision="ieee")
-    return tl.dot_scaled(a, None, "bf16", packed, exponents, "e2m1", acc)
+def _mma_order(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K / 8] tensors of weights k = 0..7 of each packed word -> [BLOCK_N, BLOCK_K] in the K order
+    the unpacking makes: weight k + j (j < 4) of word w at 8 w + 2 j, weight k + j + 4 at 8 w + 2 j + 1 (the two
+    halves of one unpacked bf16 pair side by side, as the MMA operand holds them)."""
+    low = tl.join(tl.join(v0, v2), tl.join(v1, v3))
+    high = tl.join(tl.join(v4, v6), tl.join(v5, v7))
+    both = tl.join(low, high)  # [..., W, 2, 2, 2]: element [w, t, u, v] is weight 2 t + u + 4 v
+    return both.reshape(BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def _weight_tile(w_desc, w_ptrs, s_ptrs, row, k0, K, kp, kg, stride_wk, stride_sk, W_TMA: tl.constexpr):
-    """The packed weight tile at K offset ``k0`` as ``tl.dot_scaled`` takes it: codes [BLOCK_K / 2, BLOCK_N] (uint8,
-    two per byte along K) and exponents [BLOCK_N, BLOCK_K / 32]. Rows ``row ..`` of the packed [E·N, K/2] view
-    through TMA (zeros past K), else through ``w_ptrs`` [BLOCK_N, BLOCK_K / 2] (masked past K)."""
-    if W_TMA:
-        packed = w_desc.load([row, k0 // 2])
+def _paired(a, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Activations [BLOCK_M, BLOCK_K] in the K order of ``_mma_order``: within each 8 columns, column j then j + 4
+    (the weights' order, so the dot product is unchanged)."""
+    return a.reshape(BLOCK_M, BLOCK_K // 8, 2, 4).permute(0, 1, 3, 2).reshape(BLOCK_M, BLOCK_K)
+
+
+@triton.jit
+def _unpack(words, exponents, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """bf16 (fp32 under the interpreter) weights [BLOCK_N, BLOCK_K] of packed ``words`` [BLOCK_N, BLOCK_K / 8]
+    (int32) and their ``exponents`` [BLOCK_N, BLOCK_K / 32]: ``value(code) * 2^(e - 127)``, exact."""
+    groups = exponents.to(tl.int32)[:, :, None]
+    per_word = tl.broadcast_to(groups, (BLOCK_N, BLOCK_K // 32, 4)).reshape(BLOCK_N, BLOCK_K // 8)
+    if INTERPRETED:  # no inline assembly: decode each code (table formula) and scale in fp32
+        scale = tl.exp2(per_word.to(tl.float32) - 127.0)
+        v0 = _code_value(words, 0) * scale
+        v1 = _code_value(words, 1) * scale
+        v2 = _code_value(words, 2) * scale
+        v3 = _code_value(words, 3) * scale
+        v4 = _code_value(words, 4) * scale
+        v5 = _code_value(words, 5) * scale
+        v6 = _code_value(words, 6) * scale
+        v7 = _code_value(words, 7) * scale
+        weights = _mma_order(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, BLOCK_K)
     else:
-        packed = tl.load(w_ptrs + (k0 // 2) * stride_wk, mask=(kp < (K - k0) // 2)[None, :], other=0)
+        half = (per_word + 126) << 7  # bf16 bits of 2^(e - 1)
+        x0, x4, x1, x5, x2, x6, x3, x7 = tl.inline_asm_elementwise(
+            _UNPACK_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, half | (half << 16)], dtype=(tl.bfloat16,) * 8,
+            is_pure=True, pack=1)
+        weights = _mma_order(x0, x1, x2, x3, x4, x5, x6, x7, BLOCK_N, BLOCK_K)
+    return weights
+
+
+@triton.jit
+def _code_value(words, k: tl.constexpr):
+    """fp32 value of code k (bits 4k..4k+3) of each word: (-1)^s (0, 0.5, 1, 1.5, 2, 3, 4, 6)[m]."""
+    code = (words >> (4 * k)) & 0xF
+    magnitude = code & 7  # 2^(m/2 - 1) (1 + (m & 1) / 2) for m >= 2, m / 2 below
+    value = tl.where(magnitude >= 2, tl.exp2((magnitude >> 1).to(tl.float32) - 1.0) * (1.0 + 0.5 * (magnitude & 1)),
+                     0.5 * magnitude.to(tl.float32))
+    return tl.where((code & 8) != 0, -value, value)
+
+
+@triton.jit
+def _dot(a, words, exponents, acc_t, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+         BLOCK_K: tl.constexpr):
+    """``acc_t + (a @ w)^T``, swapped: the weights [BLOCK_N, BLOCK_K], unpacked in registers, are the MMA's first
+    operand and the activations ``a`` [BLOCK_M, BLOCK_K] (bf16) its second, so the 16 or 32 rows of a decode tile
+    are the MMA's N, not rows padded to 64. (Triton still moves the unpacked tile through shared memory into the
+    MMA's register layout: see docs/PERF-NOTES.md.) ``acc_t`` is [BLOCK_N, BLOCK_M]."""
+    w = _unpack(words, exponents, INTERPRETED, BLOCK_N, BLOCK_K)
+    a = _paired(a, BLOCK_M, BLOCK_K)
+    if INTERPRETED:
+        acc_t = tl.dot(w, a.to(tl.float32).T, acc_t, input_precision="ieee")
+    else:
+        acc_t = tl.dot(w, a.T, acc_t)
+    return acc_t
+
+
+@triton.jit
+def _weight_tile(w_desc, w_ptrs, s_ptrs, row, k0, K, kw, kg, stride_wk, stride_sk, W_TMA: tl.constexpr):
+    """The packed weight tile at K offset ``k0``: words [BLOCK_N, BLOCK_K / 8] (int32, eight codes each) and
+    exponents [BLOCK_N, BLOCK_K / 32]. Rows ``row ..`` of the [E·N, K/8] view through TMA (zeros past K), else
+    through ``w_ptrs`` [BLOCK_N, BLOCK_K / 8] (masked past K)."""
+    if W_TMA:
+        words = w_desc.load([row, k0 // 8])
+    else:
+        words = tl.load(w_ptrs + (k0 // 8) * stride_wk, mask=(kw < (K - k0) // 8)[None, :], other=0)
     # Groups past K hold code 0, zero whatever their exponent.
     exponents = tl.load(s_ptrs + (k0 // 32) * stride_sk, mask=(kg < (K - k0) // 32)[None, :], other=127)
-    return packed.T, exponents
+    return words, exponents
 
 
 @triton.jit(do_not_specialize=["num_tiles"])
@@ -83,25 +179,26 @@ def _gemm1_mxfp4_kernel(
     tokens = (tl.load(p2e_ptr + a_rows) // top_k).to(tl.int64)
     wrapped = wrapped.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
-    kp = tl.arange(0, BLOCK_K // 2)
+    kw = tl.arange(0, BLOCK_K // 8)
     kg = tl.arange(0, BLOCK_K // 32)
-    gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + wrapped[:, None] * stride_wn + kp[None, :] * stride_wk
+    gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + wrapped[:, None] * stride_wn + kw[None, :] * stride_wk
     up_ptrs = gate_ptrs + N * stride_wn
     gate_s_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + wrapped[:, None] * stride_sn + kg[None, :] * stride_sk
     up_s_ptrs = gate_s_ptrs + N * stride_sn
     gate_row = expert * 2 * N + col_block * BLOCK_N  # first weight row of the tile in the [E·2N, K/2] view
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # transposed: see _dot
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(hidden_ptr + tokens[:, None] * stride_hm + (k0 + ks)[None, :] * stride_hk,
                     mask=(ks < K - k0)[None, :], other=0.0)
-        gate_w, gate_e = _weight_tile(w_desc, gate_ptrs, gate_s_ptrs, gate_row, k0, K, kp, kg, stride_wk, stride_sk,
+        gate_w, gate_e = _weight_tile(w_desc, gate_ptrs, gate_s_ptrs, gate_row, k0, K, kw, kg, stride_wk, stride_sk,
                                       W_TMA)
-        up_w, up_e = _weight_tile(w_desc, up_ptrs, up_s_ptrs, gate_row + N, k0, K, kp, kg, stride_wk, stride_sk,
+        up_w, up_e = _weight_tile(w_desc, up_ptrs, up_s_ptrs, gate_row + N, k0, K, kw, kg, stride_wk, stride_sk,
                                   W_TMA)
-        acc_gate = _dot(a, gate_w, gate_e, acc_gate, EMULATE_RTNE)
-        acc_up = _dot(a, up_w, up_e, acc_up, EMULATE_RTNE)
+        acc_gate = _dot(a, gate_w, gate_e, acc_gate, EMULATE_RTNE, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc_up = _dot(a, up_w, up_e, acc_up, EMULATE_RTNE, BLOCK_M, BLOCK_N, BLOCK_K)
 
+    acc_gate, acc_up = acc_gate.T, acc_up.T
     if HAS_LIMIT:  # DeepSeek-V4: clamp before the activation and the product
         acc_gate = tl.minimum(acc_gate, limit)
         acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
@@ -128,19 +225,29 @@ def _gemm2_mxfp4_kernel(
         tile, col_block, expert, N, tile_row_start_ptr, expert_offsets_ptr, BLOCK_M, BLOCK_N)
     wrapped = wrapped.to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
-    kp = tl.arange(0, BLOCK_K // 2)
+    kw = tl.arange(0, BLOCK_K // 8)
     kg = tl.arange(0, BLOCK_K // 32)
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + wrapped[:, None] * stride_wn + kp[None, :] * stride_wk
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + wrapped[:, None] * stride_wn + kw[None, :] * stride_wk
     s_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + wrapped[:, None] * stride_sn + kg[None, :] * stride_sk
     w_row = expert * N + col_block * BLOCK_N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # transposed: see _dot
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(inter_ptr + a_rows[:, None] * stride_im + (k0 + ks)[None, :] * stride_ik,
                     mask=(ks < K - k0)[None, :], other=0.0)
-        w, w_e = _weight_tile(w_desc, w_ptrs, s_ptrs, w_row, k0, K, kp, kg, stride_wk, stride_sk, W_TMA)
-        acc = _dot(a, w, w_e, acc, EMULATE_RTNE)
+        w, w_e = _weight_tile(w_desc, w_ptrs, s_ptrs, w_row, k0, K, kw, kg, stride_wk, stride_sk, W_TMA)
+        acc = _dot(a, w, w_e, acc, EMULATE_RTNE, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = acc.T
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
     tl.store(out_ptrs, _round(acc, out_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _words(values: torch.Tensor) -> torch.Tensor:
+    """The packed codes as int32 words [E, N, K/8], eight codes each: a view where the bytes allow (a row's bytes
+    contiguous, word-aligned), else a contiguous copy."""
+    packed = values.view(torch.uint8)
+    if packed.stride(2) != 1 or packed.storage_offset() % 4 or any(s % 4 for s in packed.stride()[:2]):
+        packed = packed.contiguous()
+    return packed.view(torch.int32)
 
 
 def mxfp4_tiles(tiles: GemmTiles) -> GemmTiles:
@@ -170,8 +277,8 @@ def experts_mxfp4(
     flags = {"EMULATE_RTNE": interpreting, "USE_PDL": use_pdl}  # EMULATE_RTNE: the interpreter's work-arounds
     launch = {"launch_pdl": True} if use_pdl else {}
     t1, t2 = mxfp4_tiles(gemm1_tiles), mxfp4_tiles(gemm2_tiles)
-    w1, w2 = gate_up.values.view(torch.uint8), down.values.view(torch.uint8)
-    desc1 = weight_descriptor(w1, t1.block_n, t1.block_k // 2)
+    w1, w2 = _words(gate_up.values), _words(down.values)
+    desc1 = weight_descriptor(w1, t1.block_n, t1.block_k // 8)
     _gemm1_mxfp4_kernel[(num_tiles * triton.cdiv(width, t1.block_n),)](
         hidden, w1, w1 if desc1 is None else desc1, gate_up.scales, inter,
         plan.tile_expert, plan.tile_row_start, plan.expert_offsets, plan.permuted_to_expanded,
@@ -181,7 +288,7 @@ def experts_mxfp4(
         GROUP_M=t1.group_m, W_TMA=desc1 is not None, num_warps=t1.num_warps, num_stages=t1.num_stages,
         **flags, **launch,
     )
-    desc2 = weight_descriptor(w2, t2.block_n, t2.block_k // 2)
+    desc2 = weight_descriptor(w2, t2.block_n, t2.block_k // 8)
     _gemm2_mxfp4_kernel[(num_tiles * triton.cdiv(hidden_size, t2.block_n),)](
         inter, w2, w2 if desc2 is None else desc2, down.scales, out,
         plan.tile_expert, plan.tile_row_start, plan.expert_offsets,

@@ -305,13 +305,13 @@ def heuristic(
        64 rows keep GEMM1's gate and up tiles in registers, 128 rows spilled (sm_90 compile). 32 rows run on
        mma.sync, not wgmma: on one H200 (DeepSeek-V3, M = 1024, 32 rows per expert) 64-row tiles took 3,483 µs
        against 4,480 for 32 rows; at M = 4096, 7,749 against 13,784.
-    7. MXFP4 weights (``dtype`` uint8, ``experts/mxfp4.py``): the short tiles are bound by the latency of each
-       step's unpacking, not by the bytes, so they are small and many: [64, 64] weight tiles, 4 warps, 3 stages
-       for both GEMMs; for a few tokens (at most 16 rows: too few programs to fill the SMs otherwise) [64, 128] with
-       6 stages, which keeps more bytes in flight per program. Swept on one H200 (DeepSeek-V4-Flash, 2026-12-01,
-       µs at M = 1 / 16 / 128 / 1024): [64, 64] s3 134 / 710 / 2,097 / 2,556; [64, 128] s6 91 / 882 / 2,625 /
-       3,298; [64, 256] s3 (the tile of the previous unpacking) 109 / 1,072 / 3,216 / 3,818; [64, 32] and 8 warps
-       slower. Tall tiles as for bf16 with 3 stages (M = 4096: 5,253 µs, against 5,356 and 5,666 for 4 stages).
+    7. MXFP4 weights (``dtype`` uint8, ``experts/mxfp4.py``): short tiles [128, 128] on 8 warps, 3 stages, for
+       both GEMMs; for a few tokens (at most 16 rows: few programs, each streaming long rows) [64, 256] on 4 warps,
+       4 stages. Swept on one H200 (DeepSeek-V4-Flash, 2026-12-01, µs at M = 1 / 16 / 128 / 1024): [128, 128] w8 s3
+       73 (s5) / 461 / 1,391 / 1,864; [64, 256] w4 s4 64 / 552 / - / -; [64, 128] w4 s3 - / 475 / 1,439 / 1,983;
+       [64, 64] w4 s3 - / 499 / 1,529 / 2,020; [128, 256] and [256, 128] w8 s3 slower (635 / 1,929 / 2,372 and
+       644 / 2,005 / 2,355). Tall tiles as for bf16 with 3 stages (M = 4096: 4,365 µs, against 4,775 for 4 stages
+       with tiles grouped per expert, 4,917 for [64, 64] and 5,083 for [128, 64]).
     """
     M = int(M)
     rows = max(M * K, 1)
@@ -333,11 +333,11 @@ def heuristic(
                      num_stages=3, spread=False)
     elif mxfp4 and block_m <= 32:
         few = rows <= MXFP4_FEW_ROWS
-        block_k, stages = (128, 6) if few else (64, 3)
-        gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=64, block_k=block_k, group_m=1, num_warps=4,
-                     num_stages=stages, spread=False)
-        gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=64, block_k=block_k, group_m=1, num_warps=4,
-                     num_stages=stages, spread=False)
+        block_n, block_k, warps, stages = (64, 256, 4, 4) if few else (128, 128, 8, 3)
+        gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=block_n, block_k=block_k, group_m=1,
+                     num_warps=warps, num_stages=stages, spread=False)
+        gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=block_n, block_k=block_k, group_m=1,
+                     num_warps=warps, num_stages=stages, spread=False)
     elif mxfp4:
         gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=128, group_m=4, num_warps=8,
                      num_stages=3, spread=False)

@@ -10,15 +10,20 @@ The kernels follow the bf16 ones (``kernel.py``: same grid, tile order, gathered
 epilogue) with two changes. Each weight tile is read packed, as int32 words of eight codes (half a byte per
 weight, plus a byte of scale per 32), and unpacked in registers to bf16 ``value(code) * 2^(e - 127)``, exact, by
 a few bit operations and one bf16 multiply per pair of weights (``_UNPACK_ASM``; Hopper has no FP4 tensor cores).
-And the MMA is swapped, ``(W x^T)^T``: the unpacked weights are its first operand, the activations its second, so
-a decode tile's 16 or 32 rows are the MMA's N rather than rows padded to 64. The unpacking pairs weight k + j with
-k + j + 4 of each word (one shift places both), so the weights come out in that K order and the activation tile is
-permuted the same way in registers (``_paired``); the dot product does not depend on the order. No dequantized
-copy of a weight is ever written, and the packed tensors are read as the checkpoint ships them (no re-layout).
+And the MMA is swapped, ``(W x^T)^T``: the unpacked weights are its first operand, taken from registers, the
+activations its second, so a decode tile's 16 or 32 rows are the MMA's N rather than rows padded to 64.
 
-History, one H200: building each weight with Triton integer ops took 12 SASS instructions per weight in the main
-loop (4.7x the read floor at 16 and 128 tokens); ``tl.dot_scaled`` took 6.6 (3.7x); this unpacking takes about
-2.4 (2.7x, bound by each step's latency rather than by issue: see docs/PERF-NOTES.md).
+The K order is the registers' (``_mma_order``): the unpacking pairs weight k + j with k + j + 4 of each word (one
+shift places both), and within each group of 32 the pairs are laid out so that the four pairs a thread holds of a
+row in the MMA's first operand are the four pairs of one word. So each thread unpacks whole words straight into
+its operand registers, with no trip through shared memory, and the activation tile is permuted to the same order
+(``_paired``; the dot product does not depend on the order). No dequantized copy of a weight is ever written, and
+the packed tensors are read as the checkpoint ships them (no re-layout).
+
+History, one H200, DeepSeek-V4-Flash at 16 tokens: building each weight with Triton integer ops took 12 SASS
+instructions per weight in the main loop (4.7x the read floor); ``tl.dot_scaled`` 6.6 (3.7x, 990 µs); this
+unpacking in natural K order, converted to the operand layout through shared memory, 706 µs; in the registers'
+order 461 µs (docs/PERF-NOTES.md).
 """
 
 from __future__ import annotations
@@ -79,19 +84,23 @@ mov.b32 {$6, $7}, t;
 @triton.jit
 def _mma_order(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """[BLOCK_N, BLOCK_K / 8] tensors of weights k = 0..7 of each packed word -> [BLOCK_N, BLOCK_K] in the K order
-    the unpacking makes: weight k + j (j < 4) of word w at 8 w + 2 j, weight k + j + 4 at 8 w + 2 j + 1 (the two
-    halves of one unpacked bf16 pair side by side, as the MMA operand holds them)."""
-    low = tl.join(tl.join(v0, v2), tl.join(v1, v3))
-    high = tl.join(tl.join(v4, v6), tl.join(v5, v7))
-    both = tl.join(low, high)  # [..., W, 2, 2, 2]: element [w, t, u, v] is weight 2 t + u + 4 v
-    return both.reshape(BLOCK_N, BLOCK_K)
+    of the MMA operand's registers: in each group of 32 columns, weight 8 t + j + 4 b (word t, pair j < 4, half b)
+    at 8 j + 2 t + b, so that the four pairs a thread holds of a row are one word's."""
+    G: tl.constexpr = BLOCK_K // 32
+    p0 = tl.join(v0.reshape(BLOCK_N, G, 4), v4.reshape(BLOCK_N, G, 4))
+    p1 = tl.join(v1.reshape(BLOCK_N, G, 4), v5.reshape(BLOCK_N, G, 4))
+    p2 = tl.join(v2.reshape(BLOCK_N, G, 4), v6.reshape(BLOCK_N, G, 4))
+    p3 = tl.join(v3.reshape(BLOCK_N, G, 4), v7.reshape(BLOCK_N, G, 4))
+    pairs = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [BLOCK_N, G, t, b, m, n]: pair j = 2 m + n, half b
+    return pairs.permute(0, 1, 4, 5, 2, 3).reshape(BLOCK_N, BLOCK_K)
 
 
 @triton.jit
 def _paired(a, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Activations [BLOCK_M, BLOCK_K] in the K order of ``_mma_order``: within each 8 columns, column j then j + 4
-    (the weights' order, so the dot product is unchanged)."""
-    return a.reshape(BLOCK_M, BLOCK_K // 8, 2, 4).permute(0, 1, 3, 2).reshape(BLOCK_M, BLOCK_K)
+    """Activations [BLOCK_M, BLOCK_K] in the K order of ``_mma_order``: column 8 t + 4 b + j of each group of 32 at
+    8 j + 2 t + b (the weights' order, so the dot product is unchanged)."""
+    G: tl.constexpr = BLOCK_K // 32
+    return a.reshape(BLOCK_M, G, 4, 2, 4).permute(0, 1, 4, 2, 3).reshape(BLOCK_M, BLOCK_K)
 
 
 @triton.jit
@@ -135,8 +144,7 @@ def _dot(a, words, exponents, acc_t, INTERPRETED: tl.constexpr, BLOCK_M: tl.cons
          BLOCK_K: tl.constexpr):
     """``acc_t + (a @ w)^T``, swapped: the weights [BLOCK_N, BLOCK_K], unpacked in registers, are the MMA's first
     operand and the activations ``a`` [BLOCK_M, BLOCK_K] (bf16) its second, so the 16 or 32 rows of a decode tile
-    are the MMA's N, not rows padded to 64. (Triton still moves the unpacked tile through shared memory into the
-    MMA's register layout: see docs/PERF-NOTES.md.) ``acc_t`` is [BLOCK_N, BLOCK_M]."""
+    are the MMA's N, not rows padded to 64. ``acc_t`` is [BLOCK_N, BLOCK_M]."""
     w = _unpack(words, exponents, INTERPRETED, BLOCK_N, BLOCK_K)
     a = _paired(a, BLOCK_M, BLOCK_K)
     if INTERPRETED:

@@ -256,10 +256,24 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
         gate_up = fp8_weight(gate_up, experts.gate_up_proj_scale_inv)
         down = fp8_weight(down, experts.down_proj_scale_inv)
     elif gate_up.dtype == torch.int8:  # FP4: the exponent range is not re-checked per call (it reads the device)
-        gate_up = MXFP4.unchecked(gate_up, ue8m0_of(experts.gate_up_proj_scale_inv))
-        down = MXFP4.unchecked(down, ue8m0_of(experts.down_proj_scale_inv))
+        gate_up = MXFP4.unchecked(gate_up, _exponents(experts, "gate_up_proj_scale_inv"))
+        down = MXFP4.unchecked(down, _exponents(experts, "down_proj_scale_inv"))
     return routed_experts(hidden_states, gate_up, down, weights, top_k_index.to(torch.int32),
                           swiglu_limit=getattr(experts, "limit", None))
+
+
+def _exponents(experts: nn.Module, name: str) -> torch.Tensor:
+    """An FP4 experts module's scales ``name`` as ue8m0 exponents: a view of ``float8_e8m0fnu``/uint8 ones; fp32
+    powers of two converted once and kept on the module until that tensor changes (the conversion checks them on
+    the host, which a call must not: it would stall the stream and break CUDA-graph capture)."""
+    scales = getattr(experts, name)
+    if scales.dtype != torch.float32 or torch.compiler.is_compiling():
+        return ue8m0_of(scales)
+    key = (scales.data_ptr(), scales._version, tuple(scales.shape))
+    cache = experts.__dict__.setdefault("_moefuse_exponents", {})
+    if name not in cache or cache[name][0] != key:
+        cache[name] = (key, ue8m0_of(scales))
+    return cache[name][1]
 
 
 def register_experts_implementation(name: str = "moefuse") -> None:

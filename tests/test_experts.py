@@ -53,6 +53,15 @@ def test_fp16(gen, device):
     check(*make_inputs(gen, 9, 2, torch.float16), device=device)
 
 
+@pytest.mark.parametrize("limit", [None, 1.5], ids=["no-clamp", "clamp"])
+def test_nan_stays_in_its_token(limit, gen, device):
+    """A NaN in one token's hidden state makes that token's rows NaN, as in the reference (the clamp must not turn
+    it into the limit), and leaves every other row as it was."""
+    x, w1, w2, ids = make_inputs(gen, 9, 2, torch.bfloat16, scale=2.0)
+    x[4, 7] = float("nan")
+    check(x, w1, w2, ids, limit=limit, device=device)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_small_tiles_several_per_expert(dtype, gen, device):
     """Forced 16-row tiles over ~20 rows per expert: experts span several tiles, GROUP_M > 1 interleaves them,

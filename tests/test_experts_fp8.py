@@ -151,6 +151,17 @@ def test_ue8m0_scales_and_empty_experts(gen, device):
     assert int(plan.expert_offsets[4] - plan.expert_offsets[3]) == 0
 
 
+@pytest.mark.parametrize("M", [3, 40], ids=["quantized-in-gemm1", "quantized-before"])
+@pytest.mark.parametrize("limit", [None, 1.5], ids=["no-clamp", "clamp"])
+def test_nan_stays_in_its_token(M, limit, gen, device):
+    """A NaN in one token's hidden state makes that token's rows NaN (SPEC §5), with the activations quantized in
+    GEMM1 (a few rows) or by the pass before it (64 rows or more), with and without the clamp; every other row
+    matches the reference."""
+    x, w1, w2, ids = _inputs(gen, M, 2, 3, 200, 136, device=device)
+    x[1, 150] = float("nan")
+    _check(x, w1, w2, ids, limit=limit)
+
+
 @pytest.mark.parametrize("block_m", [64, 128])
 @pytest.mark.parametrize("shape", [(200, 136), (256, 128)], ids=["pointer-rows", "tma-rows"])
 def test_tall_tiles(block_m, shape, gen, device):

@@ -339,6 +339,15 @@ def test_smallest_shapes(gen, device):
     _check(*_inputs(gen, 9, 3, 4, 32, 32, device=device), limit=1.5)
 
 
+@pytest.mark.parametrize("limit", [None, 1.5], ids=["no-clamp", "clamp"])
+def test_nan_stays_in_its_token(limit, gen, device):
+    """A NaN in one token's hidden state makes that token's rows NaN, as in the reference (zero weights included:
+    NaN x 0 is NaN), with and without the clamp; every other row matches the reference."""
+    x, w1, w2, ids = _inputs(gen, 9, 2, 4, 64, 32, invalid=0.0, device=device)
+    x[2, 33] = float("nan")
+    _check(x, w1, w2, ids, limit=limit)
+
+
 def test_tall_tiles(gen, device):
     """64-row tiles (block_m 64): expert 0's 70 rows are a full tile and a 6-row tail, GROUP_M 0 (per expert) in
     GEMM1 and 2 in GEMM2, BLOCK_K 32 over H = 96 and 64 over I = 160 (a last step of 32)."""

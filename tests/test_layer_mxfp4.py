@@ -3,6 +3,8 @@ transformers' DeepSeek-V4 blocks with FP4 experts (routed and hash-routed) throu
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hf_blocks import load_dequantized_
@@ -127,3 +129,28 @@ def test_experts_interface_runs_fp4_experts(gen):
             gate, up = h[:128].clamp(max=0.5), h[128:].clamp(-0.5, 0.5)
             want[t] += weights[t, k] * ((torch.nn.functional.silu(gate) * up) @ down[ids[t, k]].T)
     assert_rel_close(got.double(), want, 1e-2, "experts interface, fp4")
+
+
+def test_experts_interface_converts_fp32_scales_once(gen, monkeypatch):
+    """FP4 experts whose scales are fp32 powers of two: the experts interface converts them to exponents on the
+    first call only (the conversion reads the device), and again once the tensor is changed in place."""
+    E, H, I = 3, 64, 32
+    experts = torch.nn.Module()
+    for name, (n, k) in {"gate_up_proj": (2 * I, H), "down_proj": (H, I)}.items():
+        w = MXFP4.quantize(torch.randn(E, n, k, generator=gen) / math.sqrt(k))
+        setattr(experts, name, torch.nn.Parameter(w.values.view(torch.int8), requires_grad=False))
+        scales = torch.exp2(w.scales.float() - 127)
+        setattr(experts, f"{name}_scale_inv", torch.nn.Parameter(scales, requires_grad=False))
+    calls = []
+    convert = moefuse.hf.ue8m0_of
+    monkeypatch.setattr(moefuse.hf, "ue8m0_of", lambda s: calls.append(s) or convert(s))
+    x = torch.randn(4, H, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(4)])
+    weights = torch.rand(4, 2, generator=gen)
+    first = moefuse.hf.experts_forward(experts, x, ids, weights)
+    again = moefuse.hf.experts_forward(experts, x, ids, weights)
+    assert len(calls) == 2 and torch.equal(first, again)  # gate_up's and down's scales, converted once each
+    with torch.no_grad():
+        experts.down_proj_scale_inv.mul_(2.0)  # still powers of two: the output doubles, exactly
+    doubled = moefuse.hf.experts_forward(experts, x, ids, weights)
+    assert len(calls) == 3 and torch.equal(doubled, 2 * first)

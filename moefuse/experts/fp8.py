@@ -43,7 +43,7 @@ from .. import _runtime
 from ..dispatch import DispatchPlan
 from ..formats import BLOCK, BlockFP8
 from .configs import FP8_PREQUANTIZE_MIN_ROWS, SMEM_BUDGET, GemmTiles
-from .kernel import _program_start, _round, _tile_span, rows_descriptor, weight_descriptor
+from .kernel import _program_start, _round, _swiglu, _tile_span, rows_descriptor, weight_descriptor
 
 
 @triton.jit
@@ -59,9 +59,16 @@ def _to_e4m3(y, EMULATE_RTNE: tl.constexpr):
 
 
 @triton.jit
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _quantize(x, EMULATE_RTNE: tl.constexpr):
-    """Rows of fp32 ``x`` [BLOCK_M, 128] -> (e4m3 values, fp32 scale per row), SPEC §5 (all-zero row: scale 0)."""
-    amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_M]
+    """Rows of fp32 ``x`` [BLOCK_M, 128] -> (e4m3 values, fp32 scale per row), SPEC §5 (all-zero row: scale 0).
+    A NaN makes its row's amax, and so its scale, NaN (``tl.max`` would skip it), as in the reference: the row's
+    products are then NaN whatever the e4m3 cast makes of the NaN itself (Triton's interpreter makes it finite)."""
+    amax = tl.reduce(tl.abs(x), 1, _max_keeping_nan)  # [BLOCK_M]
     inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax), 0.0)
     y = x * inv[:, None]
     # A NaN input stays NaN (the hardware's min/max would drop it).
@@ -179,10 +186,7 @@ def _gemm1_fp8_kernel(
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
 
-    if HAS_LIMIT:
-        acc_gate = tl.minimum(acc_gate, limit)
-        acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    act = _swiglu(acc_gate, acc_up, limit, HAS_LIMIT)
     act = tl.where(col_ok[None, :], act, 0.0)  # a partial last group: its missing columns must not set the amax
     q, scale = _quantize(act, EMULATE_RTNE)
     out_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_in

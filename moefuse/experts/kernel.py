@@ -126,6 +126,18 @@ def _round(x, dtype: tl.constexpr, EMULATE_RTNE: tl.constexpr):
 
 
 @triton.jit
+def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
+    """``SiLU(gate) * up`` in fp32, after DeepSeek-V4's clamp (gate <= limit, up within [-limit, limit]) where
+    ``HAS_LIMIT``. The clamp keeps NaN, as ``torch.clamp`` does (the hardware's min and max would return the limit):
+    a token whose hidden state holds a NaN gets NaN rows, never finite ones."""
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.minimum(up, limit, propagate_nan=tl.PropagateNan.ALL)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
 def _gemm1_tile(
     hidden_ptr, w_ptr, w_desc, inter_ptr, p2e_ptr, expert, row_start, row_end, col_block,
     N, K, top_k, limit, stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_im, stride_in,
@@ -173,10 +185,7 @@ def _gemm1_tile(
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
 
-    if HAS_LIMIT:  # DeepSeek-V4: clamp before the activation and the product
-        acc_gate = tl.minimum(acc_gate, limit)
-        acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-    act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BLOCK_M, BLOCK_N] SiLU(gate) * up
+    act = _swiglu(acc_gate, acc_up, limit, HAS_LIMIT)  # [BLOCK_M, BLOCK_N]
     out_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_in
     tl.store(out_ptrs, _round(act, inter_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
 

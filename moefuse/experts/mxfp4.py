@@ -38,7 +38,7 @@ from .. import _runtime
 from ..dispatch import DispatchPlan
 from ..formats import MX_GROUP, MXFP4
 from .configs import GemmTiles
-from .kernel import _program_start, _round, _tile_span, weight_descriptor
+from .kernel import _program_start, _round, _swiglu, _tile_span, weight_descriptor
 
 # Four bf16 pairs from one 32-bit word of packed codes (weights k..k+7 of a row, weight k + j in bits 4j..4j+3):
 # pair j holds weights k + j (low half) and k + j + 4 (high half), so one shift and mask places both magnitudes
@@ -206,11 +206,7 @@ def _gemm1_mxfp4_kernel(
         acc_gate = _dot(a, gate_w, gate_e, acc_gate, EMULATE_RTNE, BLOCK_M, BLOCK_N, BLOCK_K)
         acc_up = _dot(a, up_w, up_e, acc_up, EMULATE_RTNE, BLOCK_M, BLOCK_N, BLOCK_K)
 
-    acc_gate, acc_up = acc_gate.T, acc_up.T
-    if HAS_LIMIT:  # DeepSeek-V4: clamp before the activation and the product
-        acc_gate = tl.minimum(acc_gate, limit)
-        acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    act = _swiglu(acc_gate.T, acc_up.T, limit, HAS_LIMIT)
     out_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_in
     tl.store(out_ptrs, _round(act, inter_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
 

@@ -104,12 +104,14 @@ def sass_stats(cubin: bytes) -> tuple[str, dict]:
 
 
 def main_loop_instructions(sass: str) -> int:
-    """Instructions (NOPs left out) of the longest backward branch's body: a GEMM's K loop."""
+    """Instructions (NOPs left out) of the longest conditional backward branch's body: a GEMM's K loop. (An
+    unconditional backward branch is the return from an out-of-line slow path, such as a TMA barrier's wait loop
+    placed after the epilogue: its span would count the epilogue too.)"""
     lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
     address = [int(re.search(r"/\*([0-9a-f]{4,})\*/", line).group(1), 16) for line in lines]
     best = 0
     for here, line in zip(address, lines):
-        jump = re.search(r"\bBRA\s+(?:`?\(?\.L_x_\d+\)?|0x([0-9a-f]+))", line)
+        jump = re.search(r"@!?U?P\w+\s+BRA\s+(?:`?\(?\.L_x_\d+\)?|0x([0-9a-f]+))", line)
         if jump and jump.group(1) and int(jump.group(1), 16) < here:
             body = [op for a, op in zip(address, lines) if int(jump.group(1), 16) <= a <= here and " NOP" not in op]
             best = max(best, len(body))

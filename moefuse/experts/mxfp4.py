@@ -20,10 +20,9 @@ its operand registers, with no trip through shared memory, and the activation ti
 (``_paired``; the dot product does not depend on the order). No dequantized copy of a weight is ever written, and
 the packed tensors are read as the checkpoint ships them (no re-layout).
 
-History, one H200, DeepSeek-V4-Flash at 16 tokens: building each weight with Triton integer ops took 12 SASS
-instructions per weight in the main loop (4.7x the read floor); ``tl.dot_scaled`` 6.6 (3.7x, 990 µs); this
-unpacking in natural K order, converted to the operand layout through shared memory, 706 µs; in the registers'
-order 461 µs (docs/PERF-NOTES.md).
+History, one H200, DeepSeek-V4-Flash at 16 tokens: building each weight with Triton integer ops ran 4.7x the read
+floor; ``tl.dot_scaled`` 3.7x (990 µs); this unpacking in natural K order, converted to the operand layout through
+shared memory, 706 µs; in the registers' order 461 µs, 1.8x (docs/PERF-NOTES.md).
 """
 
 from __future__ import annotations

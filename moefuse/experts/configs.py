@@ -296,9 +296,11 @@ def heuristic(
     6. fp8 block-scale weights (``dtype`` float8_e4m3fn, ``experts/fp8.py``): BLOCK_K 128 (one scale step) and
        GEMM1's BLOCK_N 128 (one intermediate scale group); tiles of 16 rows up to 16 rows per expert, else 64;
        GEMM1 8 warps where it quantizes its own activations or the tiles are tall, else 4 (swept on an H200: 4 warps
-       and 4 stages saved 2% at 16 and 128 tokens); GEMM1 5 stages where it quantizes its own activations
-       (a token or a few: one program per SM streams its weight tiles, and more of them in flight paid; DeepSeek-V3,
-       M = 1: 72.5 against 97.7 µs for 4 stages); GEMM2 4 warps (at 64 rows, DeepSeek-V3: 1,854 against 1,971 µs at
+       and 4 stages saved 2% at 16 and 128 tokens); GEMM1 5 stages where it quantizes its own activations and its
+       programs fit one wave on the SMs (a token or a few: one program per SM streams its weight tiles, and more of
+       them in flight paid; DeepSeek-V3 experts at M = 1, 128 programs: 107–108 against 132–133 µs for 4 stages,
+       three fresh processes each), else 4 (the DeepSeek-V3 layer at M = 1 runs its shared expert as a ninth slot,
+       144 programs: 149 µs against 183 for 5 stages); GEMM2 4 warps (at 64 rows, DeepSeek-V3: 1,854 against 1,971 µs at
        4096 tokens, 750 against 939 at 1024); tall tiles grouped per expert (GROUP_M 0: an expert's tiles share its
        weight tiles through L2 however many it has; 5,605 against 5,665 µs for groups of 4). Each 128-deep step adds
        a fresh fp32 product tile into the accumulator, so a program holds twice the accumulators of the bf16 kernel:
@@ -346,8 +348,9 @@ def heuristic(
     elif fp8:
         tall = block_m >= 64
         fused = rows < FP8_PREQUANTIZE_MIN_ROWS  # GEMM1 quantizes its activation tiles itself: 8 warps share that
+        deep = fused and num_tiles * -(-I // 128) <= NUM_SMS  # 5 stages only where GEMM1 is one wave of programs
         gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=128, group_m=0 if tall else 1,
-                     num_warps=8 if tall or fused else 4, num_stages=5 if fused else 4, spread=False)
+                     num_warps=8 if tall or fused else 4, num_stages=5 if deep else 4, spread=False)
         gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=128, block_k=128, group_m=0 if tall else 1,
                      num_warps=4, num_stages=4, spread=not tall)
     elif block_m <= 32:

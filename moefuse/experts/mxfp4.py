@@ -39,45 +39,34 @@ from ..formats import MX_GROUP, MXFP4
 from .configs import GemmTiles
 from .kernel import _program_start, _round, _swiglu, _tile_span, weight_descriptor
 
-# Four bf16 pairs from one 32-bit word of packed codes (weights k..k+7 of a row, weight k + j in bits 4j..4j+3):
-# pair j holds weights k + j (low half) and k + j + 4 (high half), so one shift and mask places both magnitudes
-# (code bits 0-2 -> bf16 bits 6-8: the exponent's two low bits and the mantissa's top one) and another both signs
-# (bit 3 -> bit 15). The bf16 so built is value(code) * 2^-126 (codes 1 and 0 land on bf16 subnormals, the rest on
-# normals, all with the same factor); one multiply by 2^(e - 1), exact, makes it value(code) * 2^(e - 127).
-# Per 8 weights: 7 shifts, 8 logic ops, 4 bf16x2 multiplies (sm_90 SASS; Triton's own e2m1 conversion took about
-# 50). The multiplier 2^(e - 1) is a bf16 for e <= 128, which bounds the exponents MXFP4 takes (SPEC §6).
-_UNPACK_ASM: tl.constexpr = tl.constexpr("""
-{
-.reg .b32 t, u;
-shl.b32 t, $8, 6;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, $8, 12;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 t, t, $9;
-mov.b32 {$0, $1}, t;
-shl.b32 t, $8, 2;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, $8, 8;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 t, t, $9;
-mov.b32 {$2, $3}, t;
-shr.b32 t, $8, 2;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, $8, 4;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 t, t, $9;
-mov.b32 {$4, $5}, t;
-shr.b32 t, $8, 6;
-and.b32 t, t, 0x01C001C0;
-and.b32 u, $8, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 t, t, $9;
-mov.b32 {$6, $7}, t;
-}
-""")
+
+def _unpack_asm() -> str:
+    """PTX that unpacks one 32-bit word of packed codes (weights k..k+7 of a row, weight k + j in bits 4j..4j+3,
+    ``$8``) into four bf16 pairs (``$0``..``$7``), scaled by the bf16x2 multiplier ``$9``.
+
+    Pair j holds weights k + j (low half) and k + j + 4 (high half), so one shift by 6 - 4j and a mask place both
+    magnitudes (code bits 0-2 -> bf16 bits 6-8: the exponent's two low bits and the mantissa's top one) and a shift
+    by 12 - 4j and a mask both signs (bit 3 -> bit 15). The bf16 so built is value(code) * 2^-126 (codes 1 and 0
+    land on bf16 subnormals, the rest on normals, all with the same factor); one multiply by 2^(e - 1), exact, makes
+    it value(code) * 2^(e - 127). Per 8 weights: 7 shifts, 8 logic ops, 4 bf16x2 multiplies (sm_90 SASS; Triton's
+    own e2m1 conversion took about 50). The multiplier 2^(e - 1) is a bf16 for e <= 128, which bounds the exponents
+    MXFP4 takes (SPEC §6).
+    """
+
+    def masked(reg: str, shift: int, mask: str) -> list[str]:
+        if shift == 0:
+            return [f"and.b32 {reg}, $8, {mask};"]
+        op = "shl" if shift > 0 else "shr"
+        return [f"{op}.b32 {reg}, $8, {abs(shift)};", f"and.b32 {reg}, {reg}, {mask};"]
+
+    lines = ["{", ".reg .b32 t, u;"]
+    for j in range(4):
+        lines += [*masked("t", 6 - 4 * j, "0x01C001C0"), *masked("u", 12 - 4 * j, "0x80008000"), "or.b32 t, t, u;",
+                  "mul.rn.bf16x2 t, t, $9;", f"mov.b32 {{${2 * j}, ${2 * j + 1}}}, t;"]
+    return "\n" + "\n".join([*lines, "}"]) + "\n"
+
+
+_UNPACK_ASM: tl.constexpr = tl.constexpr(_unpack_asm())
 
 
 @triton.jit

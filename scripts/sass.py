@@ -166,13 +166,13 @@ def router(args: argparse.Namespace) -> list[str]:
 
 def compile_gemm(gemm: int, dtype: torch.dtype, block_m: int, tiles: configs.GemmTiles, k: int, has_limit: bool):
     """GEMM1 (``gemm=1``) or GEMM2 of reduction length ``k``, as ``gemm1_swiglu`` / ``gemm2`` launch it on sm_90
-    for contiguous weights: TMA weight loads, PDL, short tails at half height for tall tiles."""
+    for contiguous weights: TMA weight loads, PDL, half-tile pieces for tall tiles."""
     fn = experts_kernel._gemm1_swiglu_kernel if gemm == 1 else experts_kernel._gemm2_kernel
     ty = TYPE_NAMES[dtype]
     constexprs = {
         **experts_kernel._dtype_flags(dtype),
         "EVEN_K": k % tiles.block_k == 0, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
-        "GROUP_M": tiles.group_m, "W_TMA": True, "SPLIT_TAIL": block_m >= experts_kernel.SPLIT_TAIL_MIN_BLOCK_M,
+        "GROUP_M": tiles.group_m, "W_TMA": True, "HALF_TILES": block_m >= experts_kernel.HALF_TILES_MIN_BLOCK_M,
         "USE_PDL": True,
         # Contiguous tensors: the launcher passes these strides as 1, which Triton specialises to a constant.
         **{name: 1 for name in UNIT_STRIDES if name in fn.arg_names},

@@ -284,7 +284,8 @@ def heuristic(
        (BLOCK_N 32-64, two programs per SM) cost Kimi-K2's layer 20 µs at M = 1.
     3. Tall tiles (prefill) are bound by tensor-core throughput: 8 warps, BLOCK_N 128 (GEMM1 keeps gate and
        up accumulators) or 256 (GEMM2, one accumulator, when 128 rows tall), BLOCK_K 64, 4 stages (TMA
-       weight loads leave room for them: 192 KB), and each expert's tiles one group sharing a column block
+       weight loads leave room for them: 224 KB compiled with the 64-row tail piece of 128-row tiles, see
+       ``kernel.py``; ``smem_bytes`` models one tile height), and each expert's tiles one group sharing a column block
        (GROUP_M 0), so its weight tiles are read from L2 by all its tiles however skewed the routing (DeepSeek-V3
        on an H200, against groups of 4: within noise to 3% faster at 4096 tokens, uniform and skewed, 5% at 8192).
     4. fp32 operands take IEEE products on the FMA units, not the tensor cores, so the operand tiles live in

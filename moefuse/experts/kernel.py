@@ -16,8 +16,17 @@ GROUP_M = 0 makes each expert's tiles one group, so a group never splits an expe
 A program whose tile is unused (expert -1) returns at once.
 
 Each program: rows ``[row_start, min(row_start + BLOCK_M, expert_end))`` of its expert's segment. With
-128-row tiles (prefill) a tile holding at most 64 of them (an expert's short tail) runs a 64-row variant of
-the same loop: on one H200 at M = 4096 (DeepSeek-V3) that cut GEMM1 by 7% and GEMM2 by 10%.
+128-row tiles (prefill, ``HALF_TILES``) half-tile pieces of 64 rows cut the padding of ragged experts:
+
+- an expert of at most 64 rows runs a 64-row variant of the loop (half the MMA work);
+- an expert's last tile, when 1 to 64 rows follow it, takes them as a second, 64-row piece on the same
+  weight tiles, and the tile of those rows exits: each weight tile goes from L2 to the SM once for up to 192
+  rows instead of twice. The prefill GEMMs are bound by L2 -> SM traffic (Nsight Compute, M = 4096: L2 93-97%
+  busy, DRAM 78-83%), so a second program re-reading a 64-row tail's weights cost almost as much as a full tile.
+
+One H200, DeepSeek-V3, GEMM1 + GEMM2 at 4096 tokens of random routing: 7,418-7,549 µs with the tails run as
+their own half-height tiles, 6,727-6,767 with them taken by the previous tile and padded rows masked out of the
+loads (outputs bit-identical; exactly 128 rows per expert, which has no tails: 6,011-6,093 against 6,003-5,994).
 
 Weights are read through TMA descriptors (:func:`weight_descriptor`) on sm90+ when their layout allows,
 else by pointer loads; TMA frees the registers and instructions of the weight addresses, which lets the
@@ -143,14 +152,18 @@ def _gemm1_tile(
     N, K, top_k, limit, stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_im, stride_in,
     HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     EMULATE_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    W_TMA: tl.constexpr,
+    W_TMA: tl.constexpr, TAIL_M: tl.constexpr = 0,
 ):
-    """One GEMM1 tile: rows [row_start, min(row_start + BLOCK_M, row_end)) x columns of ``col_block``."""
+    """One GEMM1 tile: rows [row_start, min(row_start + BLOCK_M + TAIL_M, row_end)) x columns of ``col_block``.
+
+    TAIL_M > 0: the rows past the first BLOCK_M form a second piece of TAIL_M rows that multiplies the same
+    weight tiles, so an expert of up to BLOCK_M + TAIL_M rows reads its weights once."""
     rows = row_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] permuted rows
     row_ok = rows < row_end
-    # Rows past the expert's end read token 0 and columns past N wrap around (or, through TMA, read the next
-    # rows of the stacked weights, zeros past the last expert): every load is in bounds, so the main loop
-    # needs no masks unless BLOCK_K does not divide K; the store drops the extra rows/columns.
+    # Rows past the expert's end are masked out of the activation loads (zeros): the prefill GEMMs are bound by
+    # L2 -> SM traffic, and an expert's padded rows would otherwise read whole rows of token 0. Columns past N
+    # wrap around (or, through TMA, read the next rows of the stacked weights, zeros past the last expert), so
+    # the weight loads need no masks unless BLOCK_K does not divide K; the store drops the extra rows/columns.
     tokens = tl.load(p2e_ptr + rows, mask=row_ok, other=0) // top_k  # [BLOCK_M] rows of hidden
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     col_ok = cols < N
@@ -163,11 +176,18 @@ def _gemm1_tile(
     gate_row = expert * 2 * N + col_block * BLOCK_N  # first weight row of the tile in the [E·2N, K] view
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if TAIL_M > 0:
+        tail_rows = row_start + BLOCK_M + tl.arange(0, TAIL_M)  # [TAIL_M]
+        tail_ok = tail_rows < row_end
+        tail_tokens = tl.load(p2e_ptr + tail_rows, mask=tail_ok, other=0) // top_k
+        tail_ptrs = hidden_ptr + tail_tokens.to(tl.int64)[:, None] * stride_hm + ks[None, :] * stride_hk
+        tail_gate = tl.zeros([TAIL_M, BLOCK_N], dtype=tl.float32)
+        tail_up = tl.zeros([TAIL_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
-            a = tl.load(a_ptrs)  # [BLOCK_M, BLOCK_K]
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
         else:
-            a = tl.load(a_ptrs, mask=(ks < K - k0)[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < K - k0)[None, :], other=0.0)
         if W_TMA:  # zero-filled past K
             gate_w = w_desc.load([gate_row, k0]).T  # [BLOCK_K, BLOCK_N]
             up_w = w_desc.load([gate_row + N, k0]).T
@@ -181,6 +201,16 @@ def _gemm1_tile(
             a, gate_w, up_w = a.to(tl.float32), gate_w.to(tl.float32), up_w.to(tl.float32)
         acc_gate = tl.dot(a, gate_w, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(a, up_w, acc_up, input_precision=PRECISION)
+        if TAIL_M > 0:
+            if EVEN_K:
+                t = tl.load(tail_ptrs, mask=tail_ok[:, None], other=0.0)  # [TAIL_M, BLOCK_K]
+            else:
+                t = tl.load(tail_ptrs, mask=tail_ok[:, None] & (ks < K - k0)[None, :], other=0.0)
+            if UPCAST:
+                t = t.to(tl.float32)
+            tail_gate = tl.dot(t, gate_w, tail_gate, input_precision=PRECISION)
+            tail_up = tl.dot(t, up_w, tail_up, input_precision=PRECISION)
+            tail_ptrs += BLOCK_K * stride_hk
         a_ptrs += BLOCK_K * stride_hk
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
@@ -188,6 +218,11 @@ def _gemm1_tile(
     act = _swiglu(acc_gate, acc_up, limit, HAS_LIMIT)  # [BLOCK_M, BLOCK_N]
     out_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_in
     tl.store(out_ptrs, _round(act, inter_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
+    if TAIL_M > 0:
+        act = _swiglu(tail_gate, tail_up, limit, HAS_LIMIT)  # [TAIL_M, BLOCK_N]
+        out_ptrs = inter_ptr + tail_rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_in
+        tl.store(out_ptrs, _round(act, inter_ptr.dtype.element_ty, EMULATE_RTNE),
+                 mask=tail_ok[:, None] & col_ok[None, :])
 
 
 # Integers that vary with the token count are not specialised: no new variant per batch size (moefuse.warmup).
@@ -200,7 +235,7 @@ def _gemm1_swiglu_kernel(
     HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_RTNE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    W_TMA: tl.constexpr, SPLIT_TAIL: tl.constexpr, USE_PDL: tl.constexpr,
+    W_TMA: tl.constexpr, HALF_TILES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """intermediate[rows, n] = SwiGLU(hidden[tok(rows)] @ W[e, n]^T, hidden[tok(rows)] @ W[e, N + n]^T).
 
@@ -212,7 +247,14 @@ def _gemm1_swiglu_kernel(
         return
     row_start = tl.load(tile_row_start_ptr + tile)
     row_end = tl.load(expert_offsets_ptr + expert + 1)
-    if SPLIT_TAIL and row_end - row_start <= BLOCK_M // 2:  # an expert's last, short tile: half the MMA work
+    short = row_end - row_start <= BLOCK_M // 2
+    if HALF_TILES and short and row_start > tl.load(expert_offsets_ptr + expert):
+        return  # an expert's last few rows: its previous tile took them
+    if HALF_TILES and row_end - row_start > BLOCK_M and row_end - row_start <= BLOCK_M + BLOCK_M // 2:
+        _gemm1_tile(hidden_ptr, w_ptr, w_desc, inter_ptr, p2e_ptr, expert, row_start, row_end, col_block,
+                    N, K, top_k, limit, stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_im, stride_in,
+                    HAS_LIMIT, EVEN_K, PRECISION, UPCAST, EMULATE_RTNE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, BLOCK_M // 2)
+    elif HALF_TILES and short:  # an expert of at most half a tile: half the MMA work
         _gemm1_tile(hidden_ptr, w_ptr, w_desc, inter_ptr, p2e_ptr, expert, row_start, row_end, col_block,
                     N, K, top_k, limit, stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_im, stride_in,
                     HAS_LIMIT, EVEN_K, PRECISION, UPCAST, EMULATE_RTNE, BLOCK_M // 2, BLOCK_N, BLOCK_K, W_TMA)
@@ -228,28 +270,33 @@ def _gemm2_tile(
     stride_im, stride_ik, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_RTNE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
+    TAIL_M: tl.constexpr = 0,
 ):
-    """One GEMM2 tile: rows [row_start, min(row_start + BLOCK_M, row_end)) x columns of ``col_block``."""
+    """One GEMM2 tile: rows [row_start, min(row_start + BLOCK_M + TAIL_M, row_end)) x columns of ``col_block``
+    (TAIL_M: a second piece of rows on the same weight tiles, as in GEMM1)."""
     rows = row_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] permuted rows
     row_ok = rows < row_end
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
 
-    # As in GEMM1, all loads stay in bounds without masks: rows past the expert's end re-read its first row
-    # and columns past N wrap around (through TMA: the next expert's rows, zeros past the last); the store
-    # drops them.
-    a_rows = tl.where(row_ok, rows, row_start).to(tl.int64)  # [BLOCK_M]
-    a_ptrs = inter_ptr + a_rows[:, None] * stride_im + ks[None, :] * stride_ik  # [BLOCK_M, BLOCK_K]
+    # As in GEMM1: rows past the expert's end are masked out of the activation loads, columns past N wrap
+    # around (through TMA: the next expert's rows, zeros past the last); the store drops them.
+    a_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_im + ks[None, :] * stride_ik  # [BLOCK_M, BLOCK_K]
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + (cols % N)[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk)  # [BLOCK_K, BLOCK_N]
     w_row = expert * N + col_block * BLOCK_N  # first weight row of the tile in the [E·N, K] view
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if TAIL_M > 0:
+        tail_rows = row_start + BLOCK_M + tl.arange(0, TAIL_M)  # [TAIL_M]
+        tail_ok = tail_rows < row_end
+        tail_ptrs = inter_ptr + tail_rows.to(tl.int64)[:, None] * stride_im + ks[None, :] * stride_ik
+        tail_acc = tl.zeros([TAIL_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
-            a = tl.load(a_ptrs)  # [BLOCK_M, BLOCK_K]
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
         else:
-            a = tl.load(a_ptrs, mask=(ks < K - k0)[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < K - k0)[None, :], other=0.0)
         if W_TMA:  # zero-filled past K
             w = w_desc.load([w_row, k0]).T  # [BLOCK_K, BLOCK_N]
         elif EVEN_K:
@@ -259,11 +306,24 @@ def _gemm2_tile(
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if TAIL_M > 0:
+            if EVEN_K:
+                t = tl.load(tail_ptrs, mask=tail_ok[:, None], other=0.0)  # [TAIL_M, BLOCK_K]
+            else:
+                t = tl.load(tail_ptrs, mask=tail_ok[:, None] & (ks < K - k0)[None, :], other=0.0)
+            if UPCAST:
+                t = t.to(tl.float32)
+            tail_acc = tl.dot(t, w, tail_acc, input_precision=PRECISION)
+            tail_ptrs += BLOCK_K * stride_ik
         a_ptrs += BLOCK_K * stride_ik
         w_ptrs += BLOCK_K * stride_wk
 
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on  # [BLOCK_M, BLOCK_N]
     tl.store(out_ptrs, _round(acc, out_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
+    if TAIL_M > 0:
+        out_ptrs = out_ptr + tail_rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
+        tl.store(out_ptrs, _round(tail_acc, out_ptr.dtype.element_ty, EMULATE_RTNE),
+                 mask=tail_ok[:, None] & col_ok[None, :])
 
 
 # Integers that vary with the token count are not specialised: no new variant per batch size (moefuse.warmup).
@@ -275,7 +335,7 @@ def _gemm2_kernel(
     stride_im, stride_ik, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_RTNE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    W_TMA: tl.constexpr, SPLIT_TAIL: tl.constexpr, USE_PDL: tl.constexpr,
+    W_TMA: tl.constexpr, HALF_TILES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out[rows, n] = intermediate[rows] @ down_proj[e, n]^T.  N = H (output columns), K = I (reduction)."""
     tile, col_block, expert = _program_start(num_tiles, N, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
@@ -284,7 +344,14 @@ def _gemm2_kernel(
         return
     row_start = tl.load(tile_row_start_ptr + tile)
     row_end = tl.load(expert_offsets_ptr + expert + 1)
-    if SPLIT_TAIL and row_end - row_start <= BLOCK_M // 2:  # an expert's last, short tile: half the MMA work
+    short = row_end - row_start <= BLOCK_M // 2
+    if HALF_TILES and short and row_start > tl.load(expert_offsets_ptr + expert):
+        return  # an expert's last few rows: its previous tile took them
+    if HALF_TILES and row_end - row_start > BLOCK_M and row_end - row_start <= BLOCK_M + BLOCK_M // 2:
+        _gemm2_tile(inter_ptr, w_ptr, w_desc, out_ptr, expert, row_start, row_end, col_block, N, K,
+                    stride_im, stride_ik, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+                    EVEN_K, PRECISION, UPCAST, EMULATE_RTNE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, BLOCK_M // 2)
+    elif HALF_TILES and short:  # an expert of at most half a tile: half the MMA work
         _gemm2_tile(inter_ptr, w_ptr, w_desc, out_ptr, expert, row_start, row_end, col_block, N, K,
                     stride_im, stride_ik, stride_we, stride_wn, stride_wk, stride_om, stride_on,
                     EVEN_K, PRECISION, UPCAST, EMULATE_RTNE, BLOCK_M // 2, BLOCK_N, BLOCK_K, W_TMA)
@@ -305,7 +372,7 @@ def _dtype_flags(dtype: torch.dtype) -> dict:
     }
 
 
-SPLIT_TAIL_MIN_BLOCK_M = 128  # smallest tile height whose short tiles run at half height (wgmma is 64 rows tall)
+HALF_TILES_MIN_BLOCK_M = 128  # smallest tile height with half-tile pieces (wgmma is 64 rows tall)
 
 
 def weight_descriptor(weight: torch.Tensor, block_n: int, block_k: int) -> Optional[TensorDescriptor]:
@@ -357,7 +424,7 @@ def gemm1_swiglu(
         hidden.stride(0), hidden.stride(1), *gate_up_proj.stride(), *intermediate.stride(),
         HAS_LIMIT=swiglu_limit is not None, EVEN_K=k % tiles.block_k == 0, **_dtype_flags(hidden.dtype),
         BLOCK_M=plan.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        W_TMA=desc is not None, SPLIT_TAIL=plan.block_m >= SPLIT_TAIL_MIN_BLOCK_M, USE_PDL=use_pdl,
+        W_TMA=desc is not None, HALF_TILES=plan.block_m >= HALF_TILES_MIN_BLOCK_M, USE_PDL=use_pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
 
@@ -385,6 +452,6 @@ def gemm2(
         *intermediate.stride(), *down_proj.stride(), *out.stride(),
         EVEN_K=k % tiles.block_k == 0, **_dtype_flags(intermediate.dtype),
         BLOCK_M=plan.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        W_TMA=desc is not None, SPLIT_TAIL=plan.block_m >= SPLIT_TAIL_MIN_BLOCK_M, USE_PDL=use_pdl,
+        W_TMA=desc is not None, HALF_TILES=plan.block_m >= HALF_TILES_MIN_BLOCK_M, USE_PDL=use_pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )

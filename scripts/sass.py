@@ -169,10 +169,13 @@ def compile_gemm(gemm: int, dtype: torch.dtype, block_m: int, tiles: configs.Gem
     for contiguous weights: TMA weight loads, PDL, half-tile pieces for tall tiles."""
     fn = experts_kernel._gemm1_swiglu_kernel if gemm == 1 else experts_kernel._gemm2_kernel
     ty = TYPE_NAMES[dtype]
+    joint = (gemm == 1 and block_m >= experts_kernel.JOINT_MIN_BLOCK_M
+             and 2 * tiles.block_n <= experts_kernel.JOINT_MAX_COLUMNS)
     constexprs = {
         **experts_kernel._dtype_flags(dtype),
         "EVEN_K": k % tiles.block_k == 0, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
         "GROUP_M": tiles.group_m, "W_TMA": True, "HALF_TILES": block_m >= experts_kernel.HALF_TILES_MIN_BLOCK_M,
+        **({"W_JOINT": joint} if gemm == 1 else {}),
         "USE_PDL": True,
         # Contiguous tensors: the launcher passes these strides as 1, which Triton specialises to a constant.
         **{name: 1 for name in UNIT_STRIDES if name in fn.arg_names},
@@ -188,7 +191,8 @@ def compile_gemm(gemm: int, dtype: torch.dtype, block_m: int, tiles: configs.Gem
         elif name.endswith("_ptr"):
             signature[name] = f"*{ty}"
         elif name == "w_desc":
-            signature[name] = f"tensordesc<{ty}[{tiles.block_n}, {tiles.block_k}]>"
+            box = f"2, {tiles.block_n}, {tiles.block_k}" if joint else f"{tiles.block_n}, {tiles.block_k}"
+            signature[name] = f"tensordesc<{ty}[{box}]>"
         elif name == "limit":
             signature[name] = "fp32"
         else:

@@ -102,14 +102,15 @@ def test_strided_hidden_and_weights(gen, device):
     check(wide[:, 5:5 + H], w1_t, w2, ids, device=device)
 
 
+@pytest.mark.parametrize("hidden", [48, 40], ids=["even-k", "ragged-k"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_tall_tiles_take_their_short_tail(dtype, gen, device):
+def test_tall_tiles_take_their_short_tail(dtype, hidden, gen, device):
     """128-row tiles: an expert's last <= 64 rows ride on its previous tile (one weight read for up to 192 rows),
     an expert of at most 64 rows runs at half height, anything else at full height."""
     counts = [300, 193, 192, 129, 100, 50]  # 128 + (128 + 44); 128 + 65; 128 + 64; 128 + 1; one tile; half
     labels = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), torch.tensor(counts))
     ids = labels.reshape(2, -1).T.contiguous()  # token t: experts labels[t] and labels[t + M], always distinct
-    x, w1, w2, _ = make_inputs(gen, ids.shape[0], 2, dtype, num_experts=len(counts), scale=2.0)
+    x, w1, w2, _ = make_inputs(gen, ids.shape[0], 2, dtype, num_experts=len(counts), hidden=hidden, scale=2.0)
     tiles = TileConfig(128, GemmTiles(16, 16, 2, 4, 2), GemmTiles(16, 32, 1, 4, 2))
     with configs.override(tiles):
         plan = check(x, w1, w2, ids, limit=1.5, block_m=128, device=device)

@@ -476,10 +476,14 @@ class MoELayer(nn.Module):
         """The shared expert as slot ``top_k`` (id E, weight 1 after renormalisation) of every token."""
         c = self.config
         weights, ids = self.gate(x, num_fused_shared_experts=1)
-        # The routed shape's tiles: that is the shape the table was tuned for, and one more slot barely moves it.
-        tiles = configs.pick(x.shape[0], c.num_experts, c.hidden_size, c.intermediate_size, c.top_k,
-                             tile_dtype(gate_up_proj, x.dtype),
-                             configs.arch_of(x.device))
+        # 16-bit weights: the routed shape's tiles, the shape the table was tuned for (one more slot barely moves
+        # them). The other formats' tiles come from the heuristic, which must count the slot: fp8 GEMM1 keeps 5
+        # stages only while its programs fit one wave (DeepSeek-V3 at one token: 144 programs with the slot, 128
+        # without).
+        dtype = tile_dtype(gate_up_proj, x.dtype)
+        slot = 0 if dtype in (torch.bfloat16, torch.float16) else 1
+        tiles = configs.pick(x.shape[0], c.num_experts + slot, c.hidden_size, c.intermediate_size, c.top_k + slot,
+                             dtype, configs.arch_of(x.device))
         with configs.override(tiles):
             routed = routed_experts(x, gate_up_proj, down_proj, weights, ids, swiglu_limit=c.swiglu_limit,
                                     defer=True, backend=self.backend)

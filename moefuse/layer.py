@@ -481,7 +481,7 @@ class MoELayer(nn.Module):
         # stages only while its programs fit one wave (DeepSeek-V3 at one token: 144 programs with the slot, 128
         # without).
         dtype = tile_dtype(gate_up_proj, x.dtype)
-        slot = 0 if dtype in (torch.bfloat16, torch.float16) else 1
+        slot = 0 if dtype in configs.TABLE_DTYPES else 1
         tiles = configs.pick(x.shape[0], c.num_experts + slot, c.hidden_size, c.intermediate_size, c.top_k + slot,
                              dtype, configs.arch_of(x.device))
         with configs.override(tiles):

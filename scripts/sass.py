@@ -169,8 +169,7 @@ def compile_gemm(gemm: int, dtype: torch.dtype, block_m: int, tiles: configs.Gem
     for contiguous weights: TMA weight loads, PDL, half-tile pieces for tall tiles."""
     fn = experts_kernel._gemm1_swiglu_kernel if gemm == 1 else experts_kernel._gemm2_kernel
     ty = TYPE_NAMES[dtype]
-    joint = (gemm == 1 and block_m >= experts_kernel.JOINT_MIN_BLOCK_M
-             and 2 * tiles.block_n <= experts_kernel.JOINT_MAX_COLUMNS)
+    joint = gemm == 1 and experts_kernel.joint_operand(block_m, tiles.block_n)
     constexprs = {
         **experts_kernel._dtype_flags(dtype),
         "EVEN_K": k % tiles.block_k == 0, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,

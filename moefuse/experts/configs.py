@@ -39,6 +39,7 @@ HOPPER_SMEM = 227 * 1024  # the most shared memory one block may opt in to on sm
 SMEM_BUDGET = 212 * 1024  # the heuristic's limit on smem_bytes (an upper model; see there)
 
 Arch = Optional[tuple[int, int]]
+TABLE_DTYPES = (torch.bfloat16, torch.float16)  # the tile tables' activations; other dtypes take the heuristic
 # fp8 (``experts/fp8.py``): plans of this many rows (M·K) or more quantize the activations in one pass before GEMM1
 # instead of in its prologue. One H200, DeepSeek-V3: the pass cost 24 µs at one token (8 rows) and saved 103 µs at
 # 16 tokens (128 rows) and 271 µs at 128 tokens.
@@ -170,7 +171,7 @@ def nearest_bucket(buckets: Iterable[int], M: int) -> int:
 
 
 def _from_table(M: int, E: int, H: int, I: int, K: int, dtype: torch.dtype, arch: Arch) -> Optional[TileConfig]:
-    if dtype not in (torch.bfloat16, torch.float16):
+    if dtype not in TABLE_DTYPES:
         return None  # fp32 moves twice the bytes per tile: the tables' tiles would not fit; use the heuristic
     buckets = _INDEX.get(arch, {}).get((E, H, I, K))
     return None if buckets is None else buckets[nearest_bucket(list(buckets), M)]

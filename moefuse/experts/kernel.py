@@ -409,37 +409,49 @@ def _dtype_flags(dtype: torch.dtype) -> dict:
     }
 
 
-# GEMM1 reads gate and up as one operand (``gate_up_descriptor``) for wgmma tiles (64 rows or more) of at most
-# 256 columns (the widest wgmma).
+# GEMM1 reads gate and up as one operand on these tiles (``joint_operand``).
 JOINT_MIN_BLOCK_M = 64
 JOINT_MAX_COLUMNS = 256
 HALF_TILES_MIN_BLOCK_M = 128  # smallest tile height with half-tile pieces (wgmma is 64 rows tall)
 
 
+def _tma_readable(weight: torch.Tensor, block_k: int) -> bool:
+    """Whether TMA can read ``weight`` [E, R, C] as [E·R, C] rows: on a Hopper-class GPU (or the interpreter), the
+    rows of all experts stacked with one stride (``stride(0) == R·stride(1)``), the last dim contiguous, the base
+    and row stride 16-byte aligned, and a box row of at least 16 bytes."""
+    E, R, _ = weight.shape
+    size = weight.element_size()
+    if not _runtime.interpreting() and (weight.device.type != "cuda" or _runtime.capability(weight.device)[0] < 9):
+        return False
+    if weight.stride(2) != 1 or (R > 1 and E > 1 and weight.stride(0) != R * weight.stride(1)) or E * R == 0:
+        return False
+    return not (weight.data_ptr() % 16 or (weight.stride(1) * size) % 16 or block_k * size < 16)
+
+
 def weight_descriptor(weight: torch.Tensor, block_n: int, block_k: int) -> Optional[TensorDescriptor]:
     """A TMA descriptor of ``weight`` [E, R, C] seen as [E·R, C] with [block_n, block_k] boxes, or None.
 
-    None (pointer loads instead) off Hopper-class GPUs and for layouts TMA cannot read: the rows of all
-    experts must stack with one stride (``stride(0) == R·stride(1)``), the last dim must be contiguous, and
-    the base and row stride 16-byte aligned. Under the interpreter it is used too, so CPU tests cover it.
+    None (pointer loads instead) off Hopper-class GPUs and for layouts TMA cannot read (``_tma_readable``).
+    Under the interpreter it is used too, so CPU tests cover it.
     """
+    if not _tma_readable(weight, block_k):
+        return None
     E, R, C = weight.shape
-    size = weight.element_size()
-    if not _runtime.interpreting() and (weight.device.type != "cuda" or _runtime.capability(weight.device)[0] < 9):
-        return None
-    if weight.stride(2) != 1 or (R > 1 and E > 1 and weight.stride(0) != R * weight.stride(1)) or E * R == 0:
-        return None
-    if weight.data_ptr() % 16 or (weight.stride(1) * size) % 16 or block_k * size < 16:
-        return None
     rows = weight.as_strided((E * R, C), (weight.stride(1), 1))
     return TensorDescriptor.from_tensor(rows, [block_n, block_k])
+
+
+def joint_operand(block_m: int, block_n: int) -> bool:
+    """Whether GEMM1 tiles of this shape read gate and up as one operand (``gate_up_descriptor``): wgmma tiles
+    (64 rows or more) of at most 256 columns (the widest wgmma)."""
+    return block_m >= JOINT_MIN_BLOCK_M and 2 * block_n <= JOINT_MAX_COLUMNS
 
 
 def gate_up_descriptor(gate_up_proj: torch.Tensor, block_n: int, block_k: int) -> Optional[TensorDescriptor]:
     """A TMA descriptor of ``gate_up_proj`` [E, 2I, H] seen as [E·2, I, H] with [2, block_n, block_k] boxes (a
     gate tile and the up tile of the same columns in one copy; zeros past I and H), or None where
     :func:`weight_descriptor` would give none."""
-    if weight_descriptor(gate_up_proj, block_n, block_k) is None or gate_up_proj.shape[1] % 2:
+    if not _tma_readable(gate_up_proj, block_k) or gate_up_proj.shape[1] % 2:
         return None
     E, R, C = gate_up_proj.shape
     halves = gate_up_proj.as_strided((E * 2, R // 2, C), (R // 2 * gate_up_proj.stride(1), gate_up_proj.stride(1), 1))
@@ -469,7 +481,7 @@ def gemm1_swiglu(
         return
     grid = (num_tiles * triton.cdiv(n, tiles.block_n),)
     desc = None
-    if plan.block_m >= JOINT_MIN_BLOCK_M and 2 * tiles.block_n <= JOINT_MAX_COLUMNS:
+    if joint_operand(plan.block_m, tiles.block_n):
         desc = gate_up_descriptor(gate_up_proj, tiles.block_n, tiles.block_k)
     joint = desc is not None
     if not joint:

@@ -207,7 +207,8 @@ def compile_fp8_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_limi
         "EMULATE_RTNE": False, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
         "GROUP_M": tiles.group_m, "W_TMA": True, "USE_PDL": True, "A_TMA": gemm == 2 or prequantized,
         **{name: 1 for name in UNIT_STRIDES + ("stride_ak",) if name in fn.arg_names},
-        **({"HAS_LIMIT": has_limit, "A_QUANTIZED": prequantized, "UP_ALIGNED": True} if gemm == 1 else {}),
+        **({"HAS_LIMIT": has_limit, "A_QUANTIZED": prequantized, "UP_ALIGNED": True} if gemm == 1
+           else {"SWAP": block_m < experts_fp8.WGMMA_MIN_ROWS}),
     }
     rows = f"tensordesc<fp8e4nv[{block_m}, {tiles.block_k}]>"
     types = {"hidden_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*fp8e4nv", "inter_ptr": "*fp8e4nv",

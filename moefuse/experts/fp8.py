@@ -45,6 +45,8 @@ from ..formats import BLOCK, BlockFP8
 from .configs import FP8_PREQUANTIZE_MIN_ROWS, SMEM_BUDGET, GemmTiles
 from .kernel import _program_start, _round, _swiglu, _tile_span, rows_descriptor, weight_descriptor
 
+WGMMA_MIN_ROWS = 64  # GEMM2's shorter tiles swap their MMA's operands (``_add_scaled``)
+
 
 @triton.jit
 def _to_e4m3(y, EMULATE_RTNE: tl.constexpr):
@@ -78,13 +80,28 @@ def _quantize(x, EMULATE_RTNE: tl.constexpr):
 
 
 @triton.jit
-def _add_scaled(acc, product, a_scale, w_scale, ONE_BLOCK: tl.constexpr):
-    """``acc + product · a_scale[row] · w_scale``: one step's fp32 product tile, scaled by its rows' activation scales
-    and its weight-block scale (``ONE_BLOCK``: a scalar; else [BLOCK_N], for a tile that straddles two blocks)."""
-    if ONE_BLOCK:
-        acc += product * (a_scale * w_scale)[:, None]  # one multiply per row, one FMA per element
+def _add_scaled(acc, a, w, a_scale, w_scale, ONE_BLOCK: tl.constexpr, SWAP: tl.constexpr):
+    """``acc + (a @ w) · a_scale[row] · w_scale``: one step's fp32 product of the activation tile ``a`` [BLOCK_M,
+    BLOCK_K] and the weight tile ``w`` [BLOCK_K, BLOCK_N], scaled by its rows' activation scales and its weight-block
+    scale (``ONE_BLOCK``: a scalar; else [BLOCK_N], for a tile that straddles two blocks).
+
+    ``SWAP``: ``acc`` is transposed, [BLOCK_N, BLOCK_M], and the product is ``w^T @ a^T``, so that a decode tile's few
+    rows are the MMA's N and the weights its M: wgmma (64 rows or more) reads the fp8 weights from shared memory
+    as they are, where a 16-row tile runs on mma.sync, which on sm_90 takes fp8 only after a conversion to fp16 in
+    registers (GEMM2's loop: 169 instructions a step against 298). Only GEMM2 swaps. wgmma sums fp8 products with
+    fewer bits than fp32, which in GEMM1 flips e4m3 roundings of the intermediate (SPEC §5): swapped, GEMM1 took
+    DeepSeek-V3's experts at one token from 108.7 to 100.1 µs but their error from 2.8e-3 to 7.0e-3, and to 1.2e-2
+    at 128 tokens, over the issue's 1e-2 (one H200). GEMM2's sums only meet the bf16 output rounding: 2.8e-3 either
+    way, 108.6 -> 106.9 µs at one token, 1,118 -> 1,109 at 16, 2,688 -> 2,678 at 128."""
+    if SWAP:
+        if ONE_BLOCK:
+            acc += tl.dot(w.T, a.T) * (a_scale * w_scale)[None, :]
+        else:
+            acc += tl.dot(w.T, a.T) * a_scale[None, :] * w_scale[:, None]
+    elif ONE_BLOCK:
+        acc += tl.dot(a, w) * (a_scale * w_scale)[:, None]  # one multiply per row, one FMA per element
     else:
-        acc += product * a_scale[:, None] * w_scale[None, :]
+        acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
     return acc
 
 
@@ -179,10 +196,8 @@ def _gemm1_fp8_kernel(
             gate_w = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
             up_w = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
         step = k0 // BLOCK_K * stride_sk
-        acc_gate = _add_scaled(acc_gate, tl.dot(a, gate_w), a_scale,
-                               tl.load(gate_scale_ptrs + step), True)
-        acc_up = _add_scaled(acc_up, tl.dot(a, up_w), a_scale,
-                             tl.load(up_scale_ptrs + step), UP_ALIGNED)
+        acc_gate = _add_scaled(acc_gate, a, gate_w, a_scale, tl.load(gate_scale_ptrs + step), True, False)
+        acc_up = _add_scaled(acc_up, a, up_w, a_scale, tl.load(up_scale_ptrs + step), UP_ALIGNED, False)
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
 
@@ -202,7 +217,7 @@ def _gemm2_fp8_kernel(
     stride_im, stride_ik, stride_ism, stride_isg, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_om, stride_on,
     EMULATE_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr, USE_PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr, USE_PDL: tl.constexpr, SWAP: tl.constexpr,
 ):
     """out[rows, n] = deq(intermediate[rows]) @ deq(down)[e, n]^T.  N = H, K = I."""
     tile, col_block, expert = _program_start(num_tiles, N, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
@@ -217,7 +232,10 @@ def _gemm2_fp8_kernel(
     w_row = expert * N + col_block * BLOCK_N
     # BLOCK_N <= 128: the tile's columns lie in one weight block (wrapped ones past N are never stored).
     w_scale_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + (col_block * BLOCK_N // 128) * stride_sn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = ks < K - k0
         a, a_scale = _load_rows(inter_ptr, inter_desc, is_ptr, a_rows, row_start, k0, ks, k_ok, stride_im, stride_ik,
@@ -226,9 +244,10 @@ def _gemm2_fp8_kernel(
             w = w_desc.load([w_row, k0]).T
         else:
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = _add_scaled(acc, tl.dot(a, w), a_scale,
-                          tl.load(w_scale_ptrs + k0 // BLOCK_K * stride_sk), True)
+        acc = _add_scaled(acc, a, w, a_scale, tl.load(w_scale_ptrs + k0 // BLOCK_K * stride_sk), True, SWAP)
         w_ptrs += BLOCK_K * stride_wk
+    if SWAP:
+        acc = acc.T
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
     tl.store(out_ptrs, _round(acc, out_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -312,5 +331,5 @@ def experts_fp8(
         *inter.stride(), *inter_scales.stride(), *down.values.stride(), *down.scales.stride(), *out.stride(),
         EMULATE_RTNE=emulate and out.dtype == torch.bfloat16, BLOCK_M=plan.block_m, BLOCK_N=t2.block_n,
         BLOCK_K=t2.block_k, GROUP_M=t2.group_m, W_TMA=desc2 is not None, A_TMA=inter_desc is not None,
-        USE_PDL=use_pdl, num_warps=t2.num_warps, num_stages=t2.num_stages, **launch,
+        USE_PDL=use_pdl, SWAP=plan.block_m < WGMMA_MIN_ROWS, num_warps=t2.num_warps, num_stages=t2.num_stages, **launch,
     )

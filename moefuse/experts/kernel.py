@@ -158,6 +158,19 @@ def _halves(acc, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _load_rows_tile(ptrs, row_ok, ks, k_left, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
+    """An activation tile [rows, BLOCK_K] at ``ptrs``: rows not ``row_ok`` (past the expert's end) read zeros, and,
+    unless ``EVEN_K``, so do columns at or past ``k_left``; fp32 under the interpreter (``UPCAST``)."""
+    if EVEN_K:
+        x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs, mask=row_ok[:, None] & (ks < k_left)[None, :], other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _gemm1_tile(
     hidden_ptr, w_ptr, w_desc, inter_ptr, p2e_ptr, expert, row_start, row_end, col_block,
     N, K, top_k, limit, stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_im, stride_in,
@@ -205,20 +218,10 @@ def _gemm1_tile(
             tail_gate = tl.zeros([TAIL_M, BLOCK_N], dtype=tl.float32)
             tail_up = tl.zeros([TAIL_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
-        else:
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < K - k0)[None, :], other=0.0)
+        a = _load_rows_tile(a_ptrs, row_ok, ks, K - k0, EVEN_K, UPCAST)  # [BLOCK_M, BLOCK_K]
         if TAIL_M > 0:
-            if EVEN_K:
-                t = tl.load(tail_ptrs, mask=tail_ok[:, None], other=0.0)  # [TAIL_M, BLOCK_K]
-            else:
-                t = tl.load(tail_ptrs, mask=tail_ok[:, None] & (ks < K - k0)[None, :], other=0.0)
-            if UPCAST:
-                t = t.to(tl.float32)
+            t = _load_rows_tile(tail_ptrs, tail_ok, ks, K - k0, EVEN_K, UPCAST)  # [TAIL_M, BLOCK_K]
             tail_ptrs += BLOCK_K * stride_hk
-        if UPCAST:
-            a = a.to(tl.float32)
         if W_JOINT:  # zero-filled past N and K
             w = w_desc.load([2 * expert, col_block * BLOCK_N, k0]).reshape(2 * BLOCK_N, BLOCK_K).T
             if UPCAST:
@@ -330,10 +333,7 @@ def _gemm2_tile(
         tail_ptrs = inter_ptr + tail_rows.to(tl.int64)[:, None] * stride_im + ks[None, :] * stride_ik
         tail_acc = tl.zeros([TAIL_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
-        else:
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks < K - k0)[None, :], other=0.0)
+        a = _load_rows_tile(a_ptrs, row_ok, ks, K - k0, EVEN_K, UPCAST)  # [BLOCK_M, BLOCK_K]
         if W_TMA:  # zero-filled past K
             w = w_desc.load([w_row, k0]).T  # [BLOCK_K, BLOCK_N]
         elif EVEN_K:
@@ -341,15 +341,10 @@ def _gemm2_tile(
         else:
             w = tl.load(w_ptrs, mask=(ks < K - k0)[:, None], other=0.0)
         if UPCAST:
-            a, w = a.to(tl.float32), w.to(tl.float32)
+            w = w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if TAIL_M > 0:
-            if EVEN_K:
-                t = tl.load(tail_ptrs, mask=tail_ok[:, None], other=0.0)  # [TAIL_M, BLOCK_K]
-            else:
-                t = tl.load(tail_ptrs, mask=tail_ok[:, None] & (ks < K - k0)[None, :], other=0.0)
-            if UPCAST:
-                t = t.to(tl.float32)
+            t = _load_rows_tile(tail_ptrs, tail_ok, ks, K - k0, EVEN_K, UPCAST)  # [TAIL_M, BLOCK_K]
             tail_acc = tl.dot(t, w, tail_acc, input_precision=PRECISION)
             tail_ptrs += BLOCK_K * stride_ik
         a_ptrs += BLOCK_K * stride_ik

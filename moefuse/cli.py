@@ -12,6 +12,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -124,7 +125,7 @@ def run_layer(args: argparse.Namespace) -> int:
     columns = [("stage", "stage"), ("us", "time (µs)"), ("how", "timed by")]
     print(format_table(rows, columns, title) if rows else f"### {title}")
     tol = 1e-2 if dtype != torch.float32 else 1e-5
-    checks = [
+    checks: list[dict[str, Any]] = [
         {"what": "layer vs float64 reference (max-normalised)", "error": rel_error(out, ref), "tolerance": tol},
         {"what": "layer vs float64 reference (RMS)", "error": rms_rel_error(out, ref), "tolerance": tol},
         {"what": "deferred vs non-deferred", "error": rel_error(out, out_plain), "tolerance": tol},

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from typing_extensions import Self
@@ -42,6 +42,18 @@ class QuantizedWeight:
     tile_dtype: ClassVar[torch.dtype]  # keys the experts' tile choice (``configs.pick``)
     row_step: ClassVar[int]  # where rows (N) may be cut without splitting a scale
     col_step: ClassVar[int]  # where columns (K) may be cut likewise
+
+    if TYPE_CHECKING:  # what every format (a dataclass of these two fields) provides
+
+        def __init__(self, values: torch.Tensor, scales: torch.Tensor) -> None: ...
+
+        @property
+        def shape(self) -> torch.Size: ...
+
+        @classmethod
+        def quantize(cls, weight: torch.Tensor) -> Self: ...
+
+        def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
 
     @classmethod
     def unchecked(cls, values: torch.Tensor, scales: torch.Tensor) -> Self:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,13 +47,13 @@ class DecodeGraphs:
         self.max_tokens = max_tokens
         self._key: Hashable = None
         self._graphs: dict[int, _Graph] = {}
-        self._pool: tuple[int, int] | None = None
+        self._pool: Any = None  # a CUDA graph memory pool handle (torch's type is private)
 
     def __getstate__(self) -> dict:  # copy.deepcopy and torch.save of a module: the copy captures its own
         return {"max_tokens": self.max_tokens}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["max_tokens"])
+        DecodeGraphs.__init__(self, state["max_tokens"])
 
     def __len__(self) -> int:
         return len(self._graphs)

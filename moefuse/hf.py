@@ -16,6 +16,7 @@ read off the block's own attributes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from torch import nn
 from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
 from moefuse.formats import MX_GROUP, MXFP4, BlockFP8, ue8m0_of
-from moefuse.layer import MoELayer, routed_experts, stack_gate_up
+from moefuse.layer import MoELayer, Quant, routed_experts, stack_gate_up
 
 # Block class name -> scoring function of its router ("config" = read the router's activation).
 SUPPORTED_BLOCKS: dict[str, str] = {
@@ -32,11 +33,13 @@ SUPPORTED_BLOCKS: dict[str, str] = {
     "DeepseekV4SparseMoeBlock": "config",  # DeepSeek-V4 (sqrt-softplus), its hash-routed layers too
     "Qwen3MoeSparseMoeBlock": "softmax",  # Qwen3-MoE
 }
+# A transformers module, read by attribute names (its classes vary with the model and the version): duck-typed.
+HFModule = Any
 _ACTIVATION_SCORING = {"SqrtSoftplusActivation": "sqrtsoftplus", "Sigmoid": "sigmoid", "Softmax": "softmax"}
 _ORIGINAL = "_moefuse_original"  # attribute of a patched-in layer holding the block it replaced
 
 
-def unsupported_reason(block: nn.Module) -> str | None:
+def unsupported_reason(block: HFModule) -> str | None:
     """Why ``block`` cannot become a MoELayer, or None when it can."""
     kind = SUPPORTED_BLOCKS.get(type(block).__name__)
     if kind is None:
@@ -52,14 +55,14 @@ def unsupported_reason(block: nn.Module) -> str | None:
     return None
 
 
-def quant_of(block: nn.Module) -> str | None:
+def quant_of(block: HFModule) -> Quant:
     """``"fp8"`` for a block whose experts are transformers' FP8 experts (e4m3 values, 128 x 128 block scales),
     ``"mxfp4"`` for its FP4 experts (``expert_dtype="fp4"``: int8 packed e2m1, one scale per 32 K values)."""
     dtype = block.experts.gate_up_proj.dtype
     return "fp8" if dtype == torch.float8_e4m3fn else "mxfp4" if dtype == torch.int8 else None
 
 
-def _fp8_reason(block: nn.Module) -> str | None:
+def _fp8_reason(block: HFModule) -> str | None:
     """Why a block's quantized experts cannot run here, or None (not quantized, or fp8 block-scale or MXFP4 as
     shipped)."""
     experts = block.experts
@@ -87,7 +90,7 @@ def _fp8_reason(block: nn.Module) -> str | None:
     return None
 
 
-def _mxfp4_reason(experts: nn.Module, shared: nn.Module | None) -> str | None:
+def _mxfp4_reason(experts: HFModule, shared: HFModule | None) -> str | None:
     """Why transformers' FP4 experts cannot run here, or None."""
     name = type(experts).__name__
     for proj in ("gate_up_proj", "down_proj"):
@@ -114,7 +117,7 @@ def fp8_weight(weight: torch.Tensor, scale_inv: torch.Tensor) -> BlockFP8:
     return BlockFP8.from_checkpoint(weight, scale_inv[..., :rows, :])
 
 
-def config_from_hf(block: nn.Module) -> MoEConfig:
+def config_from_hf(block: HFModule) -> MoEConfig:
     """The MoEConfig of a supported transformers block, read off its router, experts and shared expert."""
     reason = unsupported_reason(block)
     if reason is not None:
@@ -142,7 +145,7 @@ def config_from_hf(block: nn.Module) -> MoEConfig:
     )
 
 
-def layer_from_hf(block: nn.Module, *, backend: Backend = "auto", activation_dtype: torch.dtype = torch.bfloat16
+def layer_from_hf(block: HFModule, *, backend: Backend = "auto", activation_dtype: torch.dtype = torch.bfloat16
                   ) -> MoELayer:
     """A MoELayer computing ``block``'s function with ``block``'s own tensors (shared, not copied).
 
@@ -182,7 +185,7 @@ def layer_from_hf(block: nn.Module, *, backend: Backend = "auto", activation_dty
     return layer
 
 
-def _stack_fp8_gate_up(shared: nn.Module) -> None:
+def _stack_fp8_gate_up(shared: HFModule) -> None:
     """An fp8 shared expert's gate and up as one tensor each (:func:`moefuse.layer.stack_gate_up`), its ue8m0 scales
     converted to fp32 first (the format keeps fp32 scales)."""
     gate, up = shared.gate_proj, shared.up_proj
@@ -246,7 +249,7 @@ def unpatch(model: nn.Module) -> list[str]:
     return restored
 
 
-def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+def experts_forward(experts: HFModule, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts-interface signature, run by moefuse: dispatch, grouped GEMMs, finalize. Takes
     transformers' FP8 experts too (their ``*_scale_inv`` block scales)."""
@@ -258,11 +261,12 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
     elif gate_up.dtype == torch.int8:  # FP4: the exponent range is not re-checked per call (it reads the device)
         gate_up = MXFP4.unchecked(gate_up, _exponents(experts, "gate_up_proj_scale_inv"))
         down = MXFP4.unchecked(down, _exponents(experts, "down_proj_scale_inv"))
-    return routed_experts(hidden_states, gate_up, down, weights, top_k_index.to(torch.int32),
-                          swiglu_limit=getattr(experts, "limit", None))
+    out = routed_experts(hidden_states, gate_up, down, weights, top_k_index.to(torch.int32),
+                         swiglu_limit=getattr(experts, "limit", None))
+    return cast(torch.Tensor, out)  # not deferred
 
 
-def _exponents(experts: nn.Module, name: str) -> torch.Tensor:
+def _exponents(experts: HFModule, name: str) -> torch.Tensor:
     """An FP4 experts module's scales ``name`` as ue8m0 exponents: a view of ``float8_e8m0fnu``/uint8 ones; fp32
     powers of two converted once and kept on the module until that tensor changes (the conversion checks them on
     the host, which a call must not: it would stall the stream and break CUDA-graph capture)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +62,9 @@ class MoERouter(nn.Module):
     (``hash_vocab_size``: DeepSeek-V4's first MoE layers), experts looked up in ``tid2eid[input_ids]`` and
     weighted by :func:`moefuse.route.reference.hash_gate_torch`."""
 
+    e_score_correction_bias: torch.Tensor | None  # buffers
+    tid2eid: torch.Tensor | None
+
     def __init__(self, config: MoEConfig, *, device: torch.device | str | None = None, backend: Backend = "auto",
                  hash_vocab_size: int | None = None):
         super().__init__()
@@ -91,6 +94,8 @@ class MoERouter(nn.Module):
         """
         c = self.config
         if self.tid2eid is not None:
+            if input_ids is None:
+                raise ValueError("a hash-routed router needs input_ids (the token ids of x)")
             return hash_gate_torch(self.logits(x), self.tid2eid[input_ids.reshape(-1)], c.scoring_func,
                                    renormalize=c.renormalize, routed_scaling_factor=c.routed_scaling_factor,
                                    num_token_non_padded=num_token_non_padded)
@@ -127,6 +132,11 @@ class MoEExperts(nn.Module):
     no output buffer; the caller finalizes, fusing the shared expert's output into the same pass.
     """
 
+    gate_up_proj: torch.Tensor  # parameters (the *_scale_inv ones only with quant)
+    down_proj: torch.Tensor
+    gate_up_proj_scale_inv: torch.Tensor
+    down_proj_scale_inv: torch.Tensor
+
     def __init__(self, config: MoEConfig, *, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str | None = None, backend: Backend = "auto", quant: Quant = None):
         super().__init__()
@@ -158,7 +168,7 @@ class MoEExperts(nn.Module):
                               backend=self.backend)
 
 
-def expert_weights(module: nn.Module, quant: Quant) -> tuple[ExpertWeight, ExpertWeight]:
+def expert_weights(module: Any, quant: Quant) -> tuple[ExpertWeight, ExpertWeight]:
     """A module's ``gate_up_proj`` and ``down_proj`` (and, quantized, their ``*_scale_inv``) as the experts op
     takes them."""
     if quant is None:
@@ -211,6 +221,10 @@ class SharedExpert(nn.Module):
     GEMM (SPEC §5) on ``backend``. Their gate and up tensors lie one after the other, so the grouped GEMMs read them
     as one [2I, H] expert (:meth:`fp8_weights`).
     """
+
+    gate_proj: Any  # nn.Linear, or FP8Projection with quant="fp8"
+    up_proj: Any
+    down_proj: Any
 
     def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None, *,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None, quant: Quant = None,
@@ -398,6 +412,9 @@ class MoELayer(nn.Module):
     def _stack_shared_behind_routed(self, dtype: torch.dtype, device: torch.device | str | None) -> None:
         E, I, H = self.config.num_experts, self.config.intermediate_size, self.config.hidden_size
         shared = self.shared_experts
+        assert shared is not None  # stacking is for the one shared expert
+        gate_up: torch.Tensor
+        down: torch.Tensor
         if self.quant == "fp8":
             gate_up, gate_up_scales = _fp8_params(E + 1, 2 * I, H, device)
             down, down_scales = _fp8_params(E + 1, H, I, device)
@@ -487,7 +504,7 @@ class MoELayer(nn.Module):
         with configs.override(tiles):
             routed = routed_experts(x, gate_up_proj, down_proj, weights, ids, swiglu_limit=c.swiglu_limit,
                                     defer=True, backend=self.backend)
-        return finalize_deferred_output(routed, None, backend=self.backend)
+        return finalize_deferred_output(cast(DeferredFinalizeOutput, routed), None, backend=self.backend)
 
     def init_random_(self, seed: int = 0, std: float = 0.02) -> MoELayer:
         """Random weights, in place (:func:`init_random_`); returns the layer. With ``quant``, N(0, std²) weights
@@ -501,7 +518,7 @@ class MoELayer(nn.Module):
     @torch.no_grad()
     def _init_quantized_(self, seed: int, std: float) -> None:
         stacked = self.shared_slot_weights()
-        weights = list(stacked if stacked is not None else self.experts.weights())
+        weights = cast(list[QuantizedWeight], list(stacked if stacked is not None else self.experts.weights()))
         if self.shared_experts is not None and stacked is None:
             weights += self.shared_fp8_weights()
         gen = torch.Generator(weights[0].device).manual_seed(seed + 1)
@@ -532,7 +549,8 @@ class MoELayer(nn.Module):
         stacked = self.shared_slot_weights()
         if stacked is not None:
             E = self.config.num_experts
-            return stacked[0][E:], stacked[1][E:]
+            return cast(BlockFP8, stacked[0][E:]), cast(BlockFP8, stacked[1][E:])
+        assert self.shared_experts is not None, "the layer has no shared expert"
         return self.shared_experts.fp8_weights()
 
     @property
@@ -542,6 +560,7 @@ class MoELayer(nn.Module):
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert's output [M, H]: its MLP, or with ``quant`` an fp8 one-expert grouped GEMM."""
+        assert self.shared_experts is not None, "the layer has no shared expert"
         return self.shared_experts(x)
 
     @property
@@ -602,6 +621,7 @@ class MoELayer(nn.Module):
             return self._forward_shared_slot(x, *slot)
         # The shared expert forks first, so that it also overlaps the router linear and the router.
         on_side_stream = x.is_cuda and self.shared_experts is not None and not torch.compiler.is_compiling()
+        shared: torch.Tensor | None = None
         if on_side_stream:
             main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
             side.wait_stream(main)  # x (and everything before it) is ready
@@ -614,7 +634,7 @@ class MoELayer(nn.Module):
             routed: torch.Tensor | DeferredFinalizeOutput = self.forward_deferred_finalize(x, weights, ids)
         else:
             routed = self.experts(x, weights, ids, defer=False)
-        if on_side_stream:
+        if on_side_stream and shared is not None:
             main.wait_stream(side)
             shared.record_stream(main)  # allocated on the side stream, freed after use on this one
         if isinstance(routed, DeferredFinalizeOutput):
@@ -648,6 +668,8 @@ def moe_layer_torch(layer: MoELayer, hidden_states: torch.Tensor, num_token_non_
     logits = F.linear(x.to(rdtype), layer.gate.weight.to(rdtype))
     bias = layer.gate.e_score_correction_bias
     if layer.gate.tid2eid is not None:
+        if input_ids is None:
+            raise ValueError("a hash-routed layer needs input_ids (the token ids of hidden_states)")
         weights, ids = hash_gate_torch(logits, layer.gate.tid2eid[input_ids.reshape(-1)], c.scoring_func,
                                        renormalize=c.renormalize, routed_scaling_factor=c.routed_scaling_factor,
                                        num_token_non_padded=num_token_non_padded, dtype=rdtype)
@@ -672,8 +694,8 @@ def moe_layer_torch(layer: MoELayer, hidden_states: torch.Tensor, num_token_non_
             out += _expert_mlp(x, gate_up_s[0], down_s[0], c.swiglu_limit, layer.activation_dtype, dtype)
         else:
             s = layer.shared_experts
-            gate_up_s = torch.cat([s.gate_proj.weight, s.up_proj.weight])
-            out += _expert_mlp(x, gate_up_s, s.down_proj.weight, c.swiglu_limit, layer.activation_dtype, dtype)
+            gate_up_t = torch.cat([s.gate_proj.weight, s.up_proj.weight])
+            out += _expert_mlp(x, gate_up_t, s.down_proj.weight, c.swiglu_limit, layer.activation_dtype, dtype)
     return out.reshape(*hidden_states.shape[:-1], c.hidden_size)
 
 
@@ -685,11 +707,13 @@ def _expert_mlp(x: torch.Tensor, gate_up: ExpertWeight, down: ExpertWeight, limi
     fp8 = isinstance(gate_up, BlockFP8)
     if fp8:
         x = dequantize_rows(*quantize_rows(x.to(activation_dtype)), dtype)
-    if isinstance(gate_up, QuantizedWeight):
-        gate_up, down = gate_up.dequantize(dtype)[0], down.dequantize(dtype)[0]
-    h = x @ gate_up.to(dtype).T
+    if isinstance(gate_up, QuantizedWeight):  # down is of the same format
+        w1, w2 = gate_up.dequantize(dtype)[0], cast(QuantizedWeight, down).dequantize(dtype)[0]
+    else:
+        w1, w2 = gate_up.to(dtype), cast(torch.Tensor, down).to(dtype)
+    h = x @ w1.T
     width = h.shape[1] // 2
     act = _swiglu(h[:, :width], h[:, width:], limit)
     if fp8:
         act = dequantize_rows(*quantize_rows(act.float()), dtype)
-    return act @ down.to(dtype).T
+    return act @ w2.T

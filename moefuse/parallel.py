@@ -30,7 +30,7 @@ tokens. E must divide by W (``"ep"``, ``"ep-a2a"``) and I by W (``"tp"``; the sh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -140,8 +140,9 @@ class ShardedMoELayer(nn.Module):
                       **kwargs)
         c, r, W = layer.config, sharded.rank, sharded.world
         sharded.gate.weight.copy_(layer.gate.weight)
-        if layer.gate.e_score_correction_bias is not None:
-            sharded.gate.e_score_correction_bias.copy_(layer.gate.e_score_correction_bias)
+        bias = sharded.gate.e_score_correction_bias
+        if bias is not None and layer.gate.e_score_correction_bias is not None:  # the same config: both or neither
+            bias.copy_(layer.gate.e_score_correction_bias)
         gate_up, down = layer.experts.weights()
         if mode == "tp":
             cols = _slice(c.intermediate_size, r, W)
@@ -154,11 +155,13 @@ class ShardedMoELayer(nn.Module):
             _copy(mine, theirs)
         if sharded.shared_experts is not None:
             src, dst = layer.shared_experts, sharded.shared_experts
+            assert src is not None  # the same config
             S = c.shared_intermediate_size
             rows = _slice(S, r, W) if sharded.shared_mode == "tp" and mode != "ep-a2a" else slice(0, S)
             if layer.quant is None:
                 gate_up = torch.cat([src.gate_proj.weight, src.up_proj.weight])[None]
-                shard_up, shard_down = _gate_up_cols(gate_up, S, rows), _cut(src.down_proj.weight[None], 2, rows)
+                shard_up = cast(torch.Tensor, _gate_up_cols(gate_up, S, rows))
+                shard_down = cast(torch.Tensor, _cut(src.down_proj.weight[None], 2, rows))
                 width = rows.stop - rows.start
                 dst.gate_proj.weight.copy_(shard_up[0, :width])
                 dst.up_proj.weight.copy_(shard_up[0, width:])
@@ -216,6 +219,7 @@ class ShardedMoELayer(nn.Module):
             return exchange
         # The received rows are (token, slot) pairs with top_k = 1: dispatch, experts, and back in the received
         # order (a finalize of weight 1 would round; a gather does not).
+        assert exchange.recv_rows is not None and exchange.recv_ids is not None  # set by exchange() in ep-a2a
         ones = torch.ones(exchange.recv_ids.shape[0], 1, dtype=torch.float32, device=exchange.x.device)
         deferred = self._routed(exchange.recv_rows, ones, exchange.recv_ids[:, None])
         rows = deferred.expanded_idx_to_permuted_idx.long()
@@ -226,9 +230,11 @@ class ShardedMoELayer(nn.Module):
         """Weighted sum with the shared expert: one finalize, then the reduction or the all-to-all back."""
         shared = self.shared_experts(exchange.x) if self.shared_experts is not None else None
         if self.mode == "ep-a2a":
+            assert exchange.results is not None  # set by compute()
             back = _all_to_all(exchange.results, exchange.recv_splits, exchange.splits, self.group)
             routed = DeferredFinalizeOutput(back, exchange.weights, exchange.ids, self.config.top_k)
             return finalize_deferred_output(routed, shared, backend=self.backend)
+        assert exchange.routed is not None  # set by compute()
         out = finalize_deferred_output(exchange.routed, shared, backend=self.backend)
         if self.scatter_output:
             return _reduce_scatter(out, self.group)
@@ -302,17 +308,18 @@ def _gate_up_cols(gate_up: ExpertWeight, width: int, cols: slice) -> ExpertWeigh
     """The gate rows ``cols`` and the up rows ``width + cols`` of a [E, 2·width, H] weight, stacked again."""
     parts = [_cut(gate_up, 1, cols), _cut(gate_up, 1, slice(width + cols.start, width + cols.stop))]
     if isinstance(gate_up, torch.Tensor):
-        return torch.cat(parts, 1)
-    return type(gate_up).cat_rows(parts)
+        return torch.cat(cast(list[torch.Tensor], parts), 1)
+    return type(gate_up).cat_rows(cast(Any, parts))  # parts of gate_up's own format
 
 
 def _copy(dst: ExpertWeight, src: ExpertWeight) -> None:
     """Copy a weight into another of the same format and shape (a format: values and scales, in place)."""
     if isinstance(dst, QuantizedWeight):
-        dst.values.copy_(src.values.view(dst.values.dtype))
-        dst.scales.copy_(src.scales)
+        src_format = cast(QuantizedWeight, src)
+        dst.values.copy_(src_format.values.view(dst.values.dtype))
+        dst.scales.copy_(src_format.scales)
     else:
-        dst.copy_(src)
+        dst.copy_(cast(torch.Tensor, src))
 
 
 def _slice(n: int, rank: int, world: int) -> slice:
@@ -327,9 +334,9 @@ def _check_capacity(counts: torch.Tensor, capacity: int, group: dist.ProcessGrou
     if (torch.compiler.is_compiling() or not checks_enabled(device)
             or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
         return
-    worst = counts.max().reshape(1)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-    worst = int(worst)
+    busiest = counts.max().reshape(1)
+    dist.all_reduce(busiest, op=dist.ReduceOp.MAX, group=group)
+    worst = int(busiest)
     if worst > capacity:
         raise ValueError(f"capacity {capacity} is too small: {worst} rows go to one rank "
                          "(use capacity >= max tokens per rank × top_k)")

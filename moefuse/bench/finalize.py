@@ -16,6 +16,7 @@ separate ``torch.add`` of the shared output), which is what a non-deferred MoE b
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
@@ -40,6 +41,11 @@ CHECK_COLUMNS = [
     ("max_ulps", "ulps vs fp32 ref"), ("pdl_equal", "PDL on == off"), ("graph_equal", "graph replay == eager"),
     ("ok", "ok"),
 ]
+
+
+def _combine_then_add(inputs: dict, no_shared: dict, combined: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The unfused baseline: combine without the shared output, then a separate add."""
+    return torch.add(moe_finalize_fuse_shared(**no_shared, out=combined), inputs["shared_output"], out=out)
 
 
 def _inputs(
@@ -137,14 +143,12 @@ def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict]:
             combined = [torch.empty_like(s["shared_output"]) for s in sets]
             no_shared = [{**s, "shared_output": None} for s in sets]
             us = timing.graph_time_us(
-                [lambda s=s, o=o: moe_finalize_fuse_shared(**s, out=o) for s, o in zip(sets, outs)]
-            )
+                [functools.partial(moe_finalize_fuse_shared, **s, out=o) for s, o in zip(sets, outs)])
             unfused_us = timing.graph_time_us([
-                lambda s=s, n=n, c=c, o=o: torch.add(moe_finalize_fuse_shared(**n, out=c), s["shared_output"], out=o)
-                for s, n, c, o in zip(sets, no_shared, combined, outs)
+                functools.partial(_combine_then_add, s, n, c, o) for s, n, c, o in zip(sets, no_shared, combined, outs)
             ])
-            eager_us = timing.time_or_none([lambda s=s: moe_finalize_fuse_shared_torch(**s) for s in sets])
-            compile_us = timing.time_or_none([lambda s=s: compiled(**s) for s in sets])
+            eager_us = timing.time_or_none([functools.partial(moe_finalize_fuse_shared_torch, **s) for s in sets])
+            compile_us = timing.time_or_none([functools.partial(compiled, **s) for s in sets])
             floor_us = ceilings.memory_floor_us(nbytes)
             tbps = nbytes / (us * 1e-6) / 1e12
             rows.append({

@@ -19,6 +19,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -133,7 +134,9 @@ def _op_rows(layer: MoELayer) -> list[dict]:
     plan = moe_dispatch(ids, c.num_experts, block_m)
     w1, w2 = layer.experts.gate_up_proj, layer.experts.down_proj
     gemm2_out = moe_experts(x, w1, w2, plan)
-    shared = layer.shared_experts(x)
+    shared_expert = layer.shared_experts
+    assert shared_expert is not None  # the preset has one
+    shared = shared_expert(x)
     calls: dict[str, Callable[[], object]] = {
         "router_logits": lambda: router_logits(x, layer.gate.weight),
         "moe_fused_gate": gate,
@@ -141,7 +144,7 @@ def _op_rows(layer: MoELayer) -> list[dict]:
         "moe_experts": lambda: moe_experts(x, w1, w2, plan),
         "moe_finalize_fuse_shared": lambda: moe_finalize_fuse_shared(gemm2_out, plan.expanded_to_permuted, weights,
                                                                       shared, c.top_k),
-        "shared expert (3 torch linears)": lambda: layer.shared_experts(x),
+        "shared expert (3 torch linears)": lambda: shared_expert(x),
     }
     rows = []
     with torch.no_grad():
@@ -161,9 +164,10 @@ def _layer_rows(name: str, layer: MoELayer) -> list[dict]:
             for mode, limit in (("", layer.graphs.max_tokens), (", no self-captured graph", 0)):
                 kept, layer.graphs.max_tokens = layer.graphs.max_tokens, limit
                 try:
-                    row = {"what": f"{name}{mode}", "M": tokens, "host_us": host_us(lambda: layer(x), calls=100),
-                           "wall_us": wall_us(lambda: layer(x)), "graph_us": graph_us,
-                           "target_us": LAYER_TARGET_US if tokens == 1 and not mode else None}
+                    row: dict[str, Any] = {
+                        "what": f"{name}{mode}", "M": tokens, "host_us": host_us(lambda: layer(x), calls=100),
+                        "wall_us": wall_us(lambda: layer(x)), "graph_us": graph_us,
+                        "target_us": LAYER_TARGET_US if tokens == 1 and not mode else None}
                 finally:
                     layer.graphs.max_tokens = kept
                 row["x_graph"] = row["wall_us"] / graph_us

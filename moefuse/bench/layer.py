@@ -12,6 +12,8 @@ the compute floor at the measured bf16 GEMM rate, and transformers' own block as
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from moefuse._runtime import env_override
@@ -107,7 +109,7 @@ def run(ceilings: timing.Ceilings, quick: bool = False, models: tuple[str, ...] 
         for tokens in (TOKENS[:3] if quick else TOKENS):
             x = torch.randn(tokens, layer.config.hidden_size, device="cuda", dtype=torch.bfloat16)
             with torch.no_grad():
-                row = {"model": model, "M": tokens, **_floors(layer, x, ceilings)}
+                row: dict[str, Any] = {"model": model, "M": tokens, **_floors(layer, x, ceilings)}
                 with _deferral(True):
                     row["us"] = timing.graph_time_us([lambda: layer(x)], replays=20)
                 with _deferral(False):

@@ -20,6 +20,7 @@ For each model and token count (softmax top-k of random N(0, 1) logits, as the a
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 
@@ -29,7 +30,7 @@ from moefuse.dispatch import moe_dispatch
 from moefuse.experts import configs, moe_experts, moe_experts_torch
 from moefuse.experts.reference import moe_experts_fp8_torch
 from moefuse.formats import BLOCK, MX_GROUP, MXFP4, BlockFP8, tile_dtype
-from moefuse.layer import MoELayer
+from moefuse.layer import MoELayer, Quant
 from moefuse.testing import rel_error
 
 # fp8 at DeepSeek-V4-Flash shapes too: MXFP4 is compared with it there.
@@ -132,7 +133,7 @@ def _experts_row(fmt: str, model: str, M: int, weights: tuple, ceilings: timing.
 def _layer_times(fmt: str, model: str, rows: list[dict], ceilings: timing.Ceilings, gen: torch.Generator) -> None:
     """Add the whole layer's time (format and bf16) and read floor to each row of ``model``."""
     c = preset(model)
-    for quant in (fmt, None):
+    for quant in (cast(Quant, fmt), None):
         layer = MoELayer(c, device="cuda", quant=quant).init_random_(seed=1)
         for row in rows:
             x = torch.randn(row["M"], c.hidden_size, device="cuda", generator=gen, dtype=torch.bfloat16)

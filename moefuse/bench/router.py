@@ -102,7 +102,7 @@ def check(device: torch.device | str = "cuda") -> list[dict[str, Any]]:
     """Kernel vs float64 reference on every configuration at real token counts, plus a graph-replay check."""
     device = torch.device(device)
     torch.manual_seed(0)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for config in CONFIGS:
         opts = _options(config)
         dists = [("N(0,2)", 0.0, torch.float32), ("N(0,2) bf16", 0.0, torch.bfloat16)]
@@ -144,9 +144,10 @@ def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict[str, Any]]:
             sets = [_inputs(tokens, experts) for _ in range(timing.rotations(nbytes))]
             outs = [(torch.empty(tokens, topk, device="cuda"), torch.empty(tokens, topk, dtype=torch.int32,
                                                                            device="cuda")) for _ in sets]
-            us = timing.graph_time_us([lambda s=s, o=o: moe_fused_gate(*s, **opts, out=o) for s, o in zip(sets, outs)])
-            eager_us = timing.time_or_none([lambda s=s: reference(*s) for s in sets])
-            compile_us = None if quick else timing.time_or_none([lambda s=s: compiled(*s) for s in sets])
+            us = timing.graph_time_us(
+                [functools.partial(moe_fused_gate, *s, **opts, out=o) for s, o in zip(sets, outs)])
+            eager_us = timing.time_or_none([functools.partial(reference, *s) for s in sets])
+            compile_us = None if quick else timing.time_or_none([functools.partial(compiled, *s) for s in sets])
             floor_us = ceilings.memory_floor_us(nbytes)
             anchor = _anchor_us(config, tokens)
             block_m, warps = kernel.launch_config(tokens, experts, opts["num_expert_group"])

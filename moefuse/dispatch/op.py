@@ -67,7 +67,7 @@ def _validate(topk_ids: object, num_experts: object, block_m: object, backend: s
     if topk_ids.numel() >= 2**31 // 2:
         raise ValueError(f"topk_ids has {topk_ids.numel()} pairs; int32 row indices need fewer than 2**30")
     _checks.check_int("num_experts", num_experts, low=1, high=MAX_EXPERTS)
-    _checks.check_int("block_m", block_m, low=16, high=MAX_BLOCK_M)
+    block_m = _checks.check_int("block_m", block_m, low=16, high=MAX_BLOCK_M)
     if block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     return _runtime.resolve_backend(backend, topk_ids.device)

@@ -33,12 +33,12 @@ import torch
 
 from .. import _runtime
 
-TABLES = {(9, 0): Path(__file__).resolve().parent.parent / "configs" / "experts_h200.json"}
+Arch = Optional[tuple[int, int]]
+TABLES: dict[Arch, Path] = {(9, 0): Path(__file__).resolve().parent.parent / "configs" / "experts_h200.json"}
 NUM_SMS = 132  # H100/H200; the heuristic's target for how many programs keep the GPU busy
 HOPPER_SMEM = 227 * 1024  # the most shared memory one block may opt in to on sm_90
 SMEM_BUDGET = 212 * 1024  # the heuristic's limit on smem_bytes (an upper model; see there)
 
-Arch = Optional[tuple[int, int]]
 TABLE_DTYPES = (torch.bfloat16, torch.float16)  # the tile tables' activations; other dtypes take the heuristic
 # fp8 (``experts/fp8.py``): plans of this many rows (M·K) or more quantize the activations in one pass before GEMM1
 # instead of in its prologue. One H200, DeepSeek-V3: the pass cost 24 µs at one token (8 rows) and saved 103 µs at

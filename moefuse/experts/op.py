@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 
 from .. import _checks, _runtime
 from ..dispatch import DispatchPlan
-from ..formats import MXFP4, BlockFP8, ExpertWeight, tile_dtype
+from ..formats import MXFP4, BlockFP8, ExpertWeight, QuantizedWeight, tile_dtype
 from . import configs
 from .configs import GemmTiles
 from .fp8 import experts_fp8
@@ -65,12 +65,15 @@ def moe_experts(
     num_tokens, hidden_size, width, resolved = _validate(
         hidden, gate_up_proj, down_proj, plan, swiglu_limit, out, backend
     )
+    op: Callable[..., None]  # arity per format: the weights' tensors are spread into its arguments
+    weights: tuple[torch.Tensor, ...]
     if isinstance(gate_up_proj, torch.Tensor):
-        op = _experts_impl if _runtime.direct_call() else torch.ops.moefuse.experts
-        weights: tuple[torch.Tensor, ...] = (gate_up_proj, down_proj)
+        op = cast(Callable[..., None], _experts_impl if _runtime.direct_call() else torch.ops.moefuse.experts)
+        weights = (gate_up_proj, cast(torch.Tensor, down_proj))
     else:
+        down = cast(QuantizedWeight, down_proj)  # the same format (checked)
         op = _FORMATS[type(gate_up_proj)].op()
-        weights = (gate_up_proj.values, gate_up_proj.scales, down_proj.values, down_proj.scales)
+        weights = (gate_up_proj.values, gate_up_proj.scales, down.values, down.scales)
     device = hidden.device
     if out is None:
         out = torch.empty(plan.num_rows, hidden_size, dtype=hidden.dtype, device=device)
@@ -91,21 +94,21 @@ def _check_weights(hidden: torch.Tensor, gate_up_proj: object, down_proj: object
     """Both expert weights: plain tensors of hidden's dtype, or one format with activations it takes (the format
     checked its own tensors when built). Returns (E, 2I, H) as the weights say."""
     device = hidden.device
-    if not isinstance(gate_up_proj, tuple(_FORMATS)):  # plain tensors (or a wrong type, which check_tensor names)
-        gate_up_proj = _checks.check_tensor("gate_up_proj", gate_up_proj, dtypes=(hidden.dtype,), ndim=3,
-                                            device=device)
-        shape = tuple(gate_up_proj.shape)
+    if not isinstance(gate_up_proj, QuantizedWeight):  # plain tensors (or a wrong type, which check_tensor names)
+        tensor = _checks.check_tensor("gate_up_proj", gate_up_proj, dtypes=(hidden.dtype,), ndim=3, device=device)
         _checks.check_tensor("down_proj", down_proj, dtypes=(hidden.dtype,), ndim=3, device=device)
-        return shape
+        E, N, K = tensor.shape
+        return E, N, K
     fmt = _FORMATS[type(gate_up_proj)]
     if type(down_proj) is not type(gate_up_proj):
         raise TypeError(f"down_proj must be a {type(gate_up_proj).__name__} like gate_up_proj, got "
                         f"{type(down_proj).__name__}")
     _checks.check_tensor(f"hidden (with {type(gate_up_proj).__name__} weights)", hidden, dtypes=fmt.activations)
-    for name, weight in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+    for name, weight in (("gate_up_proj", gate_up_proj), ("down_proj", cast(QuantizedWeight, down_proj))):
         if weight.device != device:
             raise ValueError(f"{name} is on {weight.device}, expected {device} like hidden")
-    return tuple(gate_up_proj.shape)
+    E, N, K = gate_up_proj.shape
+    return E, N, K
 
 
 def _validate(
@@ -130,9 +133,10 @@ def _validate(
     if hidden_size == 0:
         raise ValueError("hidden must have H >= 1 columns")
     width = two_width // 2
-    if tuple(down_proj.shape) != (num_experts, hidden_size, width):
+    down_shape = tuple(cast(ExpertWeight, down_proj).shape)  # a tensor or gate_up_proj's format (checked)
+    if down_shape != (num_experts, hidden_size, width):
         raise ValueError(f"down_proj must be [E, H, I] = {(num_experts, hidden_size, width)}, got shape "
-                         f"{tuple(down_proj.shape)}")
+                         f"{down_shape}")
     if not isinstance(plan, DispatchPlan):
         raise TypeError(f"plan must be a moefuse.dispatch.DispatchPlan, got {type(plan).__name__}")
     if plan.num_experts != num_experts:
@@ -209,7 +213,7 @@ class _Format:
         return self.impl if _runtime.direct_call() else getattr(torch.ops.moefuse, self.name)
 
 
-def _format(cls: type, name: str, activations: tuple[torch.dtype, ...], launch: Callable[..., None],
+def _format(cls: type[QuantizedWeight], name: str, activations: tuple[torch.dtype, ...], launch: Callable[..., None],
             reference: Callable[..., torch.Tensor]) -> _Format:
     """Register ``moefuse::<name>``: the experts on weights of format ``cls`` (Triton ``launch`` or ``reference``)."""
 

@@ -248,12 +248,12 @@ def _slots(x, VEC: tl.constexpr):
         out = (tl.reshape(x, [x.shape[0], x.shape[1]]),)
     elif VEC == 2:
         a, b = tl.split(x)
-        out = (a, b)
+        out = (a, b)  # type: ignore[assignment]
     else:
         even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], 2, 2]))  # t = (0, 2) and (1, 3)
         a, c = tl.split(even)
         b, d = tl.split(odd)
-        out = (a, b, c, d)
+        out = (a, b, c, d)  # type: ignore[assignment]
     return out
 
 
@@ -299,8 +299,8 @@ def _fused_gate_kernel(
     cols = ()
     oks = ()
     for c in tl.static_range(NC):
-        cols = cols + (_column(lane * NC + c, G, GS, GS_PAD),)
-        oks = oks + (_valid(lane * NC + c, E, G, GS, GS_PAD),)
+        cols = cols + (_column(lane * NC + c, G, GS, GS_PAD),)  # type: ignore[assignment]
+        oks = oks + (_valid(lane * NC + c, E, G, GS, GS_PAD),)  # type: ignore[assignment]
 
     # loads of VEC consecutive slots per thread, vectorised, then split into slots. The tile is [32, BLOCK_M, VEC]
     # and permuted after the load: Triton's coalescing orders equally strided axes by position, and the lanes
@@ -331,7 +331,7 @@ def _fused_gate_kernel(
         lane_nan = tl.zeros([BLOCK_M, 32], dtype=tl.int32)
         lane_max = tl.full([BLOCK_M, 32], float("-inf"), tl.float32)
         for c in tl.static_range(NC):
-            x = xs[c]
+            x = xs[c]  # type: ignore[var-annotated]
             if HAS_SOFTCAP:
                 x = softcap * _tanh(tl.math.div_rn(x, softcap))
             x = tl.where(oks[c], x, float("-inf"))
@@ -352,7 +352,7 @@ def _fused_gate_kernel(
         else:
             a = _activate(xs[c], row_max, row_sum, softcap, SCORING, False)
         s = a + bs[c] if HAS_BIAS else a
-        keys = keys + (tl.where(oks[c], _key(s, cols[c]), _KEY_MIN),)
+        keys = keys + (tl.where(oks[c], _key(s, cols[c]), _KEY_MIN),)  # type: ignore[assignment]
 
     # ---- per-thread sort: each run of RUN slots in descending key order (the whole thread when G == 1) -----
     keys = _sort(keys, SORT_RUNS)
@@ -376,15 +376,15 @@ def _fused_gate_kernel(
                 second = tl.reshape(tl.broadcast_to(second[:, :, None], [BLOCK_M, 32 // LG, LG]), [BLOCK_M, 32])
             gscore = _unmono(first) + _unmono(second) if GS > 1 else _unmono(first)
             gid = (lane * NC + r * RUN) // GS_PAD
-            gks = gks + (tl.where(gid < G, _mono(gscore), _MONO_MIN),)
-            gids = gids + (gid,)
+            gks = gks + (tl.where(gid < G, _mono(gscore), _MONO_MIN),)  # type: ignore[assignment]
+            gids = gids + (gid,)  # type: ignore[assignment]
         # one int32 max per kept group, then the lowest group id holding it; the chosen group drops to _MONO_MIN
         for _ in tl.static_range(TOPK_GROUP):
-            m = gks[0]
+            m = gks[0]  # type: ignore[misc]
             for r in tl.static_range(1, NC // RUN):
                 m = tl.maximum(m, gks[r])
             m = tl.max(m, axis=1)[:, None]
-            best = tl.where(gks[0] == m, gids[0], G)
+            best = tl.where(gks[0] == m, gids[0], G)  # type: ignore[misc]
             for r in tl.static_range(1, NC // RUN):
                 best = tl.minimum(best, tl.where(gks[r] == m, gids[r], G))
             best = tl.min(best, axis=1)[:, None]
@@ -486,7 +486,8 @@ def _sort_network(n: int, run: int, keep: int) -> tuple[tuple[int, ...], tuple[i
             k //= 2
         p *= 2
     live = set(range(min(keep, n)))
-    runs, merge = [], []
+    runs: list[tuple[int, int]] = []
+    merge: list[tuple[int, int]] = []
     for p, i, j in reversed(comparators):
         if p < run and not runs:  # entering the run sort: the group top-2 reads every run's first two keys
             live |= {h for r in range(0, n, run) for h in (r, r + 1) if h < n}

@@ -83,7 +83,10 @@ def moe_fused_gate(
             torch.empty(M, topk, dtype=torch.int32, device=scores.device),
         )
     ntnp_tensor = num_token_non_padded if isinstance(num_token_non_padded, torch.Tensor) else None
-    n_valid = M if num_token_non_padded is None or ntnp_tensor is not None else min(max(num_token_non_padded, 0), M)
+    if num_token_non_padded is None or isinstance(num_token_non_padded, torch.Tensor):
+        n_valid = M
+    else:
+        n_valid = min(max(num_token_non_padded, 0), M)
     op = _fused_gate_impl if _runtime.direct_call() else torch.ops.moefuse.fused_gate
     op(
         scores,

@@ -7,6 +7,8 @@ tests and the GPU check both use).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -260,7 +262,8 @@ def compare_to_reference(
     """
     M, E = scores.shape
     k_routed = topk - num_fused_shared_experts
-    opts = dict(num_expert_group=num_expert_group, topk_group=topk_group, moe_softcapping=moe_softcapping)
+    opts: dict[str, Any] = dict(num_expert_group=num_expert_group, topk_group=topk_group,
+                                moe_softcapping=moe_softcapping)
     ref_w, ref_ids = _route(
         scores,
         bias,

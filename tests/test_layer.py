@@ -226,3 +226,8 @@ def test_hash_routed_layer_needs_input_ids(gen):
         layer(torch.randn(4, 48), input_ids=torch.zeros(3, dtype=torch.int64))
     with pytest.raises(TypeError, match="input_ids"):
         layer(torch.randn(4, 48), input_ids=torch.zeros(4))
+    # The router and the float64 reference, called directly, name it too.
+    with pytest.raises(ValueError, match="input_ids"):
+        layer.gate(torch.randn(4, 48))
+    with pytest.raises(ValueError, match="input_ids"):
+        moe_layer_torch(layer, torch.randn(4, 48))

@@ -15,7 +15,8 @@ What the peers run as separate kernels is fused here:
 - **Both GEMMs promote per block.** Each 128-deep step is one fp8 ``tl.dot`` into a fresh fp32 tile, scaled by
   the rows' activation scales and the tile's weight-block scale (one scalar per step: a tile's columns lie in one
   block) and added to the fp32 accumulator: DeepSeek-V3's recipe (promotion every 128 products). Within a step,
-  Hopper's fp8 wgmma (tiles of 64 rows or more) sums with fewer bits than fp32. Promoting more often (Triton's
+  Hopper's fp8 wgmma (GEMM1's tiles of 64 rows or more, all of GEMM2's: ``_add_scaled``) sums with fewer bits than
+  fp32; GEMM1's 16-row tiles run on mma.sync, which sums in fp32. Promoting more often (Triton's
   ``max_num_imprecise_acc``) bought little accuracy for much time; on one H200, DeepSeek-V3 widths, every 32
   products against every 128: 5.4e-3 against 7.8e-3 max and 2.5e-3 against 3.6e-3 RMS from float64, and 7,796
   against 5,931 µs at 4096 tokens (3,561 against 2,947 at 1024). The largest errors (3e-2 max on narrow test

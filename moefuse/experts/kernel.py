@@ -126,6 +126,21 @@ def _tile_span(tile, col_block, expert, N, tile_row_start_ptr, expert_offsets_pt
 
 
 @triton.jit
+def _half_tile_pieces(tile, expert, tile_row_start_ptr, expert_offsets_ptr, BLOCK_M: tl.constexpr,
+                      HALF_TILES: tl.constexpr):
+    """A bf16 GEMM program's rows, ``row_start`` of its tile and ``row_end`` of its expert, and with ``HALF_TILES``
+    (128-row tiles) what it runs instead of its tile: ``taken``, nothing (its rows are the 1 to BLOCK_M / 2 last of
+    an expert, which the previous tile takes); ``with_tail``, its tile plus those rows; ``half``, its tile at half
+    height (the expert has at most BLOCK_M / 2 rows)."""
+    row_start = tl.load(tile_row_start_ptr + tile)
+    row_end = tl.load(expert_offsets_ptr + expert + 1)
+    short = row_end - row_start <= BLOCK_M // 2
+    taken = HALF_TILES and short and row_start > tl.load(expert_offsets_ptr + expert)
+    with_tail = HALF_TILES and row_end - row_start > BLOCK_M and row_end - row_start <= BLOCK_M + BLOCK_M // 2
+    return row_start, row_end, taken, with_tail, HALF_TILES and short
+
+
+@triton.jit
 def _round(x, dtype: tl.constexpr, EMULATE_RTNE: tl.constexpr):
     """Round fp32 ``x`` to ``dtype`` to nearest-even.
 
@@ -168,6 +183,22 @@ def _load_rows_tile(ptrs, row_ok, ks, k_left, EVEN_K: tl.constexpr, UPCAST: tl.c
     if UPCAST:
         x = x.to(tl.float32)
     return x
+
+
+@triton.jit
+def _load_weight_tile(w_desc, row, k0, ptrs, ks, k_left, W_TMA: tl.constexpr, EVEN_K: tl.constexpr,
+                      UPCAST: tl.constexpr):
+    """A weight tile [BLOCK_K, BLOCK_N] at K offset ``k0``: rows ``row ..`` of the [E·R, K] view through TMA (zeros
+    past K), else through ``ptrs`` (masked at or past ``k_left`` unless ``EVEN_K``); fp32 under the interpreter."""
+    if W_TMA:
+        w = w_desc.load([row, k0]).T
+    elif EVEN_K:
+        w = tl.load(ptrs)
+    else:
+        w = tl.load(ptrs, mask=(ks < k_left)[:, None], other=0.0)
+    if UPCAST:
+        w = w.to(tl.float32)
+    return w
 
 
 @triton.jit
@@ -230,17 +261,8 @@ def _gemm1_tile(
             if TAIL_M > 0:
                 tail_acc = tl.dot(t, w, tail_acc, input_precision=PRECISION)
         else:
-            if W_TMA:  # zero-filled past K
-                gate_w = w_desc.load([gate_row, k0]).T  # [BLOCK_K, BLOCK_N]
-                up_w = w_desc.load([gate_row + N, k0]).T
-            elif EVEN_K:
-                gate_w = tl.load(gate_ptrs)  # [BLOCK_K, BLOCK_N]
-                up_w = tl.load(up_ptrs)
-            else:
-                gate_w = tl.load(gate_ptrs, mask=(ks < K - k0)[:, None], other=0.0)
-                up_w = tl.load(up_ptrs, mask=(ks < K - k0)[:, None], other=0.0)
-            if UPCAST:
-                gate_w, up_w = gate_w.to(tl.float32), up_w.to(tl.float32)
+            gate_w = _load_weight_tile(w_desc, gate_row, k0, gate_ptrs, ks, K - k0, W_TMA, EVEN_K, UPCAST)
+            up_w = _load_weight_tile(w_desc, gate_row + N, k0, up_ptrs, ks, K - k0, W_TMA, EVEN_K, UPCAST)
             acc_gate = tl.dot(a, gate_w, acc_gate, input_precision=PRECISION)
             acc_up = tl.dot(a, up_w, acc_up, input_precision=PRECISION)
             if TAIL_M > 0:
@@ -284,17 +306,16 @@ def _gemm1_swiglu_kernel(
                                              BLOCK_M, BLOCK_N, GROUP_M, USE_PDL)
     if expert < 0:
         return
-    row_start = tl.load(tile_row_start_ptr + tile)
-    row_end = tl.load(expert_offsets_ptr + expert + 1)
-    short = row_end - row_start <= BLOCK_M // 2
-    if HALF_TILES and short and row_start > tl.load(expert_offsets_ptr + expert):
+    row_start, row_end, taken, with_tail, half = _half_tile_pieces(tile, expert, tile_row_start_ptr,
+                                                                   expert_offsets_ptr, BLOCK_M, HALF_TILES)
+    if taken:
         return  # an expert's last few rows: its previous tile took them
-    if HALF_TILES and row_end - row_start > BLOCK_M and row_end - row_start <= BLOCK_M + BLOCK_M // 2:
+    if with_tail:
         _gemm1_tile(hidden_ptr, w_ptr, w_desc, inter_ptr, p2e_ptr, expert, row_start, row_end, col_block,
                     N, K, top_k, limit, stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_im, stride_in,
                     HAS_LIMIT, EVEN_K, PRECISION, UPCAST, EMULATE_RTNE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, W_JOINT,
                     BLOCK_M // 2)
-    elif HALF_TILES and short:  # an expert of at most half a tile: half the MMA work
+    elif half:  # an expert of at most half a tile: half the MMA work
         _gemm1_tile(hidden_ptr, w_ptr, w_desc, inter_ptr, p2e_ptr, expert, row_start, row_end, col_block,
                     N, K, top_k, limit, stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_im, stride_in,
                     HAS_LIMIT, EVEN_K, PRECISION, UPCAST, EMULATE_RTNE, BLOCK_M // 2, BLOCK_N, BLOCK_K, W_TMA, W_JOINT)
@@ -334,14 +355,7 @@ def _gemm2_tile(
         tail_acc = tl.zeros([TAIL_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = _load_rows_tile(a_ptrs, row_ok, ks, K - k0, EVEN_K, UPCAST)  # [BLOCK_M, BLOCK_K]
-        if W_TMA:  # zero-filled past K
-            w = w_desc.load([w_row, k0]).T  # [BLOCK_K, BLOCK_N]
-        elif EVEN_K:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=(ks < K - k0)[:, None], other=0.0)
-        if UPCAST:
-            w = w.to(tl.float32)
+        w = _load_weight_tile(w_desc, w_row, k0, w_ptrs, ks, K - k0, W_TMA, EVEN_K, UPCAST)  # [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if TAIL_M > 0:
             t = _load_rows_tile(tail_ptrs, tail_ok, ks, K - k0, EVEN_K, UPCAST)  # [TAIL_M, BLOCK_K]
@@ -374,16 +388,15 @@ def _gemm2_kernel(
                                              BLOCK_M, BLOCK_N, GROUP_M, USE_PDL)
     if expert < 0:
         return
-    row_start = tl.load(tile_row_start_ptr + tile)
-    row_end = tl.load(expert_offsets_ptr + expert + 1)
-    short = row_end - row_start <= BLOCK_M // 2
-    if HALF_TILES and short and row_start > tl.load(expert_offsets_ptr + expert):
+    row_start, row_end, taken, with_tail, half = _half_tile_pieces(tile, expert, tile_row_start_ptr,
+                                                                   expert_offsets_ptr, BLOCK_M, HALF_TILES)
+    if taken:
         return  # an expert's last few rows: its previous tile took them
-    if HALF_TILES and row_end - row_start > BLOCK_M and row_end - row_start <= BLOCK_M + BLOCK_M // 2:
+    if with_tail:
         _gemm2_tile(inter_ptr, w_ptr, w_desc, out_ptr, expert, row_start, row_end, col_block, N, K,
                     stride_im, stride_ik, stride_we, stride_wn, stride_wk, stride_om, stride_on,
                     EVEN_K, PRECISION, UPCAST, EMULATE_RTNE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, BLOCK_M // 2)
-    elif HALF_TILES and short:  # an expert of at most half a tile: half the MMA work
+    elif half:  # an expert of at most half a tile: half the MMA work
         _gemm2_tile(inter_ptr, w_ptr, w_desc, out_ptr, expert, row_start, row_end, col_block, N, K,
                     stride_im, stride_ik, stride_we, stride_wn, stride_wk, stride_om, stride_on,
                     EVEN_K, PRECISION, UPCAST, EMULATE_RTNE, BLOCK_M // 2, BLOCK_N, BLOCK_K, W_TMA)

@@ -45,6 +45,7 @@ from moefuse.experts import configs  # noqa: E402
 from moefuse.experts import fp8 as experts_fp8  # noqa: E402
 from moefuse.experts import kernel as experts_kernel  # noqa: E402
 from moefuse.experts import mxfp4 as experts_mxfp4  # noqa: E402
+from moefuse.experts import mxfp4_ws as experts_mxfp4_ws  # noqa: E402
 from moefuse.route import kernel as route_kernel  # noqa: E402
 from moefuse.route import linear as route_linear  # noqa: E402
 
@@ -103,19 +104,23 @@ def sass_stats(cubin: bytes) -> tuple[str, dict]:
     return sass, stats
 
 
-def main_loop_instructions(sass: str) -> int:
+def main_loop_instructions(sass: str, shortest_mma_loop: bool = False) -> int:
     """Instructions (NOPs left out) of the longest conditional backward branch's body: a GEMM's K loop. (An
     unconditional backward branch is the return from an out-of-line slow path, such as a TMA barrier's wait loop
-    placed after the epilogue: its span would count the epilogue too.)"""
+    placed after the epilogue: its span would count the epilogue too.) ``shortest_mma_loop``: the shortest such
+    body with a wgmma instead, a consumer's loop in a warp-specialized kernel (longer spans cross partitions)."""
     lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
     address = [int(re.search(r"/\*([0-9a-f]{4,})\*/", line).group(1), 16) for line in lines]
-    best = 0
+    spans = []
     for here, line in zip(address, lines):
         jump = re.search(r"@!?U?P\w+\s+BRA\s+(?:`?\(?\.L_x_\d+\)?|0x([0-9a-f]+))", line)
         if jump and jump.group(1) and int(jump.group(1), 16) < here:
             body = [op for a, op in zip(address, lines) if int(jump.group(1), 16) <= a <= here and " NOP" not in op]
-            best = max(best, len(body))
-    return best
+            if not shortest_mma_loop:
+                spans.append(len(body))
+            elif any("GMMA" in op for op in body):
+                spans.append(-len(body))
+    return abs(max(spans, default=0))
 
 
 def compile_router(E, topk, shared, G, topk_group, scoring, bias, renormalize, scale_output, block_m):
@@ -237,6 +242,29 @@ def compile_mxfp4_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_li
     return compile_sm90(fn, signature, constexprs, tiles.num_warps, tiles.num_stages)
 
 
+def compile_mxfp4_ws_gemm(gemm: int, block_m: int, has_limit: bool):
+    """The warp-specialized MXFP4 GEMM1 or GEMM2 (``experts/mxfp4_ws.py``, Gluon) as ``experts_mxfp4_ws`` launches
+    it on sm_90: fixed tiles (two 64-row consumers, 128-deep steps), ``MAXNREG`` registers a thread."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    ws = experts_mxfp4_ws
+    fn = ws._gemm1_ws_kernel if gemm == 1 else ws._gemm2_ws_kernel
+    constexprs = {"BLOCK_M": block_m, "STAGES": ws.STAGES, "WL": ws._word_layout(), "PRODUCER_REGS": ws.REGS[0],
+                  "CONSUMER_REGS": ws.REGS[1], **({"HAS_LIMIT": has_limit} if gemm == 1 else {})}
+    w_layout = gl.NVMMASharedLayout.get_default_for([ws.ROWS, ws.BLOCK_K // 8], gl.int32)
+    a_layout = gl.NVMMASharedLayout.get_default_for([block_m, ws.BLOCK_K], gl.bfloat16)
+    types = {"w_desc": f"tensordesc<i32[{ws.ROWS}, {ws.BLOCK_K // 8}],{w_layout!r}>",
+             "a_desc": f"tensordesc<bf16[{block_m}, {ws.BLOCK_K}],{a_layout!r}>",
+             "s_ptr": "*i32", "inter_ptr": "*bf16", "out_ptr": "*bf16", "limit": "fp32"}
+    signature = {name: types.get(name, "*i32" if name.endswith("_ptr") else "i32")
+                 for name in fn.arg_names if name not in constexprs}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in signature.items()
+             if ty.startswith("*") or name in ("N", "K", "stride_im", "stride_om")}
+    src = GluonASTSource(fn, {**signature, **{name: "constexpr" for name in constexprs}}, constexprs, attrs)
+    return triton.compile(src, target=SM90, options={"num_warps": 4, "maxnreg": ws.MAXNREG})
+
+
 def experts(args: argparse.Namespace) -> list[str]:
     problems = []
     buckets = sorted({int(m) for entry in configs.load_table(configs.TABLES[(9, 0)])["entries"]
@@ -261,13 +289,21 @@ def experts(args: argparse.Namespace) -> list[str]:
                 for gemm, tiles, k in gemms:
                     has_limit = gemm == 1 and c.swiglu_limit is not None
                     prequantized = fp8 and M * c.top_k >= configs.FP8_PREQUANTIZE_MIN_ROWS
-                    key = (gemm, dtype, cfg.block_m, tiles, k % tiles.block_k == 0, has_limit, prequantized)
+                    # Decode tiles of models whose widths are whole 128-deep steps take the Gluon kernels.
+                    ws = (mxfp4 and cfg.block_m <= experts_mxfp4_ws.MAX_BLOCK_M
+                          and c.hidden_size % experts_mxfp4_ws.BLOCK_K == 0
+                          and c.intermediate_size % experts_mxfp4_ws.BLOCK_K == 0)
+                    if ws:  # as launched: 64 output columns a GEMM1 program, 128 a GEMM2 one; 4 warps (and 8 more)
+                        tiles = configs.GemmTiles(experts_mxfp4_ws.ROWS * (2 if gemm == 2 else 1),
+                                                  experts_mxfp4_ws.BLOCK_K, 1, 4, experts_mxfp4_ws.STAGES)
+                    key = (gemm, dtype, cfg.block_m, tiles, k % tiles.block_k == 0, has_limit, prequantized, ws)
                     if key in seen:  # N and K are run-time arguments: the same launch compiles the same
                         continue
                     seen.add(key)
-                    where = f"{name} {TYPE_NAMES[dtype]} M={M} GEMM{gemm}"
+                    where = f"{name} {TYPE_NAMES[dtype]} M={M} GEMM{gemm}" + (" (warp-specialized)" if ws else "")
                     try:
                         compiled = (compile_fp8_gemm(gemm, cfg.block_m, tiles, has_limit, prequantized) if fp8
+                                    else compile_mxfp4_ws_gemm(gemm, cfg.block_m, has_limit) if ws
                                     else compile_mxfp4_gemm(gemm, cfg.block_m, tiles, has_limit) if mxfp4
                                     else compile_gemm(gemm, dtype, cfg.block_m, tiles, k, has_limit))
                     except Exception as error:  # any compiler error is a finding: reported, and --check fails
@@ -279,12 +315,16 @@ def experts(args: argparse.Namespace) -> list[str]:
                     # Main-loop instructions of all threads per weight of one K step: the unpacking cost (MXFP4).
                     weights = tiles.block_n * tiles.block_k * (2 if gemm == 1 else 1)
                     per_weight = main_loop_instructions(text) * tiles.num_warps * 32 / weights
+                    if ws:  # a consumer thread's loop: 64 rows x 128 columns over 128 threads
+                        per_weight = main_loop_instructions(text, shortest_mma_loop=True) / 64
                     print(f"{name:18s} {TYPE_NAMES[dtype]:5s} {M:5d} {gemm:4d} {cfg.block_m:7d} "
                           f"{tiles.block_n:4d}x{tiles.block_k:<4d} {tiles.group_m:5d} {tiles.num_warps:5d} "
                           f"{tiles.num_stages:6d} {smem:6d} {s['regs']:4d} {s['stack']:5d} {s['hgmma']:5d} "
                           f"{s['hmma']:5d} {per_weight:11.2f}", flush=True)
                     if smem > configs.HOPPER_SMEM:
                         problems.append(f"{where}: {smem} bytes of shared memory (at most {configs.HOPPER_SMEM})")
+                    if ws and (s["stack"] or not s["hgmma"]):  # its register budget is tight: spills are a bug
+                        problems.append(f"{where}: {s['stack']} bytes of stack, {s['hgmma']} wgmma")
                     if dtype != torch.float32 and cfg.block_m >= 64 and s["hgmma"] == 0:
                         problems.append(f"{where}: a {cfg.block_m}-row tile without wgmma (HGMMA)")
     return problems

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import moefuse.experts.mxfp4 as mxfp4_kernels
+import moefuse.experts.mxfp4_ws as mxfp4_ws
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts, moe_experts_torch
 from moefuse.experts.kernel import weight_descriptor
@@ -399,6 +400,59 @@ def test_activations_outside_fp16_range(scale, gen, device):
     fp16's normal range both ways, still match the float64 reference."""
     x, w1, w2, ids = _inputs(gen, 7, 2, 3, 64, 32, invalid=0.0, device=device)
     _check((x.float() * scale).bfloat16(), w1, w2, ids)
+
+
+# --- the warp-specialized decode kernels (Gluon, sm_90 only) ---------------------------------------------------
+
+def test_gather_paired(gen, device):
+    """GEMM1's activation rows for the Gluon kernels: the plan's rows of hidden with each group of 32 columns in the
+    MMA's K order (``mxfp4._paired``), zeros for the rows past the valid ones (-1 slots)."""
+    x, _, _, ids = _inputs(gen, 9, 3, 4, 96, 32, invalid=0.3, device=device)
+    plan = moe_dispatch(ids, 4, 16, backend="triton")
+    got = mxfp4_ws.gather_paired(x.t().contiguous().t(), plan)  # column-major hidden: strides are honoured
+    expanded = plan.permuted_to_expanded.long()
+    natural = torch.where((expanded >= 0)[:, None], x[expanded.clamp(min=0) // 3], 0.0)
+    want = natural.view(-1, 3, 4, 2, 4).permute(0, 1, 4, 2, 3).reshape(-1, 96)
+    assert int(plan.expert_offsets[-1]) < plan.num_rows and torch.equal(got, want)
+
+
+WS_SHAPE = (6, 256, 256)  # E, H, I: whole 128-deep steps and column blocks (ws_eligible)
+
+
+@pytest.fixture
+def triton_kernels_only(monkeypatch):
+    monkeypatch.setattr(mxfp4_ws, "ws_eligible", lambda *args: False)
+
+
+def _run(x, w1, w2, plan, limit):
+    out = torch.full((plan.num_rows, x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
+    return moe_experts(x, w1, w2, plan, swiglu_limit=limit, out=out, backend="triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon kernels run on sm_90 only (CI compiles them: test_sm90.py)")
+@pytest.mark.parametrize("limit", [None, 1.5], ids=["no-clamp", "clamp"])
+@pytest.mark.parametrize("M", [1, 6, 16])
+def test_warp_specialized_matches_float64_and_triton(M, limit, gen, device, monkeypatch):
+    """At decode tiles the Gluon kernels run (``ws_eligible``): against the float64 reference on quantized random
+    weights (-1 slots, an empty expert, a NaN token), and bit for bit against the Triton kernels on random codes with
+    exponents over the whole supported range (the Triton kernels' unpacking is proven exact above)."""
+    E, H, I = WS_SHAPE
+    x, w1, w2, ids = _inputs(gen, M, 3, E, H, I, empty=4, device=device)
+    x[0, 70] = float("nan")
+    plan = moe_dispatch(ids, E, 16, backend="triton")
+    assert mxfp4_ws.ws_eligible(x, w1, w2, plan)
+    _check(x, w1, w2, ids, limit=limit)
+    codes = lambda N, K: _mxfp4(torch.randint(0, 16, (E, N, K), generator=gen, dtype=torch.uint8),  # noqa: E731
+                                torch.randint(LOW, HIGH + 1, (E, N, K // 32), generator=gen), device)
+    w1, w2 = codes(2 * I, H), codes(H, I)
+    x = (torch.randn(M, H, generator=gen) * 2.0**-60).bfloat16().to(device)  # keeps 2^1-scale weights finite
+    got = _run(x, w1, w2, plan, limit)
+    monkeypatch.setattr(mxfp4_ws, "ws_eligible", lambda *args: False)
+    want = _run(x, w1, w2, plan, limit)
+    n_valid = int(plan.expert_offsets[-1])
+    assert torch.equal(got[:n_valid].nan_to_num(7.0), want[:n_valid].nan_to_num(7.0))
+    assert got[n_valid:].isnan().all()
 
 
 # --- errors ----------------------------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ the packed tensors are read as the checkpoint ships them (no re-layout).
 
 History, one H200, DeepSeek-V4-Flash at 16 tokens: building each weight with Triton integer ops ran 4.7x the read
 floor; ``tl.dot_scaled`` 3.7x (990 µs); this unpacking in natural K order, converted to the operand layout through
-shared memory, 706 µs; in the registers' order 461 µs, 1.8x (docs/PERF-NOTES.md).
+shared memory, 706 µs; in the registers' order 461 µs, 1.8x; the same work warp-specialized (``mxfp4_ws.py``, which
+``experts_mxfp4`` hands decode tiles to on Hopper) 398 µs, 1.5x (docs/PERF-NOTES.md).
 """
 
 from __future__ import annotations
@@ -40,9 +41,12 @@ from .configs import GemmTiles
 from .kernel import _program_start, _round, _swiglu, _tile_span, weight_descriptor
 
 
-def _unpack_asm() -> str:
+def _unpack_asm(from_exponents: bool = False) -> str:
     """PTX that unpacks one 32-bit word of packed codes (weights k..k+7 of a row, weight k + j in bits 4j..4j+3,
-    ``$8``) into four bf16 pairs (``$0``..``$7``), scaled by the bf16x2 multiplier ``$9``.
+    ``$8``) into four bf16 pairs (``$0``..``$7``), scaled by the bf16x2 multiplier ``$9``; or, ``from_exponents``,
+    by one it builds from ``$9``, four exponent bytes each plus 126, and ``$10``, the PRMT selector of this word's
+    byte (``0x0404 + 0x1010 * byte``): the byte lands in bits 8-15 and 24-31, one shift right makes both halves
+    the bf16 2^(e - 1) (two instructions a word, where the Triton kernels' multiplier took three).
 
     Pair j holds weights k + j (low half) and k + j + 4 (high half), so one shift by 6 - 4j and a mask place both
     magnitudes (code bits 0-2 -> bf16 bits 6-8: the exponent's two low bits and the mantissa's top one) and a shift
@@ -59,10 +63,13 @@ def _unpack_asm() -> str:
         op = "shl" if shift > 0 else "shr"
         return [f"{op}.b32 {reg}, $8, {abs(shift)};", f"and.b32 {reg}, {reg}, {mask};"]
 
-    lines = ["{", ".reg .b32 t, u;"]
+    lines, multiplier = ["{", ".reg .b32 t, u;"], "$9"
+    if from_exponents:
+        lines += [".reg .b32 m;", "prmt.b32 m, $9, 0, $10;", "shr.b32 m, m, 1;"]
+        multiplier = "m"
     for j in range(4):
         lines += [*masked("t", 6 - 4 * j, "0x01C001C0"), *masked("u", 12 - 4 * j, "0x80008000"), "or.b32 t, t, u;",
-                  "mul.rn.bf16x2 t, t, $9;", f"mov.b32 {{${2 * j}, ${2 * j + 1}}}, t;"]
+                  f"mul.rn.bf16x2 t, t, {multiplier};", f"mov.b32 {{${2 * j}, ${2 * j + 1}}}, t;"]
     return "\n" + "\n".join([*lines, "}"]) + "\n"
 
 
@@ -259,7 +266,13 @@ def experts_mxfp4(
     *,
     use_pdl: bool = False,
 ) -> None:
-    """Launch GEMM1 + SwiGLU, then GEMM2, on MXFP4 weights into ``out``."""
+    """Launch GEMM1 + SwiGLU, then GEMM2, on MXFP4 weights into ``out``: the warp-specialized kernels of
+    ``mxfp4_ws.py`` for decode tiles on Hopper, these elsewhere."""
+    from .mxfp4_ws import experts_mxfp4_ws, ws_eligible  # mxfp4_ws builds on this module
+
+    if ws_eligible(hidden, gate_up, down, plan):
+        experts_mxfp4_ws(hidden, gate_up, down, plan, out, swiglu_limit)
+        return
     num_tiles = plan.tile_expert.numel()
     width, hidden_size = down.shape[2], hidden.shape[1]
     if num_tiles == 0 or width == 0:

@@ -1,0 +1,326 @@
+"""Warp-specialized MXFP4 GEMMs for decode tiles on Hopper, in Gluon (sm_90 only; ``mxfp4.py`` runs elsewhere).
+
+Same contract and numerics as the Triton kernels of ``mxfp4.py`` (SPEC §6): the same unpacking (``_unpack_asm``),
+the same swapped MMA (the unpacked weights are the wgmma's first operand, from registers; a tile's tokens its N),
+the same K order and 128-deep steps; on one H200 their outputs were bit-identical to the Triton kernels'. What
+differs is who does what. A program holds 128 weight rows and runs three partitions:
+
+- a producer warp that streams, per 128-deep step, the two 64-row boxes of packed words and the tile's activation
+  rows through TMA into a ring of ``STAGES`` slots;
+- two independent 4-warp consumers (one warp group each), one per 64-row box: each waits for a slot, loads its
+  words in the MMA operand's per-thread order (LDSM), unpacks them, issues the step's eight wgmmas, waits for them
+  and frees the slot (the slot's empty barrier counts both consumers).
+
+In the Triton kernel every warp issues its own loads and waits on its own pipeline, and 8 warps share one tile;
+here the loads and their bookkeeping leave the unpacking warps, a step's multiplier costs two instructions a word
+(the exponents come as one int32 per row and step, loaded a step ahead), and three programs fit an SM (56
+registers a thread at launch; the consumers take 72, the producer gives its back). DeepSeek-V4-Flash GEMM2 on one
+H200 (µs, CUDA-graph replay): 124 against 148 at 16 tokens, 411 against 425 at 128, 15.4 against 17.9 at one
+(docs/PERF-NOTES.md, eighth session).
+
+The tiles' activations come through TMA, so they must be contiguous rows in the MMA's K order: GEMM1's are
+gathered first (``_gather_paired``: the plan's rows of ``hidden``, columns permuted within each group of 32 as
+``mxfp4._paired`` does in registers), and GEMM1 writes the intermediate in that order for GEMM2 to read as it is.
+SwiGLU pairs a gate row with the up row of the same column, which the other consumer holds: the up consumer hands
+its accumulator over through shared memory and an mbarrier, and the gate consumer finishes the tile.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _runtime
+from ..dispatch import DispatchPlan
+from ..formats import MXFP4
+from .mxfp4 import _unpack_asm
+
+try:  # Gluon ships with Triton >= 3.5; without it (or off Hopper) the Triton kernels run
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - every supported Triton has it
+    gluon = None
+
+BLOCK_K = 128  # one int32 of exponents (four groups of 32) per row and step
+ROWS = 64  # weight rows per consumer: one wgmma M
+STAGES = 4
+MAXNREG = 56  # registers a thread at launch: three programs of 12 warps fit an SM
+REGS = (24, 72)  # producer, consumers after the hand-over (setmaxnreg)
+MAX_BLOCK_M = 16  # tiles of at most this many rows (the decode plans) take these kernels
+
+if gluon is not None:
+    # Triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 async_load (the old name a deprecated alias).
+    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    _UNPACK: gl.constexpr = gl.constexpr(_unpack_asm(from_exponents=True))
+    _BK: gl.constexpr = gl.constexpr(BLOCK_K)  # the kernels' copies of the constants above
+    _ROWS: gl.constexpr = gl.constexpr(ROWS)
+
+    def _word_layout() -> gl.DistributedLinearLayout:
+        """Where each thread of a 4-warp consumer holds the packed words of its 64 x 128 weight box: word t of each
+        group of 32 columns of rows r and r + 8 (r = 16 w + lane / 4, t = lane % 4), the four pairs of bf16 it
+        unpacks to being the thread's registers of that row in the wgmma operand (``mxfp4._mma_order``)."""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[8, 0], [0, 4], [0, 8]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[ROWS, BLOCK_K // 8])
+
+    @gluon.jit
+    def _produce(w_desc, a_desc, w_smem, a_smem, ready, empty, w_row0, w_row1, a_row, k_steps,
+                 STAGES: gl.constexpr):
+        """The producer warp: per step, both consumers' weight boxes and the activation rows into slot i % STAGES."""
+        for i in range(k_steps):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first pass finds every slot free
+            mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes + a_desc.block_type.nbytes)
+            _tma_load(w_desc, [w_row0, i * (_BK // 8)], ready.index(s), w_smem.index(2 * s))
+            _tma_load(w_desc, [w_row1, i * (_BK // 8)], ready.index(s), w_smem.index(2 * s + 1))
+            _tma_load(a_desc, [a_row, i * _BK], ready.index(s), a_smem.index(s))
+
+    @gluon.jit
+    def _consume(w_smem, a_smem, ready, empty, s_ptr, s_row, stride_sn, k_steps, PART: gl.constexpr,
+                 BLOCK_M: gl.constexpr, STAGES: gl.constexpr, WL: gl.constexpr, MMA: gl.constexpr):
+        """A consumer's main loop over K: ``acc`` [64, BLOCK_M] (fp32, swapped) of its weight box, rows
+        ``s_row ..`` of the exponents (an int32 view, one word per row and step)."""
+        G: gl.constexpr = _BK // 32
+        dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        rows = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, WL))
+        cols = gl.arange(0, _BK // 8, layout=gl.SliceLayout(0, WL))
+        selector = gl.expand_dims((cols // 4) * 0x1010 + 0x0404, 0)  # word c is in group c / 4 of the step
+        s_ptrs = s_ptr + (s_row + rows).to(gl.int64) * stride_sn
+        exponents = gl.load(s_ptrs)
+        acc = gl.zeros([_ROWS, BLOCK_M], gl.float32, MMA)
+        for i in range(k_steps):
+            s = i % STAGES
+            biased = gl.expand_dims(exponents, 1) + 0x7E7E7E7E  # e + 126 per byte: no carry for e <= 129
+            exponents = gl.load(s_ptrs + gl.minimum(i + 1, k_steps - 1))  # the next step's, while this one runs
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            words = w_smem.index(2 * s + PART).load(WL)
+            biased, sel = gl.broadcast(biased, selector)
+            x0, x4, x1, x5, x2, x6, x3, x7 = gl.inline_asm_elementwise(
+                _UNPACK, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, biased, sel], dtype=(gl.bfloat16,) * 8,
+                is_pure=True, pack=1)
+            # Into the operand's K order: weight 8t + j + 4b of each group at 8j + 2t + b (mxfp4._mma_order); the
+            # conversion moves no data (the words were loaded where the operand wants them).
+            p0 = gl.join(x0.reshape(_ROWS, G, 4), x4.reshape(_ROWS, G, 4))
+            p1 = gl.join(x1.reshape(_ROWS, G, 4), x5.reshape(_ROWS, G, 4))
+            p2 = gl.join(x2.reshape(_ROWS, G, 4), x6.reshape(_ROWS, G, 4))
+            p3 = gl.join(x3.reshape(_ROWS, G, 4), x7.reshape(_ROWS, G, 4))
+            pairs = gl.join(gl.join(p0, p2), gl.join(p1, p3))
+            w = gl.convert_layout(pairs.permute(0, 1, 4, 5, 2, 3).reshape(_ROWS, _BK), dot_a)
+            acc = warpgroup_mma(w, a_smem.index(s).permute((1, 0)), acc, is_async=True)
+            # Waited for at once: keeping a step in flight makes ptxas serialize the wgmmas (their register
+            # operands), which measured slower; the other consumer and programs fill the wait.
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(empty.index(s))
+        return acc
+
+    @gluon.jit
+    def _store(acc, out_ptr, row_start, row_end, col0, stride_om, PAIRED: gl.constexpr, BLOCK_M: gl.constexpr,
+               MMA: gl.constexpr):
+        """``out[rows, col0 + n] = acc[n, rows - row_start]`` in bf16 for the expert's rows; ``PAIRED`` puts column
+        8t + 4b + j of each group of 32 at 8j + 2t + b (the K order GEMM2's operand wants)."""
+        m = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+        n = col0 + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, MMA))
+        if PAIRED:
+            n = (n & ~31) | ((n & 3) << 3) | (((n >> 3) & 3) << 1) | ((n >> 2) & 1)
+        ptrs = out_ptr + gl.expand_dims(m.to(gl.int64) * stride_om, 0) + gl.expand_dims(n, 1)
+        gl.store(ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(m < row_end, 0) & gl.expand_dims(n >= 0, 1))
+
+    @gluon.jit
+    def _gemm2_part(w_smem, a_smem, ready, empty, s_ptr, out_ptr, s_row, stride_sn, col0, stride_om, row_start,
+                    row_end, k_steps, PART: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                    WL: gl.constexpr, MMA: gl.constexpr):
+        acc = _consume(w_smem, a_smem, ready, empty, s_ptr, s_row + PART * _ROWS, stride_sn, k_steps, PART, BLOCK_M,
+                       STAGES, WL, MMA)
+        _store(acc, out_ptr, row_start, row_end, col0 + PART * _ROWS, stride_om, False, BLOCK_M, MMA)
+
+    @gluon.jit
+    def _gemm1_up(w_smem, a_smem, ready, empty, s_ptr, s_row, stride_sn, k_steps, handed, handover,
+                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr, WL: gl.constexpr, MMA: gl.constexpr):
+        """The up consumer: its accumulator goes to the gate consumer through shared memory."""
+        acc = _consume(w_smem, a_smem, ready, empty, s_ptr, s_row, stride_sn, k_steps, 1, BLOCK_M, STAGES, WL, MMA)
+        handover.store(acc)
+        mbarrier.arrive(handed)
+
+    @gluon.jit
+    def _gemm1_gate(w_smem, a_smem, ready, empty, s_ptr, out_ptr, s_row, stride_sn, col0, stride_om, row_start,
+                    row_end, k_steps, handed, handover, limit, HAS_LIMIT: gl.constexpr, BLOCK_M: gl.constexpr,
+                    STAGES: gl.constexpr, WL: gl.constexpr, MMA: gl.constexpr):
+        """The gate consumer: SwiGLU of its accumulator and the up consumer's (as ``kernel._swiglu``), stored in
+        the paired K order."""
+        gate = _consume(w_smem, a_smem, ready, empty, s_ptr, s_row, stride_sn, k_steps, 0, BLOCK_M, STAGES, WL, MMA)
+        mbarrier.wait(handed, 0)
+        up = handover.load(MMA)
+        if HAS_LIMIT:  # DeepSeek-V4's clamp; NaN stays NaN, as torch.clamp keeps it
+            gate = gl.where(gate > limit, limit, gate)
+            up = gl.where(up > limit, limit, gl.where(up < -limit, -limit, up))
+        act = gate * (1.0 / (1.0 + gl.exp(-gate))) * up
+        _store(act, out_ptr, row_start, row_end, col0, stride_om, True, BLOCK_M, MMA)
+
+    @gluon.jit
+    def _program(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, BN: gl.constexpr):
+        pid = gl.program_id(0)
+        col_blocks = N // BN
+        tile = pid // col_blocks
+        expert = gl.load(tile_expert_ptr + tile)
+        row_start = gl.load(tile_row_start_ptr + tile)
+        row_end = gl.load(expert_offsets_ptr + gl.maximum(expert, 0) + 1)
+        return expert, pid % col_blocks, row_start, row_end
+
+    @gluon.jit
+    def _ring(w_desc, a_desc, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+        w_smem = gl.allocate_shared_memory(gl.int32, [2 * STAGES, _ROWS, _BK // 8], w_desc.layout)
+        a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, _BK], a_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=CONSUMERS)
+        return w_smem, a_smem, ready, empty
+
+    @gluon.jit
+    def _gemm1_ws_kernel(w_desc, a_desc, s_ptr, inter_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                         N, K, stride_sn, stride_im, limit, HAS_LIMIT: gl.constexpr, BLOCK_M: gl.constexpr,
+                         STAGES: gl.constexpr, WL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                         CONSUMER_REGS: gl.constexpr):
+        """intermediate[rows, paired(n)] = SwiGLU(x @ gate[e, n]^T, x @ up[e, n]^T) for 64 columns n a program.
+        N = I, K = H; ``a_desc`` reads the gathered, paired activation rows."""
+        expert, col_block, row_start, row_end = _program(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                                                         N, _ROWS)
+        if expert >= 0:
+            MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, BLOCK_M, 16])
+            w_smem, a_smem, ready, empty = _ring(w_desc, a_desc, BLOCK_M, STAGES, 2)
+            handover = gl.allocate_shared_memory(gl.float32, [_ROWS, BLOCK_M],
+                                                 gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+            handed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(handed, count=1)
+            gate_row = expert * 2 * N + col_block * _ROWS  # rows of the [E·2N, K/8] words and [E·2N, K/128] scales
+            k_steps = K // _BK
+            gl.warp_specialize([
+                (_gemm1_gate, (w_smem, a_smem, ready, empty, s_ptr, inter_ptr, gate_row, stride_sn, col_block * _ROWS,
+                               stride_im, row_start, row_end, k_steps, handed, handover, limit, HAS_LIMIT, BLOCK_M,
+                               STAGES, WL, MMA)),
+                (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, gate_row, gate_row + N, row_start, k_steps,
+                            STAGES)),
+                (_gemm1_up, (w_smem, a_smem, ready, empty, s_ptr, gate_row + N, stride_sn, k_steps, handed, handover,
+                             BLOCK_M, STAGES, WL, MMA)),
+            ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
+
+    @gluon.jit
+    def _gemm2_ws_kernel(w_desc, a_desc, s_ptr, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                         N, K, stride_sn, stride_om, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, WL: gl.constexpr,
+                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """out[rows, n] = intermediate[rows] @ down[e, n]^T for 128 columns n a program. N = H, K = I; the
+        intermediate in the paired K order (GEMM1 wrote it so)."""
+        expert, col_block, row_start, row_end = _program(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                                                         N, 2 * _ROWS)
+        if expert >= 0:
+            MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, BLOCK_M, 16])
+            w_smem, a_smem, ready, empty = _ring(w_desc, a_desc, BLOCK_M, STAGES, 2)
+            w_row = expert * N + col_block * 2 * _ROWS
+            k_steps = K // _BK
+            gl.warp_specialize([
+                (_gemm2_part, (w_smem, a_smem, ready, empty, s_ptr, out_ptr, w_row, stride_sn, col_block * 2 * _ROWS,
+                               stride_om, row_start, row_end, k_steps, 0, BLOCK_M, STAGES, WL, MMA)),
+                (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, w_row, w_row + _ROWS, row_start, k_steps,
+                            STAGES)),
+                (_gemm2_part, (w_smem, a_smem, ready, empty, s_ptr, out_ptr, w_row, stride_sn, col_block * 2 * _ROWS,
+                               stride_om, row_start, row_end, k_steps, 1, BLOCK_M, STAGES, WL, MMA)),
+            ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _gather_paired(hidden_ptr, p2e_ptr, out_ptr, num_rows, H, top_k, stride_hm, stride_hk, stride_om,
+                   BLOCK: tl.constexpr):
+    """out[r, p] = hidden[token(r), n(p)]: the plan's rows (token = permuted_to_expanded // top_k; zeros for the
+    rows past the valid ones, whose entry is -1), column 8t + 4b + j of each group of 32 at position 8j + 2t + b.
+    One program per row and BLOCK columns."""
+    row = tl.program_id(0)
+    p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    n = (p & ~31) | (((p >> 1) & 3) << 3) | ((p & 1) << 2) | ((p >> 3) & 3)
+    expanded = tl.load(p2e_ptr + row)
+    token = (tl.maximum(expanded, 0) // top_k).to(tl.int64)
+    x = tl.load(hidden_ptr + token * stride_hm + n * stride_hk, mask=p < tl.where(expanded >= 0, H, 0), other=0.0)
+    tl.store(out_ptr + row.to(tl.int64) * stride_om + p, x, mask=p < H)
+
+
+def gather_paired(hidden: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """GEMM1's activations for :func:`experts_mxfp4_ws`: [plan.num_rows, H], rows in the plan's order, columns in
+    the MMA's K order (``mxfp4._paired``)."""
+    rows, width = plan.num_rows, hidden.shape[1]
+    out = torch.empty(rows, width, dtype=hidden.dtype, device=hidden.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(width))
+        _gather_paired[(rows, triton.cdiv(width, block))](
+            hidden, plan.permuted_to_expanded, out, rows, width, plan.top_k, hidden.stride(0), hidden.stride(1),
+            out.stride(0), BLOCK=block)
+    return out
+
+
+def ws_eligible(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: DispatchPlan) -> bool:
+    """Whether :func:`experts_mxfp4_ws` runs these experts: decode tiles (``MAX_BLOCK_M`` rows) on an sm_90 GPU (not
+    the interpreter), H and I multiples of 128 (whole steps and column blocks: no masks), and weights whose bytes
+    are contiguous (the kernels read [E·N, K/8] words and [E·N, K/128] exponent words through flat views)."""
+    width, hidden_size = gate_up.shape[1] // 2, gate_up.shape[2]
+    return (gluon is not None and hidden.is_cuda and not _runtime.interpreting()
+            and _runtime.capability(hidden.device) == (9, 0) and plan.block_m <= MAX_BLOCK_M
+            and width > 0 and width % BLOCK_K == 0 and hidden_size % BLOCK_K == 0
+            and all(_flat(t) for w in (gate_up, down) for t in (w.values, w.scales)))
+
+
+def _flat(tensor: torch.Tensor) -> bool:
+    return tensor.is_contiguous() and tensor.storage_offset() % 4 == 0
+
+
+def _exponent_words(scales: torch.Tensor) -> torch.Tensor:
+    """Scales [E, N, K/32] (uint8 or e8m0, contiguous) as int32 words [E·N, K/128], four groups each."""
+    E, N, groups = scales.shape
+    return scales.view(torch.uint8).view(E * N, groups).view(torch.int32)
+
+
+def _descriptors(words: torch.Tensor, rows: torch.Tensor, block_m: int) -> tuple[object, object]:
+    """TMA descriptors of a consumer's weight box (64 rows of ``words`` [E, N, K/8] seen as [E·N, K/8]) and of
+    a tile's activation rows."""
+    E, N, W = words.shape
+    w_layout = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_K // 8], gl.int32)
+    a_layout = gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.bfloat16)
+    return (TensorDescriptor.from_tensor(words.reshape(E * N, W), [ROWS, BLOCK_K // 8], w_layout),
+            TensorDescriptor.from_tensor(rows, [block_m, BLOCK_K], a_layout))
+
+
+def experts_mxfp4_ws(
+    hidden: torch.Tensor,
+    gate_up: MXFP4,
+    down: MXFP4,
+    plan: DispatchPlan,
+    out: torch.Tensor,
+    swiglu_limit: Optional[float] = None,
+) -> None:
+    """Gather GEMM1's rows, then GEMM1 + SwiGLU and GEMM2 with the warp-specialized kernels, into ``out``. Call
+    only where :func:`ws_eligible` holds."""
+    num_tiles = plan.tile_expert.numel()
+    width, hidden_size = down.shape[2], hidden.shape[1]
+    if num_tiles == 0:
+        return
+    rows = gather_paired(hidden, plan)
+    inter = torch.empty(plan.num_rows, width, dtype=hidden.dtype, device=hidden.device)
+    w1, w2 = gate_up.values.view(torch.int32), down.values.view(torch.int32)  # [E, N, K/8], eight codes a word
+    s1, s2 = _exponent_words(gate_up.scales), _exponent_words(down.scales)
+    launch = {"num_warps": 4, "maxnreg": MAXNREG}
+    consts = {"BLOCK_M": plan.block_m, "STAGES": STAGES, "WL": _word_layout(), "PRODUCER_REGS": REGS[0],
+              "CONSUMER_REGS": REGS[1]}
+    w_desc, a_desc = _descriptors(w1, rows, plan.block_m)
+    _gemm1_ws_kernel[(num_tiles * (width // ROWS),)](
+        w_desc, a_desc, s1, inter, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
+        width, hidden_size, s1.stride(0), inter.stride(0), 0.0 if swiglu_limit is None else float(swiglu_limit),
+        HAS_LIMIT=swiglu_limit is not None, **consts, **launch)
+    w_desc, a_desc = _descriptors(w2, inter, plan.block_m)
+    _gemm2_ws_kernel[(num_tiles * (hidden_size // (2 * ROWS)),)](
+        w_desc, a_desc, s2, out, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
+        hidden_size, width, s2.stride(0), out.stride(0), **consts, **launch)

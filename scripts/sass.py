@@ -244,14 +244,16 @@ def compile_mxfp4_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_li
 
 def compile_mxfp4_ws_gemm(gemm: int, block_m: int, has_limit: bool):
     """The warp-specialized MXFP4 GEMM1 or GEMM2 (``experts/mxfp4_ws.py``, Gluon) as ``experts_mxfp4_ws`` launches
-    it on sm_90: fixed tiles (two 64-row consumers, 128-deep steps), ``MAXNREG`` registers a thread."""
+    it on sm_90: two 64-row consumers, 128-deep steps, registers and slots from ``LAUNCH``."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     ws = experts_mxfp4_ws
     fn = ws._gemm1_ws_kernel if gemm == 1 else ws._gemm2_ws_kernel
-    constexprs = {"BLOCK_M": block_m, "STAGES": ws.STAGES, "WL": ws._word_layout(), "PRODUCER_REGS": ws.REGS[0],
-                  "CONSUMER_REGS": ws.REGS[1], **({"HAS_LIMIT": has_limit} if gemm == 1 else {})}
+    shape = ws.LAUNCH[block_m]
+    constexprs = {"BLOCK_M": block_m, "STAGES": shape.stages, "WL": ws._word_layout(),
+                  "PRODUCER_REGS": ws.PRODUCER_REGS, "CONSUMER_REGS": shape.consumer_regs,
+                  **({"HAS_LIMIT": has_limit} if gemm == 1 else {})}
     w_layout = gl.NVMMASharedLayout.get_default_for([ws.ROWS, ws.BLOCK_K // 8], gl.int32)
     a_layout = gl.NVMMASharedLayout.get_default_for([block_m, ws.BLOCK_K], gl.bfloat16)
     types = {"w_desc": f"tensordesc<i32[{ws.ROWS}, {ws.BLOCK_K // 8}],{w_layout!r}>",
@@ -262,7 +264,7 @@ def compile_mxfp4_ws_gemm(gemm: int, block_m: int, has_limit: bool):
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in signature.items()
              if ty.startswith("*") or name in ("N", "K", "stride_im", "stride_om")}
     src = GluonASTSource(fn, {**signature, **{name: "constexpr" for name in constexprs}}, constexprs, attrs)
-    return triton.compile(src, target=SM90, options={"num_warps": 4, "maxnreg": ws.MAXNREG})
+    return triton.compile(src, target=SM90, options={"num_warps": 4, "maxnreg": shape.maxnreg})
 
 
 def experts(args: argparse.Namespace) -> list[str]:
@@ -289,13 +291,14 @@ def experts(args: argparse.Namespace) -> list[str]:
                 for gemm, tiles, k in gemms:
                     has_limit = gemm == 1 and c.swiglu_limit is not None
                     prequantized = fp8 and M * c.top_k >= configs.FP8_PREQUANTIZE_MIN_ROWS
-                    # Decode tiles of models whose widths are whole 128-deep steps take the Gluon kernels.
-                    ws = (mxfp4 and cfg.block_m <= experts_mxfp4_ws.MAX_BLOCK_M
+                    # Models whose widths are whole 128-deep steps take the Gluon kernels.
+                    ws = (mxfp4 and cfg.block_m in experts_mxfp4_ws.LAUNCH
                           and c.hidden_size % experts_mxfp4_ws.BLOCK_K == 0
                           and c.intermediate_size % experts_mxfp4_ws.BLOCK_K == 0)
                     if ws:  # as launched: 64 output columns a GEMM1 program, 128 a GEMM2 one; 4 warps (and 8 more)
                         tiles = configs.GemmTiles(experts_mxfp4_ws.ROWS * (2 if gemm == 2 else 1),
-                                                  experts_mxfp4_ws.BLOCK_K, 1, 4, experts_mxfp4_ws.STAGES)
+                                                  experts_mxfp4_ws.BLOCK_K, 1, 4,
+                                                  experts_mxfp4_ws.LAUNCH[cfg.block_m].stages)
                     key = (gemm, dtype, cfg.block_m, tiles, k % tiles.block_k == 0, has_limit, prequantized, ws)
                     if key in seen:  # N and K are run-time arguments: the same launch compiles the same
                         continue

@@ -432,17 +432,18 @@ def _run(x, w1, w2, plan, limit):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Gluon kernels run on sm_90 only (CI compiles them: test_sm90.py)")
 @pytest.mark.parametrize("limit", [None, 1.5], ids=["no-clamp", "clamp"])
-@pytest.mark.parametrize("M", [1, 6, 16])
-def test_warp_specialized_matches_float64_and_triton(M, limit, gen, device, monkeypatch):
-    """At decode tiles the Gluon kernels run (``ws_eligible``): against the float64 reference on quantized random
-    weights (-1 slots, an empty expert, a NaN token), and bit for bit against the Triton kernels on random codes with
-    exponents over the whole supported range (the Triton kernels' unpacking is proven exact above)."""
+@pytest.mark.parametrize("block_m, M", [(16, 1), (16, 6), (16, 16), (32, 40), (64, 70), (128, 150)])
+def test_warp_specialized_matches_float64_and_triton(block_m, M, limit, gen, device, monkeypatch):
+    """On Hopper the Gluon kernels run (``ws_eligible``), at every tile height they have a launch shape for (up to
+    75 rows an expert: partial tiles): against the float64 reference on quantized random weights (-1 slots, an empty
+    expert, a NaN token), and bit for bit against the Triton kernels on random codes with exponents over the whole
+    supported range (the Triton kernels' unpacking is proven exact above)."""
     E, H, I = WS_SHAPE
     x, w1, w2, ids = _inputs(gen, M, 3, E, H, I, empty=4, device=device)
     x[0, 70] = float("nan")
-    plan = moe_dispatch(ids, E, 16, backend="triton")
+    plan = moe_dispatch(ids, E, block_m, backend="triton")
     assert mxfp4_ws.ws_eligible(x, w1, w2, plan)
-    _check(x, w1, w2, ids, limit=limit)
+    _check(x, w1, w2, ids, limit=limit, block_m=block_m)
     codes = lambda N, K: _mxfp4(torch.randint(0, 16, (E, N, K), generator=gen, dtype=torch.uint8),  # noqa: E731
                                 torch.randint(LOW, HIGH + 1, (E, N, K // 32), generator=gen), device)
     w1, w2 = codes(2 * I, H), codes(H, I)

@@ -315,9 +315,9 @@ def heuristic(
        73 (s5) / 461 / 1,391 / 1,864; [64, 256] w4 s4 64 / 552 / - / -; [64, 128] w4 s3 - / 475 / 1,439 / 1,983;
        [64, 64] w4 s3 - / 499 / 1,529 / 2,020; [128, 256] and [256, 128] w8 s3 slower (635 / 1,929 / 2,372 and
        644 / 2,005 / 2,355). Tall tiles as for bf16 with 3 stages (M = 4096: 4,365 µs, against 4,775 for 4 stages
-       with tiles grouped per expert, 4,917 for [64, 64] and 5,083 for [128, 64]). On sm_90, 16-row tiles of
-       models whose H and I are multiples of 128 run the warp-specialized kernels of ``mxfp4_ws.py`` instead, whose
-       launch shape is fixed; the tiles here serve the rest.
+       with tiles grouped per expert, 4,917 for [64, 64] and 5,083 for [128, 64]). On sm_90, models whose H and I
+       are multiples of 128 run the warp-specialized kernels of ``mxfp4_ws.py`` instead (their launch shape is
+       per tile height, ``mxfp4_ws.LAUNCH``); the tiles here serve the rest.
     """
     M = int(M)
     rows = max(M * K, 1)

@@ -23,7 +23,7 @@ the packed tensors are read as the checkpoint ships them (no re-layout).
 History, one H200, DeepSeek-V4-Flash at 16 tokens: building each weight with Triton integer ops ran 4.7x the read
 floor; ``tl.dot_scaled`` 3.7x (990 µs); this unpacking in natural K order, converted to the operand layout through
 shared memory, 706 µs; in the registers' order 461 µs, 1.8x; the same work warp-specialized (``mxfp4_ws.py``, which
-``experts_mxfp4`` hands decode tiles to on Hopper) 398 µs, 1.5x (docs/PERF-NOTES.md).
+``experts_mxfp4`` hands the experts to on Hopper) 398 µs, 1.5x (docs/PERF-NOTES.md).
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ def experts_mxfp4(
     use_pdl: bool = False,
 ) -> None:
     """Launch GEMM1 + SwiGLU, then GEMM2, on MXFP4 weights into ``out``: the warp-specialized kernels of
-    ``mxfp4_ws.py`` for decode tiles on Hopper, these elsewhere."""
+    ``mxfp4_ws.py`` on Hopper where ``ws_eligible``, these elsewhere."""
     from .mxfp4_ws import experts_mxfp4_ws, ws_eligible  # mxfp4_ws builds on this module
 
     if ws_eligible(hidden, gate_up, down, plan):

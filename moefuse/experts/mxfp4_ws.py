@@ -1,4 +1,4 @@
-"""Warp-specialized MXFP4 GEMMs for decode tiles on Hopper, in Gluon (sm_90 only; ``mxfp4.py`` runs elsewhere).
+"""Warp-specialized MXFP4 GEMMs on Hopper, in Gluon (sm_90 only; ``mxfp4.py`` runs elsewhere).
 
 Same contract and numerics as the Triton kernels of ``mxfp4.py`` (SPEC §6): the same unpacking (``_unpack_asm``),
 the same swapped MMA (the unpacked weights are the wgmma's first operand, from registers; a tile's tokens its N),
@@ -6,17 +6,17 @@ the same K order and 128-deep steps; on one H200 their outputs were bit-identica
 differs is who does what. A program holds 128 weight rows and runs three partitions:
 
 - a producer warp that streams, per 128-deep step, the two 64-row boxes of packed words and the tile's activation
-  rows through TMA into a ring of ``STAGES`` slots;
+  rows through TMA into a ring of slots;
 - two independent 4-warp consumers (one warp group each), one per 64-row box: each waits for a slot, loads its
   words in the MMA operand's per-thread order (LDSM), unpacks them, issues the step's eight wgmmas, waits for them
   and frees the slot (the slot's empty barrier counts both consumers).
 
 In the Triton kernel every warp issues its own loads and waits on its own pipeline, and 8 warps share one tile;
 here the loads and their bookkeeping leave the unpacking warps, a step's multiplier costs two instructions a word
-(the exponents come as one int32 per row and step, loaded a step ahead), and three programs fit an SM (56
-registers a thread at launch; the consumers take 72, the producer gives its back). DeepSeek-V4-Flash GEMM2 on one
-H200 (µs, CUDA-graph replay): 124 against 148 at 16 tokens, 411 against 425 at 128, 15.4 against 17.9 at one
-(docs/PERF-NOTES.md, eighth session).
+(the exponents come as one int32 per row and step, loaded a step ahead), and at 16-row tiles three programs fit
+an SM (``LAUNCH``). DeepSeek-V4-Flash experts on one H200 (µs, CUDA-graph replay), against the Triton kernels:
+48 against 64 at one token, 398 against 499 at 16, 3,349 against 4,367 at 4,096 (docs/PERF-NOTES.md, eighth
+session).
 
 The tiles' activations come through TMA, so they must be contiguous rows in the MMA's K order: GEMM1's are
 gathered first (``_gather_paired``: the plan's rows of ``hidden``, columns permuted within each group of 32 as
@@ -24,9 +24,9 @@ gathered first (``_gather_paired``: the plan's rows of ``hidden``, columns permu
 SwiGLU pairs a gate row with the up row of the same column, which the other consumer holds: the up consumer hands
 its accumulator over through shared memory and an mbarrier, and the gate consumer finishes the tile.
 """
-
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -48,10 +48,27 @@ except ImportError:  # pragma: no cover - every supported Triton has it
 
 BLOCK_K = 128  # one int32 of exponents (four groups of 32) per row and step
 ROWS = 64  # weight rows per consumer: one wgmma M
-STAGES = 4
-MAXNREG = 56  # registers a thread at launch: three programs of 12 warps fit an SM
-REGS = (24, 72)  # producer, consumers after the hand-over (setmaxnreg)
-MAX_BLOCK_M = 16  # tiles of at most this many rows (the decode plans) take these kernels
+PRODUCER_REGS = 24  # the producer warp's registers after the hand-over (setmaxnreg); the consumers take the rest
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Per tile height: registers a thread at launch (``maxnreg``: how many 12-warp programs fit an SM's 64K),
+    the consumers' registers after the hand-over, and the ring's slots. Swept on one H200 (DeepSeek-V4-Flash,
+    PERF-NOTES eighth session); each the fewest registers that compile without spills for both GEMMs
+    (``scripts/sass.py`` checks it)."""
+
+    maxnreg: int
+    consumer_regs: int
+    stages: int
+
+
+LAUNCH = {
+    16: Launch(56, 72, 4),  # three programs an SM: 124 µs for GEMM2 at 16 tokens, against 134 for two, 188 for one
+    32: Launch(80, 88, 6),  # two: at 56 registers the 32-column accumulators spill
+    64: Launch(128, 152, 4),  # one
+    128: Launch(168, 232, 4),  # one (GEMM1's hand-over spills at 128 registers)
+}
 
 if gluon is not None:
     # Triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 async_load (the old name a deprecated alias).
@@ -264,12 +281,12 @@ def gather_paired(hidden: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
 
 
 def ws_eligible(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: DispatchPlan) -> bool:
-    """Whether :func:`experts_mxfp4_ws` runs these experts: decode tiles (``MAX_BLOCK_M`` rows) on an sm_90 GPU (not
-    the interpreter), H and I multiples of 128 (whole steps and column blocks: no masks), and weights whose bytes
-    are contiguous (the kernels read [E·N, K/8] words and [E·N, K/128] exponent words through flat views)."""
+    """Whether :func:`experts_mxfp4_ws` runs these experts: tiles of a height in ``LAUNCH`` on an sm_90 GPU (not the
+    interpreter), H and I multiples of 128 (whole steps and column blocks: no masks), and weights whose bytes are
+    contiguous (the kernels read [E·N, K/8] words and [E·N, K/128] exponent words through flat views)."""
     width, hidden_size = gate_up.shape[1] // 2, gate_up.shape[2]
     return (gluon is not None and hidden.is_cuda and not _runtime.interpreting()
-            and _runtime.capability(hidden.device) == (9, 0) and plan.block_m <= MAX_BLOCK_M
+            and _runtime.capability(hidden.device) == (9, 0) and plan.block_m in LAUNCH
             and width > 0 and width % BLOCK_K == 0 and hidden_size % BLOCK_K == 0
             and all(_flat(t) for w in (gate_up, down) for t in (w.values, w.scales)))
 
@@ -312,9 +329,10 @@ def experts_mxfp4_ws(
     inter = torch.empty(plan.num_rows, width, dtype=hidden.dtype, device=hidden.device)
     w1, w2 = gate_up.values.view(torch.int32), down.values.view(torch.int32)  # [E, N, K/8], eight codes a word
     s1, s2 = _exponent_words(gate_up.scales), _exponent_words(down.scales)
-    launch = {"num_warps": 4, "maxnreg": MAXNREG}
-    consts = {"BLOCK_M": plan.block_m, "STAGES": STAGES, "WL": _word_layout(), "PRODUCER_REGS": REGS[0],
-              "CONSUMER_REGS": REGS[1]}
+    shape = LAUNCH[plan.block_m]
+    launch = {"num_warps": 4, "maxnreg": shape.maxnreg}
+    consts = {"BLOCK_M": plan.block_m, "STAGES": shape.stages, "WL": _word_layout(), "PRODUCER_REGS": PRODUCER_REGS,
+              "CONSUMER_REGS": shape.consumer_regs}
     w_desc, a_desc = _descriptors(w1, rows, plan.block_m)
     _gemm1_ws_kernel[(num_tiles * (width // ROWS),)](
         w_desc, a_desc, s1, inter, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,

@@ -2,6 +2,7 @@
 
     python scripts/sass.py router [--dump DIR] [--check]
     python scripts/sass.py experts [--preset NAME ...] [--dtype bf16 fp32] [--check]
+    python scripts/sass.py mxfp4-ws [--check]
 
 ``router``: per model config and rows per program (BLOCK_M from ``launch_config`` at M = 8192, and 1): SASS
 instructions (NOPs and the out-of-line slow paths after the last EXIT left out), instructions per row, SHFL and
@@ -15,7 +16,12 @@ SPEC §4 presets on sm_90 (``configs.pick`` at the table's token buckets), compi
 launch them (TMA weights, PDL): shared memory, registers, stack bytes, the HGMMA (wgmma) and HMMA (mma.sync)
 instructions in the SASS, and the main loop's instructions (all threads) per weight of one K step, which is what
 bounds the MXFP4 kernels (an SM issues 128 per clock, half of them on the integer pipe, and the read floor needs
-about 32 weights per clock per SM on an H200).
+about 32 weights per clock per SM on an H200). MXFP4 launches that run the warp-specialized Gluon kernels on sm_90
+(``experts/mxfp4_ws.py``: every preset, whose widths are multiples of 128) are left to ``mxfp4-ws``.
+
+``mxfp4-ws``: those Gluon kernels at each tile height of ``mxfp4_ws.LAUNCH``, with and without the clamp (they do
+not depend on the model otherwise): the same columns, the main-loop instructions per weight counted over a
+consumer's loop; ``--check`` also fails on a spill (their register budget is set to the edge).
 
 ``--check`` exits with status 1 when a kernel fails to compile, needs more shared memory than a Hopper block
 may have (227 KB; on a GPU that is an ``OutOfResources`` at launch), or, for the experts, when a 16-bit tile of
@@ -291,22 +297,16 @@ def experts(args: argparse.Namespace) -> list[str]:
                 for gemm, tiles, k in gemms:
                     has_limit = gemm == 1 and c.swiglu_limit is not None
                     prequantized = fp8 and M * c.top_k >= configs.FP8_PREQUANTIZE_MIN_ROWS
-                    # Models whose widths are whole 128-deep steps take the Gluon kernels.
-                    ws = (mxfp4 and cfg.block_m in experts_mxfp4_ws.LAUNCH
-                          and c.hidden_size % experts_mxfp4_ws.BLOCK_K == 0
-                          and c.intermediate_size % experts_mxfp4_ws.BLOCK_K == 0)
-                    if ws:  # as launched: 64 output columns a GEMM1 program, 128 a GEMM2 one; 4 warps (and 8 more)
-                        tiles = configs.GemmTiles(experts_mxfp4_ws.ROWS * (2 if gemm == 2 else 1),
-                                                  experts_mxfp4_ws.BLOCK_K, 1, 4,
-                                                  experts_mxfp4_ws.LAUNCH[cfg.block_m].stages)
-                    key = (gemm, dtype, cfg.block_m, tiles, k % tiles.block_k == 0, has_limit, prequantized, ws)
+                    if mxfp4 and experts_width_fits_ws(c.hidden_size, c.intermediate_size):
+                        if cfg.block_m in experts_mxfp4_ws.LAUNCH:  # the Gluon kernels run: `sass.py mxfp4-ws`
+                            continue
+                    key = (gemm, dtype, cfg.block_m, tiles, k % tiles.block_k == 0, has_limit, prequantized)
                     if key in seen:  # N and K are run-time arguments: the same launch compiles the same
                         continue
                     seen.add(key)
-                    where = f"{name} {TYPE_NAMES[dtype]} M={M} GEMM{gemm}" + (" (warp-specialized)" if ws else "")
+                    where = f"{name} {TYPE_NAMES[dtype]} M={M} GEMM{gemm}"
                     try:
                         compiled = (compile_fp8_gemm(gemm, cfg.block_m, tiles, has_limit, prequantized) if fp8
-                                    else compile_mxfp4_ws_gemm(gemm, cfg.block_m, has_limit) if ws
                                     else compile_mxfp4_gemm(gemm, cfg.block_m, tiles, has_limit) if mxfp4
                                     else compile_gemm(gemm, dtype, cfg.block_m, tiles, k, has_limit))
                     except Exception as error:  # any compiler error is a finding: reported, and --check fails
@@ -318,18 +318,47 @@ def experts(args: argparse.Namespace) -> list[str]:
                     # Main-loop instructions of all threads per weight of one K step: the unpacking cost (MXFP4).
                     weights = tiles.block_n * tiles.block_k * (2 if gemm == 1 else 1)
                     per_weight = main_loop_instructions(text) * tiles.num_warps * 32 / weights
-                    if ws:  # a consumer thread's loop: 64 rows x 128 columns over 128 threads
-                        per_weight = main_loop_instructions(text, shortest_mma_loop=True) / 64
                     print(f"{name:18s} {TYPE_NAMES[dtype]:5s} {M:5d} {gemm:4d} {cfg.block_m:7d} "
                           f"{tiles.block_n:4d}x{tiles.block_k:<4d} {tiles.group_m:5d} {tiles.num_warps:5d} "
                           f"{tiles.num_stages:6d} {smem:6d} {s['regs']:4d} {s['stack']:5d} {s['hgmma']:5d} "
                           f"{s['hmma']:5d} {per_weight:11.2f}", flush=True)
                     if smem > configs.HOPPER_SMEM:
                         problems.append(f"{where}: {smem} bytes of shared memory (at most {configs.HOPPER_SMEM})")
-                    if ws and (s["stack"] or not s["hgmma"]):  # its register budget is tight: spills are a bug
-                        problems.append(f"{where}: {s['stack']} bytes of stack, {s['hgmma']} wgmma")
                     if dtype != torch.float32 and cfg.block_m >= 64 and s["hgmma"] == 0:
                         problems.append(f"{where}: a {cfg.block_m}-row tile without wgmma (HGMMA)")
+    return problems
+
+
+def experts_width_fits_ws(hidden_size: int, intermediate_size: int) -> bool:
+    """Whether a model's MXFP4 experts run the Gluon kernels on sm_90 (``mxfp4_ws.ws_eligible``'s widths)."""
+    return hidden_size % experts_mxfp4_ws.BLOCK_K == 0 and intermediate_size % experts_mxfp4_ws.BLOCK_K == 0
+
+
+def mxfp4_ws(args: argparse.Namespace) -> list[str]:
+    """The warp-specialized MXFP4 GEMMs at every tile height of ``LAUNCH`` (the same for every model: widths are
+    run-time arguments), with and without the SwiGLU clamp."""
+    problems = []
+    print(f"{'GEMM':4s} {'BLOCK_M':>7s} {'clamp':>5s} {'maxnreg':>7s} {'stages':>6s} {'smem':>6s} {'regs':>4s} "
+          f"{'stack':>5s} {'HGMMA':>5s} {'loop/weight':>11s}")
+    for block_m, shape in experts_mxfp4_ws.LAUNCH.items():
+        for gemm, has_limit in ((1, False), (1, True), (2, False)):
+            where = f"warp-specialized MXFP4 GEMM{gemm}, BLOCK_M {block_m}, clamp {has_limit}"
+            try:
+                compiled = compile_mxfp4_ws_gemm(gemm, block_m, has_limit)
+            except Exception as error:  # any compiler error is a finding: reported, and --check fails
+                problems.append(f"{where}: does not compile ({type(error).__name__}: {error})")
+                print(problems[-1], flush=True)
+                continue
+            text, s = sass_stats(compiled.asm["cubin"])
+            smem = compiled.metadata.shared
+            # A consumer thread's K step: 64 rows x 128 columns of weights over its warp group's 128 threads.
+            per_weight = main_loop_instructions(text, shortest_mma_loop=True) / 64
+            print(f"{gemm:4d} {block_m:7d} {str(has_limit):>5s} {shape.maxnreg:7d} {shape.stages:6d} {smem:6d} "
+                  f"{s['regs']:4d} {s['stack']:5d} {s['hgmma']:5d} {per_weight:11.2f}", flush=True)
+            if smem > configs.HOPPER_SMEM:
+                problems.append(f"{where}: {smem} bytes of shared memory (at most {configs.HOPPER_SMEM})")
+            if s["stack"] or not s["hgmma"]:  # the register budget is tight: a spill is a bug
+                problems.append(f"{where}: {s['stack']} bytes of stack, {s['hgmma']} wgmma")
     return problems
 
 
@@ -344,12 +373,13 @@ def main() -> int:
                            choices=list(TYPE_NAMES.values()),
                            help="activation dtypes (fp16 compiles like bf16; the table serves both); fp8: "
                                 "block-scale e4m3 weights with bf16 activations")
-    for p in (p_router, p_experts):
+    p_ws = sub.add_parser("mxfp4-ws", help="the warp-specialized MXFP4 GEMMs (Gluon), per tile height")
+    for p in (p_router, p_experts, p_ws):
         p.add_argument("--check", action="store_true", help="exit 1 on a kernel that would fail on an H200")
     args = parser.parse_args()
     if _runtime.interpreting():
         parser.error("TRITON_INTERPRET is set: the kernels must be compiled, not interpreted")
-    problems = router(args) if args.kernel == "router" else experts(args)
+    problems = {"router": router, "experts": experts, "mxfp4-ws": mxfp4_ws}[args.kernel](args)
     for problem in problems:
         print(f"PROBLEM: {problem}")
     return 1 if args.check and problems else 0

@@ -33,3 +33,8 @@ def test_expert_tiles_of_each_preset_fit_sm90(preset):
 
 def test_router_configs_fit_sm90():
     run_check("router")
+
+
+def test_mxfp4_warp_specialized_kernels_fit_sm90():
+    """The Gluon kernels (``experts/mxfp4_ws.py``): compiled at every tile height, none spills."""
+    run_check("mxfp4-ws")

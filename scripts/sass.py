@@ -37,7 +37,9 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Optional
 
 import torch
 import triton
@@ -257,7 +259,7 @@ def compile_mxfp4_ws_gemm(gemm: int, block_m: int, has_limit: bool):
     ws = experts_mxfp4_ws
     fn = ws._gemm1_ws_kernel if gemm == 1 else ws._gemm2_ws_kernel
     shape = ws.LAUNCH[block_m]
-    constexprs = {"BLOCK_M": block_m, "STAGES": shape.stages, "WL": ws._word_layout(),
+    constexprs = {"BLOCK_M": block_m, "STAGES": shape.stages, "WL": ws.WORD_LAYOUT,
                   "PRODUCER_REGS": ws.PRODUCER_REGS, "CONSUMER_REGS": shape.consumer_regs,
                   **({"HAS_LIMIT": has_limit} if gemm == 1 else {})}
     w_layout = gl.NVMMASharedLayout.get_default_for([ws.ROWS, ws.BLOCK_K // 8], gl.int32)
@@ -271,6 +273,22 @@ def compile_mxfp4_ws_gemm(gemm: int, block_m: int, has_limit: bool):
              if ty.startswith("*") or name in ("N", "K", "stride_im", "stride_om")}
     src = GluonASTSource(fn, {**signature, **{name: "constexpr" for name in constexprs}}, constexprs, attrs)
     return triton.compile(src, target=SM90, options={"num_warps": 4, "maxnreg": shape.maxnreg})
+
+
+def compiled_stats(where: str, problems: list[str], build: Callable[[], Any]) -> Optional[tuple[str, dict, int]]:
+    """``build()``'s kernel: its SASS, ``sass_stats`` and shared memory bytes, or None when it does not compile.
+    A compile error, or more shared memory than a Hopper block may have, goes into ``problems``."""
+    try:
+        compiled = build()
+    except Exception as error:  # any compiler error is a finding: reported, and --check fails
+        problems.append(f"{where}: does not compile ({type(error).__name__}: {error})")
+        print(problems[-1], flush=True)
+        return None
+    text, stats = sass_stats(compiled.asm["cubin"])
+    smem = compiled.metadata.shared
+    if smem > configs.HOPPER_SMEM:
+        problems.append(f"{where}: {smem} bytes of shared memory (at most {configs.HOPPER_SMEM})")
+    return text, stats, smem
 
 
 def experts(args: argparse.Namespace) -> list[str]:
@@ -297,24 +315,21 @@ def experts(args: argparse.Namespace) -> list[str]:
                 for gemm, tiles, k in gemms:
                     has_limit = gemm == 1 and c.swiglu_limit is not None
                     prequantized = fp8 and M * c.top_k >= configs.FP8_PREQUANTIZE_MIN_ROWS
-                    if mxfp4 and experts_width_fits_ws(c.hidden_size, c.intermediate_size):
-                        if cfg.block_m in experts_mxfp4_ws.LAUNCH:  # the Gluon kernels run: `sass.py mxfp4-ws`
-                            continue
+                    if (mxfp4 and cfg.block_m in experts_mxfp4_ws.LAUNCH  # the Gluon kernels run: `mxfp4-ws`
+                            and experts_mxfp4_ws.widths_fit(c.hidden_size, c.intermediate_size)):
+                        continue
                     key = (gemm, dtype, cfg.block_m, tiles, k % tiles.block_k == 0, has_limit, prequantized)
                     if key in seen:  # N and K are run-time arguments: the same launch compiles the same
                         continue
                     seen.add(key)
                     where = f"{name} {TYPE_NAMES[dtype]} M={M} GEMM{gemm}"
-                    try:
-                        compiled = (compile_fp8_gemm(gemm, cfg.block_m, tiles, has_limit, prequantized) if fp8
-                                    else compile_mxfp4_gemm(gemm, cfg.block_m, tiles, has_limit) if mxfp4
-                                    else compile_gemm(gemm, dtype, cfg.block_m, tiles, k, has_limit))
-                    except Exception as error:  # any compiler error is a finding: reported, and --check fails
-                        problems.append(f"{where}: does not compile ({type(error).__name__}: {error})")
-                        print(problems[-1], flush=True)
+                    result = compiled_stats(where, problems, lambda: (
+                        compile_fp8_gemm(gemm, cfg.block_m, tiles, has_limit, prequantized) if fp8
+                        else compile_mxfp4_gemm(gemm, cfg.block_m, tiles, has_limit) if mxfp4
+                        else compile_gemm(gemm, dtype, cfg.block_m, tiles, k, has_limit)))
+                    if result is None:
                         continue
-                    text, s = sass_stats(compiled.asm["cubin"])
-                    smem = compiled.metadata.shared
+                    text, s, smem = result
                     # Main-loop instructions of all threads per weight of one K step: the unpacking cost (MXFP4).
                     weights = tiles.block_n * tiles.block_k * (2 if gemm == 1 else 1)
                     per_weight = main_loop_instructions(text) * tiles.num_warps * 32 / weights
@@ -322,16 +337,9 @@ def experts(args: argparse.Namespace) -> list[str]:
                           f"{tiles.block_n:4d}x{tiles.block_k:<4d} {tiles.group_m:5d} {tiles.num_warps:5d} "
                           f"{tiles.num_stages:6d} {smem:6d} {s['regs']:4d} {s['stack']:5d} {s['hgmma']:5d} "
                           f"{s['hmma']:5d} {per_weight:11.2f}", flush=True)
-                    if smem > configs.HOPPER_SMEM:
-                        problems.append(f"{where}: {smem} bytes of shared memory (at most {configs.HOPPER_SMEM})")
                     if dtype != torch.float32 and cfg.block_m >= 64 and s["hgmma"] == 0:
                         problems.append(f"{where}: a {cfg.block_m}-row tile without wgmma (HGMMA)")
     return problems
-
-
-def experts_width_fits_ws(hidden_size: int, intermediate_size: int) -> bool:
-    """Whether a model's MXFP4 experts run the Gluon kernels on sm_90 (``mxfp4_ws.ws_eligible``'s widths)."""
-    return hidden_size % experts_mxfp4_ws.BLOCK_K == 0 and intermediate_size % experts_mxfp4_ws.BLOCK_K == 0
 
 
 def mxfp4_ws(args: argparse.Namespace) -> list[str]:
@@ -343,20 +351,14 @@ def mxfp4_ws(args: argparse.Namespace) -> list[str]:
     for block_m, shape in experts_mxfp4_ws.LAUNCH.items():
         for gemm, has_limit in ((1, False), (1, True), (2, False)):
             where = f"warp-specialized MXFP4 GEMM{gemm}, BLOCK_M {block_m}, clamp {has_limit}"
-            try:
-                compiled = compile_mxfp4_ws_gemm(gemm, block_m, has_limit)
-            except Exception as error:  # any compiler error is a finding: reported, and --check fails
-                problems.append(f"{where}: does not compile ({type(error).__name__}: {error})")
-                print(problems[-1], flush=True)
+            result = compiled_stats(where, problems, lambda: compile_mxfp4_ws_gemm(gemm, block_m, has_limit))
+            if result is None:
                 continue
-            text, s = sass_stats(compiled.asm["cubin"])
-            smem = compiled.metadata.shared
+            text, s, smem = result
             # A consumer thread's K step: 64 rows x 128 columns of weights over its warp group's 128 threads.
             per_weight = main_loop_instructions(text, shortest_mma_loop=True) / 64
             print(f"{gemm:4d} {block_m:7d} {str(has_limit):>5s} {shape.maxnreg:7d} {shape.stages:6d} {smem:6d} "
                   f"{s['regs']:4d} {s['stack']:5d} {s['hgmma']:5d} {per_weight:11.2f}", flush=True)
-            if smem > configs.HOPPER_SMEM:
-                problems.append(f"{where}: {smem} bytes of shared memory (at most {configs.HOPPER_SMEM})")
             if s["stack"] or not s["hgmma"]:  # the register budget is tight: a spill is a bug
                 problems.append(f"{where}: {s['stack']} bytes of stack, {s['hgmma']} wgmma")
     return problems

@@ -77,13 +77,12 @@ if gluon is not None:
     _BK: gl.constexpr = gl.constexpr(BLOCK_K)  # the kernels' copies of the constants above
     _ROWS: gl.constexpr = gl.constexpr(ROWS)
 
-    def _word_layout() -> gl.DistributedLinearLayout:
-        """Where each thread of a 4-warp consumer holds the packed words of its 64 x 128 weight box: word t of each
-        group of 32 columns of rows r and r + 8 (r = 16 w + lane / 4, t = lane % 4), the four pairs of bf16 it
-        unpacks to being the thread's registers of that row in the wgmma operand (``mxfp4._mma_order``)."""
-        return gl.DistributedLinearLayout(
-            reg_bases=[[8, 0], [0, 4], [0, 8]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[ROWS, BLOCK_K // 8])
+    # Where each thread of a 4-warp consumer holds the packed words of its 64 x 128 weight box: word t of each group
+    # of 32 columns of rows r and r + 8 (r = 16 w + lane / 4, t = lane % 4), the four pairs of bf16 it unpacks to
+    # being the thread's registers of that row in the wgmma operand (``mxfp4._mma_order``).
+    WORD_LAYOUT = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0], [0, 4], [0, 8]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[ROWS, BLOCK_K // 8])
 
     @gluon.jit
     def _produce(w_desc, a_desc, w_smem, a_smem, ready, empty, w_row0, w_row1, a_row, k_steps,
@@ -252,9 +251,8 @@ if gluon is not None:
             ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
-@triton.jit(do_not_specialize=["num_rows"])
-def _gather_paired(hidden_ptr, p2e_ptr, out_ptr, num_rows, H, top_k, stride_hm, stride_hk, stride_om,
-                   BLOCK: tl.constexpr):
+@triton.jit
+def _gather_paired(hidden_ptr, p2e_ptr, out_ptr, H, top_k, stride_hm, stride_hk, stride_om, BLOCK: tl.constexpr):
     """out[r, p] = hidden[token(r), n(p)]: the plan's rows (token = permuted_to_expanded // top_k; zeros for the
     rows past the valid ones, whose entry is -1), column 8t + 4b + j of each group of 32 at position 8j + 2t + b.
     One program per row and BLOCK columns."""
@@ -275,7 +273,7 @@ def gather_paired(hidden: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     if rows:
         block = min(1024, triton.next_power_of_2(width))
         _gather_paired[(rows, triton.cdiv(width, block))](
-            hidden, plan.permuted_to_expanded, out, rows, width, plan.top_k, hidden.stride(0), hidden.stride(1),
+            hidden, plan.permuted_to_expanded, out, width, plan.top_k, hidden.stride(0), hidden.stride(1),
             out.stride(0), BLOCK=block)
     return out
 
@@ -284,11 +282,15 @@ def ws_eligible(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: Dispatc
     """Whether :func:`experts_mxfp4_ws` runs these experts: tiles of a height in ``LAUNCH`` on an sm_90 GPU (not the
     interpreter), H and I multiples of 128 (whole steps and column blocks: no masks), and weights whose bytes are
     contiguous (the kernels read [E·N, K/8] words and [E·N, K/128] exponent words through flat views)."""
-    width, hidden_size = gate_up.shape[1] // 2, gate_up.shape[2]
     return (gluon is not None and hidden.is_cuda and not _runtime.interpreting()
             and _runtime.capability(hidden.device) == (9, 0) and plan.block_m in LAUNCH
-            and width > 0 and width % BLOCK_K == 0 and hidden_size % BLOCK_K == 0
+            and widths_fit(gate_up.shape[2], gate_up.shape[1] // 2)
             and all(_flat(t) for w in (gate_up, down) for t in (w.values, w.scales)))
+
+
+def widths_fit(hidden_size: int, width: int) -> bool:
+    """Whether experts of model width H and intermediate width I are whole 128-deep steps and column blocks."""
+    return width > 0 and width % BLOCK_K == 0 and hidden_size % BLOCK_K == 0
 
 
 def _flat(tensor: torch.Tensor) -> bool:
@@ -331,7 +333,7 @@ def experts_mxfp4_ws(
     s1, s2 = _exponent_words(gate_up.scales), _exponent_words(down.scales)
     shape = LAUNCH[plan.block_m]
     launch = {"num_warps": 4, "maxnreg": shape.maxnreg}
-    consts = {"BLOCK_M": plan.block_m, "STAGES": shape.stages, "WL": _word_layout(), "PRODUCER_REGS": PRODUCER_REGS,
+    consts = {"BLOCK_M": plan.block_m, "STAGES": shape.stages, "WL": WORD_LAYOUT, "PRODUCER_REGS": PRODUCER_REGS,
               "CONSUMER_REGS": shape.consumer_regs}
     w_desc, a_desc = _descriptors(w1, rows, plan.block_m)
     _gemm1_ws_kernel[(num_tiles * (width // ROWS),)](

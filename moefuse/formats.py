@@ -269,9 +269,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded[:, :W] = x.float()
     blocks = padded.view(M, groups, BLOCK)
     amax = blocks.abs().amax(dim=2)
-    scale = amax / FP8_MAX
-    # A tensor divisor: torch computes ``448.0 / tensor`` as a reciprocal times 448, which rounds twice (a quarter
-    # of the quotients off by an ulp, enough to flip the e4m3 rounding of near-ties that bf16 inputs make common).
+    # Tensor divisors both ways: on CUDA torch computes ``tensor / 448.0`` as a multiply by the reciprocal and
+    # ``448.0 / tensor`` as a reciprocal times 448, each rounding twice (a quarter of the quotients off by an ulp,
+    # enough to flip the e4m3 rounding of near-ties that bf16 inputs make common).
+    scale = amax / torch.full_like(amax, FP8_MAX)
     inv = torch.where(amax > 0, torch.full_like(amax, FP8_MAX) / amax, 0.0)
     inv = torch.where(amax.isnan(), amax, inv)
     q = (blocks * inv[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from moefuse.dispatch.kernel import launch_shape as dispatch_shape
-from moefuse.experts import configs
+from moefuse.experts import configs, mxfp4_w4a8
 from moefuse.finalize.kernel import finalize_tile
 from moefuse.formats import tile_dtype
 from moefuse.layer import MoELayer
@@ -60,8 +60,10 @@ def launch_signature(layer: MoELayer, num_tokens: int) -> tuple:
     experts_dtype = tile_dtype(layer.experts.weights()[0], dtype)
     tiles = configs.pick(num_tokens, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, experts_dtype, arch)
     fp8 = torch.float8_e4m3fn
-    # fp8: whether GEMM1 quantizes its activations itself or reads them from the quantization pass.
+    # fp8: whether GEMM1 quantizes its activations itself or reads them from the quantization pass; MXFP4: W4A8.
     prequantized = experts_dtype == fp8 and num_tokens * top_k >= configs.FP8_PREQUANTIZE_MIN_ROWS
+    w4a8 = experts_dtype == torch.uint8 and mxfp4_w4a8.chosen(num_tokens, tiles.block_m, c.hidden_size,
+                                                              c.intermediate_size)
     shared = None  # a quantized shared expert off the slot runs as a one-expert fp8 grouped GEMM of its own
     if layer.quant is not None and layer.shared_experts is not None and not slot:
         shared_tiles = configs.pick(num_tokens, 1, c.hidden_size, c.shared_intermediate_size, 1, fp8, arch)
@@ -76,6 +78,7 @@ def launch_signature(layer: MoELayer, num_tokens: int) -> tuple:
         dispatch_shape(num_tokens * top_k, c.num_experts + slot, tiles.block_m),
         tiles,
         prequantized,
+        w4a8,
         shared,
         finalize_tile(num_tokens, c.hidden_size, dtype),
     )

@@ -19,9 +19,10 @@ bounds the MXFP4 kernels (an SM issues 128 per clock, half of them on the intege
 about 32 weights per clock per SM on an H200). MXFP4 launches that run the warp-specialized Gluon kernels on sm_90
 (``experts/mxfp4_ws.py``: every preset, whose widths are multiples of 128) are left to ``mxfp4-ws``.
 
-``mxfp4-ws``: those Gluon kernels at each tile height of ``mxfp4_ws.LAUNCH``, with and without the clamp (they do
-not depend on the model otherwise): the same columns, the main-loop instructions per weight counted over a
-consumer's loop; ``--check`` also fails on a spill (their register budget is set to the edge).
+``mxfp4-ws``: those Gluon kernels at each tile height of ``mxfp4_ws.LAUNCH``, and the W4A8 ones of
+``mxfp4_w4a8.LAUNCH``, with and without the clamp (they do not depend on the model otherwise): the same columns,
+the main-loop instructions per weight counted over a consumer's loop (W4A16) or the transform's (W4A8); ``--check``
+also fails on a spill (their register budget is set to the edge).
 
 ``--check`` exits with status 1 when a kernel fails to compile, needs more shared memory than a Hopper block
 may have (227 KB; on a GPU that is an ``OutOfResources`` at launch), or, for the experts, when a 16-bit tile of
@@ -53,6 +54,7 @@ from moefuse.experts import configs  # noqa: E402
 from moefuse.experts import fp8 as experts_fp8  # noqa: E402
 from moefuse.experts import kernel as experts_kernel  # noqa: E402
 from moefuse.experts import mxfp4 as experts_mxfp4  # noqa: E402
+from moefuse.experts import mxfp4_w4a8 as experts_mxfp4_w4a8  # noqa: E402
 from moefuse.experts import mxfp4_ws as experts_mxfp4_ws  # noqa: E402
 from moefuse.route import kernel as route_kernel  # noqa: E402
 from moefuse.route import linear as route_linear  # noqa: E402
@@ -275,6 +277,30 @@ def compile_mxfp4_ws_gemm(gemm: int, block_m: int, has_limit: bool):
     return triton.compile(src, target=SM90, options={"num_warps": 4, "maxnreg": shape.maxnreg})
 
 
+def compile_mxfp4_w4a8_gemm(gemm: int, block_m: int, has_limit: bool):
+    """The W4A8 MXFP4 GEMM1 or GEMM2 (``experts/mxfp4_w4a8.py``, Gluon) as ``experts_mxfp4_w4a8`` launches it on
+    sm_90: a transform warp group, two 64-row consumers, registers and slots from ``LAUNCH``."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    w4a8 = experts_mxfp4_w4a8
+    fn, shape = w4a8._w4a8_kernel, w4a8.LAUNCH[block_m]
+    constexprs = {"GEMM1": gemm == 1, "HAS_LIMIT": has_limit, "STAGES": shape.stages,
+                  "PRODUCER_REGS": shape.producer_regs, "CONSUMER_REGS": shape.consumer_regs}
+    w_box, a_box = [w4a8.BLOCK_N // 2, w4a8.BLOCK_K // 2], [block_m, w4a8.BLOCK_K]
+    w_layout = gl.NVMMASharedLayout.get_default_for(w_box, gl.int8)
+    a_layout = gl.NVMMASharedLayout.get_default_for(a_box, gl.float8e4nv)
+    types = {"w_desc": f"tensordesc<i8[{w_box[0]}, {w_box[1]}],{w_layout!r}>",
+             "a_desc": f"tensordesc<fp8e4nv[{a_box[0]}, {a_box[1]}],{a_layout!r}>",
+             "s_ptr": "*i32", "as_ptr": "*fp32", "out_ptr": "*bf16", "limit": "fp32"}
+    signature = {name: types.get(name, "*i32" if name.endswith("_ptr") else "i32")
+                 for name in fn.arg_names if name not in constexprs}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in signature.items()
+             if ty.startswith("*") or name in ("N", "K", "stride_om")}
+    src = GluonASTSource(fn, {**signature, **{name: "constexpr" for name in constexprs}}, constexprs, attrs)
+    return triton.compile(src, target=SM90, options={"num_warps": 4, "maxnreg": shape.maxnreg})
+
+
 def compiled_stats(where: str, problems: list[str], build: Callable[[], Any]) -> Optional[tuple[str, dict, int]]:
     """``build()``'s kernel: its SASS, ``sass_stats`` and shared memory bytes, or None when it does not compile.
     A compile error, or more shared memory than a Hopper block may have, goes into ``problems``."""
@@ -343,21 +369,28 @@ def experts(args: argparse.Namespace) -> list[str]:
 
 
 def mxfp4_ws(args: argparse.Namespace) -> list[str]:
-    """The warp-specialized MXFP4 GEMMs at every tile height of ``LAUNCH`` (the same for every model: widths are
-    run-time arguments), with and without the SwiGLU clamp."""
+    """The warp-specialized MXFP4 GEMMs at every tile height of their ``LAUNCH`` tables (the same for every model:
+    widths are run-time arguments), with and without the SwiGLU clamp: W4A16 (``mxfp4_ws``) and W4A8
+    (``mxfp4_w4a8``)."""
     problems = []
-    print(f"{'GEMM':4s} {'BLOCK_M':>7s} {'clamp':>5s} {'maxnreg':>7s} {'stages':>6s} {'smem':>6s} {'regs':>4s} "
-          f"{'stack':>5s} {'HGMMA':>5s} {'loop/weight':>11s}")
-    for block_m, shape in experts_mxfp4_ws.LAUNCH.items():
+    print(f"{'MMA':5s} {'GEMM':4s} {'BLOCK_M':>7s} {'clamp':>5s} {'maxnreg':>7s} {'stages':>6s} {'smem':>6s} "
+          f"{'regs':>4s} {'stack':>5s} {'HGMMA':>5s} {'loop/weight':>11s}")
+    launches = [("W4A16", block_m, shape.maxnreg, shape.stages, compile_mxfp4_ws_gemm)
+                for block_m, shape in experts_mxfp4_ws.LAUNCH.items()]
+    launches += [("W4A8", block_m, shape.maxnreg, shape.stages, compile_mxfp4_w4a8_gemm)
+                 for block_m, shape in experts_mxfp4_w4a8.LAUNCH.items()]
+    for mma, block_m, maxnreg, stages, build in launches:
         for gemm, has_limit in ((1, False), (1, True), (2, False)):
-            where = f"warp-specialized MXFP4 GEMM{gemm}, BLOCK_M {block_m}, clamp {has_limit}"
-            result = compiled_stats(where, problems, lambda: compile_mxfp4_ws_gemm(gemm, block_m, has_limit))
+            where = f"warp-specialized MXFP4 {mma} GEMM{gemm}, BLOCK_M {block_m}, clamp {has_limit}"
+            result = compiled_stats(where, problems, lambda: build(gemm, block_m, has_limit))
             if result is None:
                 continue
             text, s, smem = result
-            # A consumer thread's K step: 64 rows x 128 columns of weights over its warp group's 128 threads.
-            per_weight = main_loop_instructions(text, shortest_mma_loop=True) / 64
-            print(f"{gemm:4d} {block_m:7d} {str(has_limit):>5s} {shape.maxnreg:7d} {shape.stages:6d} {smem:6d} "
+            # W4A16: a consumer thread's K step, 64 rows x 128 columns of weights over its warp group's 128
+            # threads. W4A8: the transform's (the longest loop with no wgmma), 128 rows x 128 over 128 threads.
+            per_weight = (main_loop_instructions(text, shortest_mma_loop=True) / 64 if mma == "W4A16"
+                          else main_loop_instructions(text) / 128)
+            print(f"{mma:5s} {gemm:4d} {block_m:7d} {str(has_limit):>5s} {maxnreg:7d} {stages:6d} {smem:6d} "
                   f"{s['regs']:4d} {s['stack']:5d} {s['hgmma']:5d} {per_weight:11.2f}", flush=True)
             if s["stack"] or not s["hgmma"]:  # the register budget is tight: a spill is a bug
                 problems.append(f"{where}: {s['stack']} bytes of stack, {s['hgmma']} wgmma")

@@ -11,12 +11,15 @@ import pytest
 import torch
 
 import moefuse.experts.mxfp4 as mxfp4_kernels
+import moefuse.experts.mxfp4_w4a8 as mxfp4_w4a8
 import moefuse.experts.mxfp4_ws as mxfp4_ws
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts, moe_experts_torch
+from moefuse.experts.fp8 import quantize_rows_into
 from moefuse.experts.kernel import weight_descriptor
-from moefuse.formats import MXFP4, MXFP4_EXPONENTS, BlockFP8
-from moefuse.testing import assert_rel_close
+from moefuse.experts.reference import moe_experts_w4a8_torch, w4a8_weight
+from moefuse.formats import MXFP4, MXFP4_EXPONENTS, BlockFP8, quantize_rows
+from moefuse.testing import assert_rel_close, rms_rel_error
 
 
 def _e2m1(code: int) -> float:
@@ -454,6 +457,81 @@ def test_warp_specialized_matches_float64_and_triton(block_m, M, limit, gen, dev
     n_valid = int(plan.expert_offsets[-1])
     assert torch.equal(got[:n_valid].nan_to_num(7.0), want[:n_valid].nan_to_num(7.0))
     assert got[n_valid:].isnan().all()
+
+
+# --- W4A8: fp8 MMAs at prefill (SPEC §6) -------------------------------------------------------------------------
+
+def test_w4a8_weight_flushes_only_far_groups(gen):
+    """Per row, base = max(largest exponent - 6, 1); a group more than 5 under it (more than 11 under the largest)
+    is zeroed, every other kept: decoded by hand from the codes."""
+    codes = torch.randint(0, 16, (1, 3, 320), generator=gen, dtype=torch.uint8)
+    exps = torch.tensor([[[127, 116, 115, 120, 40, 30, 28, 29, 0, 121],  # base 121: 115 and below go
+                          [5, 3, 0, 1, 6, 1, 0, 7, 2, 4],  # small: base 1, nothing goes
+                          [60, 60, 60, 60, 90, 84, 78, 79, 77, 66]]], dtype=torch.uint8)  # base 84: 78 and below
+    flushed = {(0, g) for g in (2, 4, 5, 6, 7, 8)} | {(2, g) for g in (0, 1, 2, 3, 6, 8, 9)}
+    want = _decode(codes, exps)
+    for row, group in flushed:
+        want[0, row, 32 * group:32 * group + 32] = 0.0
+    got = w4a8_weight(_mxfp4(codes, exps, "cpu")).dequantize(torch.float64)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "rows"])
+def test_quantize_rows_pass(gather, gen, device):
+    """The W4A8 activations: the plan's valid rows (gathered from the tokens, or GEMM2's intermediate rows as they
+    are) quantized per SPEC §5, bit for bit as ``quantize_rows``; the other rows left unwritten."""
+    x, _, _, ids = _inputs(gen, 9, 3, 4, 256, 32, invalid=0.3, device=device)
+    plan = moe_dispatch(ids, 4, 16, backend="triton")
+    x[int(plan.permuted_to_expanded[0]) // 3, 5] = float("nan")  # a routed token
+    n_valid = int(plan.expert_offsets[-1])
+    source = x if gather else torch.randn(plan.num_rows, 256, generator=gen).bfloat16().to(device)
+    q = torch.full((plan.num_rows, 256), 7.0, device=device).to(torch.float8_e4m3fn)
+    scales = torch.full((plan.num_rows, 2), 7.0, device=device)
+    quantize_rows_into(source, q, scales, plan, gather=gather)
+    rows = source[plan.permuted_to_expanded[:n_valid].long() // 3] if gather else source[:n_valid]
+    want_q, want_s = quantize_rows(rows)
+    finite = want_s.isfinite().repeat_interleave(128, dim=1)  # a NaN group's values are unspecified, its scale NaN
+    assert bool(want_s.isnan().any()) or not gather
+    assert torch.equal(torch.where(finite, q[:n_valid].view(torch.uint8), 0),
+                       torch.where(finite, want_q.view(torch.uint8), 0))
+    assert torch.equal(scales[:n_valid].nan_to_num(-1.0), want_s.nan_to_num(-1.0))
+    assert bool((scales[n_valid:] == 7.0).all()), "rows with no token must be left unwritten"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon kernels run on sm_90 only (CI compiles them: test_sm90.py)")
+@pytest.mark.parametrize("limit", [None, 1.5], ids=["no-clamp", "clamp"])
+@pytest.mark.parametrize("far", [False, True], ids=["exact", "flushed-groups"])
+def test_w4a8_matches_float64(far, limit, gen, device):
+    """At prefill (``w4a8_chosen``) the Gluon kernels multiply e4m3 activations and weights: against the float64
+    W4A8 reference (-1 slots, an empty expert, a NaN token); ``far``: a quarter of the groups 12 or more under
+    their row's largest exponent, which W4A8 flushes (the reference does the same)."""
+    E, H, I = WS_SHAPE
+    M = mxfp4_w4a8.MIN_TOKENS + 37
+    x, w1, w2, ids = _inputs(gen, M, 3, E, H, I, empty=4, device=device)
+    if far:
+        def spread(w):
+            exps = w.scales.clone()
+            far_groups = torch.rand(exps.shape, generator=gen).to(device) < 0.25
+            exps[far_groups] = (exps[far_groups].int() - 12 - 20 * torch.rand(int(far_groups.sum()), generator=gen)
+                                .to(device)).clamp(min=0).to(torch.uint8)
+            return MXFP4(w.values, exps)
+        w1, w2 = spread(w1), spread(w2)
+        assert not torch.equal(w4a8_weight(w1).values, w1.values)
+    x[0, 70] = float("nan")
+    plan = moe_dispatch(ids, E, 128, backend="triton")
+    assert mxfp4_ws.ws_eligible(x, w1, w2, plan) and mxfp4_w4a8.chosen(M, 128, H, I)
+    out = _run(x, w1, w2, plan, limit)
+    ref = moe_experts_w4a8_torch(x, w1, w2, plan, swiglu_limit=limit, dtype=torch.float64,
+                                 out=torch.zeros(plan.num_rows, H, dtype=torch.float64, device=device))
+    n_valid = int(plan.expert_offsets[-1])
+    # As the fp8 kernels' (test_experts_fp8.test_tall_tiles): wgmma's fp8 sums flip e4m3 roundings of the
+    # intermediate; on an H200 1.5-2.3e-2 max here. A wrong scale, flush or row errs by O(1).
+    assert_rel_close(out[:n_valid], ref[:n_valid], 5e-2, "w4a8 gemm2_out")
+    finite = ref[:n_valid].isfinite().all(dim=1)  # the NaN token's rows (placement checked above)
+    rms = rms_rel_error(out[:n_valid][finite], ref[:n_valid][finite])
+    assert rms <= 1e-2, f"w4a8 gemm2_out: RMS relative error {rms:.3e} > 1e-2"
+    assert out[n_valid:].isnan().all(), "rows with no token must be left unwritten"
 
 
 # --- errors ----------------------------------------------------------------------------------------------------

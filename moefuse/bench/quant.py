@@ -11,8 +11,10 @@ For each model and token count (softmax top-k of random N(0, 1) logits, as the a
   (``anchors_h200.json``, the better of its default config and its tuned TP8 table);
 - the whole layer (``MoELayer(quant=...)``: router, dispatch, experts, fp8 shared expert, finalize) and the bf16
   layer, with the layer's read floor (touched experts, shared expert, router weight);
-- errors at M <= 128, max-normalised: against the float64 reference of the format's numerics, and (fp8) against
-  the unquantized weights with unquantized activations.
+- the MMA precision the call ran (fp8's W8A8; MXFP4's W4A16, or W4A8 at prefill: ``experts/mxfp4_w4a8.py``);
+- errors at M <= 128 and wherever W4A8 ran, max-normalised: against the float64 reference of the numerics the
+  call ran, and (fp8, W4A8) against the unquantized weights (MXFP4: its unpacked ones) with unquantized
+  activations.
 
 ``python -m moefuse.bench.quant`` runs it standalone; ``moefuse bench quant`` through the CLI.
 """
@@ -27,8 +29,8 @@ import torch
 from moefuse.bench import report, timing
 from moefuse.config import preset
 from moefuse.dispatch import moe_dispatch
-from moefuse.experts import configs, moe_experts, moe_experts_torch
-from moefuse.experts.reference import moe_experts_fp8_torch
+from moefuse.experts import configs, moe_experts, moe_experts_torch, mxfp4_w4a8
+from moefuse.experts.reference import moe_experts_fp8_torch, moe_experts_w4a8_torch
 from moefuse.formats import BLOCK, MX_GROUP, MXFP4, BlockFP8, tile_dtype
 from moefuse.layer import MoELayer, Quant
 from moefuse.testing import rel_error
@@ -38,7 +40,7 @@ MODELS = {"fp8": ("deepseek-v3", "kimi-k2", "glm-4.5-air", "deepseek-v4-flash"),
 TOKENS = (1, 16, 128, 1024, 4096)
 CHECK_TOKENS = 128  # the float64 oracle runs expert by expert: up to here
 COLUMNS = [
-    ("format", "format"), ("model", "model"), ("M", "M"), ("experts", "experts touched"),
+    ("format", "format"), ("model", "model"), ("M", "M"), ("mma", "MMA"), ("experts", "experts touched"),
     ("err_spec", "err vs f64 spec"), ("err_unquantized", "err vs unquantized"),
     ("us", "experts µs"), ("read_floor_us", "read floor µs"), ("x_floor", "× floor"),
     ("mma_floor_us", "fp8 MMA floor µs"), ("peer_us", "vLLM fp8 µs"), ("x_peer", "speedup vs vLLM"),
@@ -46,7 +48,7 @@ COLUMNS = [
     ("layer_us", "layer µs"), ("layer_floor_us", "layer floor µs"), ("x_layer_floor", "layer × floor"),
     ("bf16_layer_us", "bf16 layer µs"),
 ]
-TITLE = "Quantized experts: fp8 block-scale (W8A8) and MXFP4 (W4A16) beside bf16 (CUDA-graph replay)"
+TITLE = "Quantized experts: fp8 block-scale (W8A8) and MXFP4 (W4A16; W4A8 at prefill) beside bf16 (CUDA-graph replay)"
 
 
 def _stored_bytes(fmt: str, n: int, k: int) -> int:
@@ -105,16 +107,19 @@ def _experts_row(fmt: str, model: str, M: int, weights: tuple, ceilings: timing.
     plan = moe_dispatch(ids, E, configs.pick_block_m(M, E, H, I, K, tile_dtype(w1, x.dtype)))
     plan_bf16 = moe_dispatch(ids, E, configs.pick_block_m(M, E, H, I, K, torch.bfloat16))
     touched = int(torch.unique(ids).numel())
-    row: dict = {"format": fmt, "model": model, "M": M, "experts": touched}
+    w4a8 = fmt == "mxfp4" and mxfp4_w4a8.chosen(M, plan.block_m, H, I)
+    row: dict = {"format": fmt, "model": model, "M": M, "experts": touched,
+                 "mma": "W8A8" if fmt == "fp8" else "W4A8" if w4a8 else "W4A16"}
     with torch.no_grad():
-        if M <= CHECK_TOKENS:
+        if M <= CHECK_TOKENS or w4a8:
             n = int(plan.expert_offsets[-1])
             out = moe_experts(x, w1, w2, plan)
             zeros = lambda: torch.zeros(plan.num_rows, H, dtype=torch.float64, device="cuda")  # noqa: E731
-            reference = moe_experts_fp8_torch if fmt == "fp8" else moe_experts_torch
+            reference = (moe_experts_fp8_torch if fmt == "fp8" else moe_experts_w4a8_torch if w4a8
+                         else moe_experts_torch)
             spec = reference(x, w1, w2, plan, dtype=torch.float64, out=zeros())
             row["err_spec"] = rel_error(out[:n], spec[:n])
-            if fmt == "fp8":  # the bf16 weights stand for the unquantized ones: the format's own error is below
+            if fmt == "fp8" or w4a8:  # fp8: the bf16 weights stand for the unquantized ones (their error is below)
                 dense = moe_experts_torch(x, d1, d2, plan, dtype=torch.float64, out=zeros())
                 row["err_unquantized"] = rel_error(out[:n], dense[:n])
         row["us"] = timing.graph_time_us([lambda: moe_experts(x, w1, w2, plan)], replays=20)

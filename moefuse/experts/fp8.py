@@ -120,25 +120,45 @@ def _load_rows(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, ks, k_ok, stride_am
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _quantize_rows_kernel(
-    hidden_ptr, q_ptr, s_ptr, p2e_ptr, expert_offsets_ptr, num_experts, num_rows, K, top_k,
-    stride_hm, stride_hk, stride_qm, stride_qk, stride_sm, stride_sg,
-    EMULATE_RTNE: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
+    source_ptr, q_ptr, s_ptr, p2e_ptr, expert_offsets_ptr, num_experts, num_rows, K, top_k,
+    stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
+    GATHER: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """q[p], s[p] = quant(hidden[permuted_to_expanded[p] // top_k]) per 128 columns, for the plan's valid rows."""
+    """q[p], s[p] = quant(x) per 128 columns for the plan's valid rows p, x = source[permuted_to_expanded[p] //
+    top_k] (``GATHER``) or source[p]."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the plan comes from dispatch
         tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < tl.minimum(tl.load(expert_offsets_ptr + num_experts), num_rows)
-    tokens = (tl.load(p2e_ptr + rows, mask=row_ok, other=0) // top_k).to(tl.int64)
+    if GATHER:
+        sources = (tl.load(p2e_ptr + rows, mask=row_ok, other=0) // top_k).to(tl.int64)
+    else:
+        sources = rows.to(tl.int64)
     ks = tl.arange(0, 128)
     for k0 in range(0, K, 128):
         k_ok = ks < K - k0
         mask = row_ok[:, None] & k_ok[None, :]
-        x = tl.load(hidden_ptr + tokens[:, None] * stride_hm + (k0 + ks)[None, :] * stride_hk, mask=mask, other=0.0)
+        x = tl.load(source_ptr + sources[:, None] * stride_xm + (k0 + ks)[None, :] * stride_xk, mask=mask,
+                    other=0.0)
         q, scale = _quantize(x.to(tl.float32), EMULATE_RTNE)
         tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + (k0 + ks)[None, :] * stride_qk, q, mask=mask)
         tl.store(s_ptr + rows.to(tl.int64) * stride_sm + k0 // 128 * stride_sg, scale, mask=row_ok)
+
+
+def quantize_rows_into(source: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, plan: DispatchPlan, *,
+                       gather: bool, use_pdl: bool = False) -> None:
+    """Quantize the plan's valid rows (SPEC §5) into ``q`` [num_rows, W] (e4m3) and ``scales`` [num_rows, W/128]
+    (fp32): of ``source``'s token rows (``gather``: row p from token permuted_to_expanded[p] // top_k) or its
+    rows as they are (the W4A8 kernels' intermediate). Rows past the valid ones are left unwritten."""
+    block_r = 16
+    launch = {"launch_pdl": True} if use_pdl else {}
+    _quantize_rows_kernel[(triton.cdiv(plan.num_rows, block_r),)](
+        source, q, scales, plan.permuted_to_expanded, plan.expert_offsets, plan.num_experts, plan.num_rows,
+        source.shape[1], plan.top_k, source.stride(0), source.stride(1), *q.stride(), *scales.stride(),
+        GATHER=gather, EMULATE_RTNE=_runtime.interpreting(), BLOCK_R=block_r, USE_PDL=use_pdl,
+        num_warps=4, **launch,
+    )
 
 
 @triton.jit(do_not_specialize=["num_tiles"])
@@ -300,12 +320,7 @@ def experts_fp8(
     if prequantize:
         a = torch.empty(plan.num_rows, hidden_size, dtype=torch.float8_e4m3fn, device=device)
         a_scales = torch.empty(plan.num_rows, triton.cdiv(hidden_size, BLOCK), dtype=torch.float32, device=device)
-        block_r = 16
-        _quantize_rows_kernel[(triton.cdiv(plan.num_rows, block_r),)](
-            hidden, a, a_scales, plan.permuted_to_expanded, plan.expert_offsets, plan.num_experts, plan.num_rows,
-            hidden_size, plan.top_k, hidden.stride(0), hidden.stride(1), *a.stride(), *a_scales.stride(),
-            EMULATE_RTNE=emulate, BLOCK_R=block_r, USE_PDL=use_pdl, num_warps=4, **launch,
-        )
+        quantize_rows_into(hidden, a, a_scales, plan, gather=True, use_pdl=use_pdl)
         a_desc = rows_descriptor(a, plan.block_m, t1.block_k)
     else:  # not read: GEMM1 quantizes the gathered rows itself
         a, a_scales, a_desc = inter, inter_scales, None

@@ -268,10 +268,13 @@ def experts_mxfp4(
 ) -> None:
     """Launch GEMM1 + SwiGLU, then GEMM2, on MXFP4 weights into ``out``: the warp-specialized kernels of
     ``mxfp4_ws.py`` on Hopper where ``ws_eligible``, these elsewhere."""
-    from .mxfp4_ws import experts_mxfp4_ws, ws_eligible  # mxfp4_ws builds on this module
+    from . import mxfp4_w4a8, mxfp4_ws  # they build on this module
 
-    if ws_eligible(hidden, gate_up, down, plan):
-        experts_mxfp4_ws(hidden, gate_up, down, plan, out, swiglu_limit)
+    if mxfp4_ws.ws_eligible(hidden, gate_up, down, plan):
+        if mxfp4_w4a8.chosen(hidden.shape[0], plan.block_m, hidden.shape[1], down.shape[2]):
+            mxfp4_w4a8.experts_mxfp4_w4a8(hidden, gate_up, down, plan, out, swiglu_limit)
+        else:
+            mxfp4_ws.experts_mxfp4_ws(hidden, gate_up, down, plan, out, swiglu_limit)
         return
     num_tiles = plan.tile_expert.numel()
     width, hidden_size = down.shape[2], hidden.shape[1]

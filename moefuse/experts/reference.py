@@ -81,19 +81,21 @@ def moe_experts_torch(
 
 def moe_experts_fp8_torch(
     hidden: torch.Tensor,
-    gate_up_proj: BlockFP8,
-    down_proj: BlockFP8,
+    gate_up_proj: BlockFP8 | MXFP4,
+    down_proj: BlockFP8 | MXFP4,
     plan: DispatchPlan,
     *,
     swiglu_limit: Optional[float] = None,
     out: Optional[torch.Tensor] = None,
     dtype: torch.dtype = torch.float32,
+    round_intermediate: bool = False,
 ) -> torch.Tensor:
     """The experts on fp8 block-scale weights (W8A8, SPEC §5), computed in ``dtype`` on the dequantized operands.
 
     For each expert's rows: the activations are quantized per token and 128 columns (:func:`quantize_rows`),
     ``gate_up = deq(x) @ deq(W1)^T`` (exactly the sum over 128-column blocks of the fp8 products times both
-    scales), the SwiGLU as in :func:`moe_experts_torch`, the intermediate quantized the same way from fp32, and
+    scales), the SwiGLU as in :func:`moe_experts_torch`, the intermediate quantized the same way from fp32 (from
+    hidden's dtype with ``round_intermediate``: :func:`moe_experts_w4a8_torch`), and
     ``out = round(deq(act) @ deq(W2)^T)`` to out's dtype. float64 makes this the oracle of the kernels, which
     differ only by their fp32 sums (and, rarely, by an e4m3 rounding of the intermediate flipped by them).
     """
@@ -107,6 +109,36 @@ def moe_experts_fp8_torch(
         if swiglu_limit is not None:
             gate = gate.clamp(max=swiglu_limit)
             up = up.clamp(-swiglu_limit, swiglu_limit)
-        act = dequantize_rows(*quantize_rows((torch.nn.functional.silu(gate) * up).float()), dtype)
+        act = torch.nn.functional.silu(gate) * up
+        if round_intermediate:
+            act = act.to(hidden.dtype)
+        act = dequantize_rows(*quantize_rows(act.float()), dtype)
         out[start:end] = (act @ expert_weight(down_proj, expert, dtype).T).to(out.dtype)
     return out
+
+
+def w4a8_weight(weight: MXFP4) -> MXFP4:
+    """The MXFP4 weights the W4A8 kernels multiply (SPEC §6): a group of 32 whose exponent is more than 11 under its
+    row's largest (``e - base < -5``, ``base = max(largest - 6, 1)``) is flushed to zero, codes and all; every other
+    group is unchanged (its e4m3 values times 2^base are exact)."""
+    exps = weight.scales.int()
+    base = (exps.amax(dim=2, keepdim=True) - 6).clamp(min=1)
+    keep = (exps - base >= -5).repeat_interleave(16, dim=2)  # 16 bytes of codes a group
+    return MXFP4.unchecked(torch.where(keep, weight.values.view(torch.uint8), 0), weight.scales)
+
+
+def moe_experts_w4a8_torch(
+    hidden: torch.Tensor,
+    gate_up_proj: MXFP4,
+    down_proj: MXFP4,
+    plan: DispatchPlan,
+    *,
+    swiglu_limit: Optional[float] = None,
+    out: Optional[torch.Tensor] = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The experts on MXFP4 weights with fp8 activations (W4A8, SPEC §6): :func:`moe_experts_fp8_torch` on the
+    weights :func:`w4a8_weight` keeps, with the intermediate rounded to hidden's dtype before it is quantized (the
+    kernels store it so). float64 makes this the oracle of the W4A8 kernels."""
+    return moe_experts_fp8_torch(hidden, w4a8_weight(gate_up_proj), w4a8_weight(down_proj), plan,
+                                 swiglu_limit=swiglu_limit, out=out, dtype=dtype, round_intermediate=True)

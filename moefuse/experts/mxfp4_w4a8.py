@@ -1,0 +1,333 @@
+"""MXFP4 experts with fp8 MMAs at prefill (W4A8, SPEC §6), in Gluon for sm_90.
+
+At prefill the W4A16 kernels (``mxfp4_ws.py``) run their MMAs in bf16, at half the fp8 rate, and each consumer
+unpacks its own weights between its MMAs. Here the activations are quantized to e4m3 per token and 128 columns
+(SPEC §5, one pass per GEMM), the weights are converted to e4m3 exactly, and a program splits the work three ways:
+
+- a producer warp streams, per 128-deep step, the packed words of the program's 128 weight rows and the tile's
+  activation rows (TMA) into a ring of slots;
+- a transform warp group (the default partition) unpacks each step's words once into an e4m3 tile in shared memory
+  (``_e4m3_asm``), with each row's step scale beside it;
+- two consumer warp groups, 64 activation rows each, multiply the activation rows by that tile (wgmma, both from
+  shared memory) into a fresh accumulator per step, and add it to theirs times the rows' activation scales and the
+  columns' step scales: the fp32 promotion every 128 products of SPEC §5.
+
+The unpacking is paid once per 128 tokens and its warps never wait for an MMA; GEMM1's 64 gate rows and 64 up
+rows of the same columns land in one consumer's accumulator, so SwiGLU needs no hand-over. GEMM1 writes the
+intermediate in bf16, which GEMM2's quantization pass reads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..dispatch import DispatchPlan
+from ..formats import MXFP4
+from .fp8 import quantize_rows_into
+from .mxfp4_ws import gluon, widths_fit
+
+if gluon is not None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK_K = 128  # one activation scale and one int32 of weight exponents per row and step
+BLOCK_N = 128  # weight rows a program: GEMM2's output columns, or GEMM1's 64 gate and 64 up rows
+FLUSH_BELOW = -5  # a group whose exponent is more than 11 under its step's largest is flushed (SPEC §6)
+MIN_TOKENS = 512  # W4A8 runs from this many tokens, in tiles of a height in LAUNCH
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Registers a thread at launch (``maxnreg``, the transform's), the producer's and the consumers' after the
+    hand-over, and the ring's slots."""
+
+    maxnreg: int
+    producer_regs: int
+    consumer_regs: int
+    stages: int
+
+
+LAUNCH = {128: Launch(128, 24, 184, 4)}
+
+
+def _e4m3_asm() -> str:
+    """PTX that unpacks one word of packed codes (``$2``: weights k..k+7 of a row, weight k + j in bits 4j..4j+3)
+    into e4m3 bytes scaled by 2^d (``$3``: the group's exponent less its step's base, SPEC §6), weights k..k+3 into
+    ``$0`` and k+4..k+7 into ``$1``, in order.
+
+    A byte permute looks each code's magnitude up in an eight-entry table of e4m3 bytes, (0, 0.5, 1, 1.5, 2, 3, 4,
+    6) · 2^d: for -5 <= d <= 6 every entry but the zero is a normal whose exponent field is the d = 0 entry's plus d,
+    so one multiply-add per half builds the table (every byte stays within 0x08..0x7C: no carries or borrows); a
+    lower d flushes the group (a zero table). Two more permutes, of the word and of the word shifted by 4, gather the
+    signs (bit 3 of each code) into bit 7 of each byte."""
+    return """
+{
+.reg .b32 t0, t1, q0, q1, w4, s0, s1;
+.reg .pred flush;
+mad.lo.s32 t0, $3, 0x08080800, 0x3C383000;
+mad.lo.s32 t1, $3, 0x08080808, 0x4C484440;
+setp.lt.s32 flush, $3, FLUSH_BELOW;
+selp.b32 t0, 0, t0, flush;
+selp.b32 t1, 0, t1, flush;
+and.b32 q0, $2, 0x7777;
+shr.b32 q1, $2, 16;
+and.b32 q1, q1, 0x7777;
+prmt.b32 q0, t0, t1, q0;
+prmt.b32 q1, t0, t1, q1;
+shl.b32 w4, $2, 4;
+prmt.b32 s0, $2, w4, 0x1504;
+prmt.b32 s1, $2, w4, 0x3726;
+and.b32 s0, s0, 0x80808080;
+and.b32 s1, s1, 0x80808080;
+or.b32 $0, q0, s0;
+or.b32 $1, q1, s1;
+}
+""".replace("FLUSH_BELOW", str(FLUSH_BELOW))
+
+
+if gluon is not None:
+    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    _E4M3: gl.constexpr = gl.constexpr(_e4m3_asm())
+    _BK: gl.constexpr = gl.constexpr(BLOCK_K)
+    _BN: gl.constexpr = gl.constexpr(BLOCK_N)
+
+    # The transform's threads: one weight row each, its 64 bytes of a step in registers (a word's four bytes in
+    # four consecutive ones, which the inline assembly takes packed as one register).
+    ROW_LAYOUT = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [0, 32]],
+        lane_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]], warp_bases=[[32, 0], [64, 0]], block_bases=[],
+        shape=[BLOCK_N, BLOCK_K // 2])
+
+    @gluon.jit
+    def _produce(w_desc, a_desc, w_smem, a_smem, ready, empty, w_row0, w_row1, a_row, k_steps,
+                 STAGES: gl.constexpr):
+        """Per step: the program's weight rows (two boxes of 64) and the tile's activation rows into slot
+        i % STAGES."""
+        half: gl.constexpr = _BN // 2
+        for i in range(k_steps):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first pass finds every slot free
+            mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes + a_desc.block_type.nbytes)
+            _tma_load(w_desc, [w_row0, i * (_BK // 2)], ready.index(s), w_smem.index(s).slice(0, half))
+            _tma_load(w_desc, [w_row1, i * (_BK // 2)], ready.index(s), w_smem.index(s).slice(half, half))
+            _tma_load(a_desc, [a_row, i * _BK], ready.index(s), a_smem.index(s))
+
+    @gluon.jit
+    def _transform(w_smem, u_smem, f_smem, ready, unpacked, empty, s_ptr, s_row0, s_row1, stride_sn, k_steps,
+                   STAGES: gl.constexpr):
+        """Per step: the words of slot s unpacked into the e4m3 tile ``u_smem[s]`` [128 rows, 128] (K in order).
+        A row's groups are scaled by 2^(e - base), base = max(the row's largest exponent - 6, 1), which puts its
+        largest at 2^6 (e4m3 up to 384); 2^(base - 127), the row's scale, goes to ``f_smem`` once."""
+        RL: gl.constexpr = ROW_LAYOUT
+        rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, RL))
+        s_rows = gl.where(rows < _BN // 2, s_row0 + rows, s_row1 + rows - _BN // 2)
+        s_ptrs = s_ptr + s_rows.to(gl.int64) * stride_sn
+        top = gl.zeros([_BN], gl.int32, gl.SliceLayout(1, RL))
+        for i in range(k_steps):  # the row's largest exponent, over all its groups
+            word = gl.load(s_ptrs + i)
+            top = gl.maximum(top, gl.maximum(gl.maximum(word & 0xFF, (word >> 8) & 0xFF),
+                                             gl.maximum((word >> 16) & 0xFF, (word >> 24) & 0xFF)))
+        base = gl.expand_dims(gl.maximum(top - 6, 1), 1)
+        f_smem.store((gl.maximum(top - 6, 1) << 23).to(gl.float32, bitcast=True))
+        cols = gl.arange(0, _BK // 2, layout=gl.SliceLayout(0, RL))
+        shift = gl.expand_dims((cols // 16) * 8, 0)  # byte c of a row's step is in group c / 16
+        exponents = gl.load(s_ptrs)
+        for i in range(k_steps):
+            s = i % STAGES
+            d = ((gl.expand_dims(exponents, 1) >> shift) & 0xFF) - base
+            exponents = gl.load(s_ptrs + gl.minimum(i + 1, k_steps - 1))  # the next step's, while this one runs
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            codes = w_smem.index(s).load(RL)
+            lo, hi = gl.inline_asm_elementwise(_E4M3, "=r,=r,r,r,r,r,r", [codes, d], dtype=(gl.float8e4nv,) * 2,
+                                               is_pure=True, pack=4)
+            # Byte i of word w is weight 8w + i (lo) or 8w + 4 + i (hi): into K order.
+            w = gl.join(lo, hi).reshape(_BN, _BK // 8, 4, 2).permute(0, 1, 3, 2).reshape(_BN, _BK)
+            u_smem.index(s).store(w)
+            fence_async_shared()  # the wgmmas read the tile through the async proxy
+            mbarrier.arrive(unpacked.index(s))
+            mbarrier.arrive(empty.index(s))  # the words are read
+
+    @gluon.jit
+    def _consume(a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, stride_am, stride_ag, row0, num_rows,
+                 k_steps, PART: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr):
+        """Consumer ``PART``'s 64 activation rows (from ``row0``) times the program's 128 weight rows: ``acc``
+        [64, 128], each step's product (a fresh accumulator) added times the rows' activation scales of the step,
+        and the columns' (weight rows') scales applied at the end."""
+        m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+        as_ptrs = as_ptr + gl.minimum(m, num_rows - 1).to(gl.int64) * stride_am  # rows past the plan: never stored
+        part_rows: gl.constexpr = 64
+        acc = gl.zeros([part_rows, _BN], gl.float32, MMA)
+        next_scale = gl.load(as_ptrs)
+        for i in range(k_steps):
+            s = i % STAGES
+            a_scale = next_scale
+            next_scale = gl.load(as_ptrs + gl.minimum(i + 1, k_steps - 1) * stride_ag)
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            mbarrier.wait(unpacked.index(s), (i // STAGES) & 1)
+            a = a_smem.index(s).slice(PART * part_rows, part_rows)  # this consumer's half of the tile
+            part = warpgroup_mma(a, u_smem.index(s).permute((1, 0)), acc, use_acc=False, is_async=True)
+            part = warpgroup_mma_wait(0, deps=[part])
+            mbarrier.arrive(empty.index(s))
+            acc += part * gl.expand_dims(a_scale, 1)
+        return acc * gl.expand_dims(f_smem.load(gl.SliceLayout(0, MMA)), 0)  # written before step 0's tile
+
+    @gluon.jit
+    def _gemm2_part(a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, out_ptr, stride_am, stride_ag,
+                    stride_om, row_start, row_end, col0, num_rows, k_steps, PART: gl.constexpr,
+                    STAGES: gl.constexpr, MMA: gl.constexpr):
+        row0 = row_start + PART * 64
+        acc = _consume(a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, stride_am, stride_ag, row0, num_rows,
+                       k_steps, PART, STAGES, MMA)
+        m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+        n = col0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, MMA))
+        ptrs = out_ptr + gl.expand_dims(m.to(gl.int64) * stride_om, 1) + gl.expand_dims(n, 0)
+        gl.store(ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(m < row_end, 1) & gl.expand_dims(n >= 0, 0))
+
+    @gluon.jit
+    def _gemm1_part(a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, out_ptr, stride_am, stride_ag,
+                    stride_om, row_start, row_end, col0, num_rows, k_steps, limit, HAS_LIMIT: gl.constexpr,
+                    PART: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr):
+        """SwiGLU of the accumulator's gate half (columns 0..63) and up half (64..127), as ``kernel._swiglu``."""
+        row0 = row_start + PART * 64
+        acc = _consume(a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, stride_am, stride_ag, row0, num_rows,
+                       k_steps, PART, STAGES, MMA)
+        gate, up = acc.reshape(64, 2, _BN // 2).permute(0, 2, 1).split()
+        if HAS_LIMIT:  # DeepSeek-V4's clamp; NaN stays NaN, as torch.clamp keeps it
+            gate = gl.where(gate > limit, limit, gate)
+            up = gl.where(up > limit, limit, gl.where(up < -limit, -limit, up))
+        act = gate * (1.0 / (1.0 + gl.exp(-gate))) * up
+        OUT: gl.constexpr = act.type.layout
+        m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, OUT))
+        n = col0 + gl.arange(0, _BN // 2, layout=gl.SliceLayout(0, OUT))
+        ptrs = out_ptr + gl.expand_dims(m.to(gl.int64) * stride_om, 1) + gl.expand_dims(n, 0)
+        gl.store(ptrs, act.to(gl.bfloat16), mask=gl.expand_dims(m < row_end, 1) & gl.expand_dims(n >= 0, 0))
+
+    @gluon.jit
+    def _program(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, col_blocks):
+        pid = gl.program_id(0)
+        tile = pid // col_blocks
+        expert = gl.load(tile_expert_ptr + tile)
+        row_start = gl.load(tile_row_start_ptr + tile)
+        row_end = gl.load(expert_offsets_ptr + gl.maximum(expert, 0) + 1)
+        return expert, pid % col_blocks, row_start, row_end
+
+    @gluon.jit
+    def _w4a8_kernel(w_desc, a_desc, s_ptr, as_ptr, out_ptr, tile_expert_ptr, tile_row_start_ptr,
+                     expert_offsets_ptr, N, K, num_rows, stride_sn, stride_am, stride_ag, stride_om, limit,
+                     GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr,
+                     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """GEMM1 (``GEMM1``: out = intermediate [rows, N], SwiGLU of the gate rows n and up rows N + n, 64 columns a
+        program; K = H) or GEMM2 (out [rows, N], 128 columns a program; K = I), on the quantized activation rows
+        (``a_desc``, scales ``as_ptr`` [rows, K/128]) of a 128-row tile."""
+        cols: gl.constexpr = _BN // 2 if GEMM1 else _BN
+        expert, col_block, row_start, row_end = _program(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                                                         N // cols)
+        if expert >= 0:
+            MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, _BN, 32])
+            w_smem = gl.allocate_shared_memory(gl.int8, [STAGES, _BN, _BK // 2], w_desc.layout)
+            a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, _BK], a_desc.layout)
+            u_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BN, _BK], gl.float8e4nv)
+            u_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _BN, _BK], u_layout)
+            f_smem = gl.allocate_shared_memory(gl.float32, [_BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            unpacked = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(STAGES):
+                mbarrier.init(ready.index(s), count=1)
+                mbarrier.init(unpacked.index(s), count=1)
+                mbarrier.init(empty.index(s), count=3)  # the transform and both consumers
+            if GEMM1:
+                w_row0 = expert * 2 * N + col_block * cols  # gate rows; the up rows are N further
+                w_row1 = w_row0 + N
+            else:
+                w_row0 = expert * N + col_block * cols
+                w_row1 = w_row0 + _BN // 2
+            k_steps = K // _BK
+            col0 = col_block * cols
+            if GEMM1:
+                gl.warp_specialize([
+                    (_transform, (w_smem, u_smem, f_smem, ready, unpacked, empty, s_ptr, w_row0, w_row1, stride_sn,
+                                  k_steps, STAGES)),
+                    (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, w_row0, w_row1, row_start, k_steps,
+                                STAGES)),
+                    (_gemm1_part, (a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, out_ptr, stride_am,
+                                   stride_ag, stride_om, row_start, row_end, col0, num_rows, k_steps, limit,
+                                   HAS_LIMIT, 0, STAGES, MMA)),
+                    (_gemm1_part, (a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, out_ptr, stride_am,
+                                   stride_ag, stride_om, row_start, row_end, col0, num_rows, k_steps, limit,
+                                   HAS_LIMIT, 1, STAGES, MMA)),
+                ], [1, 4, 4], [PRODUCER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+            else:
+                gl.warp_specialize([
+                    (_transform, (w_smem, u_smem, f_smem, ready, unpacked, empty, s_ptr, w_row0, w_row1, stride_sn,
+                                  k_steps, STAGES)),
+                    (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, w_row0, w_row1, row_start, k_steps,
+                                STAGES)),
+                    (_gemm2_part, (a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, out_ptr, stride_am,
+                                   stride_ag, stride_om, row_start, row_end, col0, num_rows, k_steps, 0, STAGES,
+                                   MMA)),
+                    (_gemm2_part, (a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, out_ptr, stride_am,
+                                   stride_ag, stride_om, row_start, row_end, col0, num_rows, k_steps, 1, STAGES,
+                                   MMA)),
+                ], [1, 4, 4], [PRODUCER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+
+
+def chosen(num_tokens: int, block_m: int, hidden_size: int, width: int) -> bool:
+    """Whether the W4A8 kernels run (where ``mxfp4_ws.ws_eligible`` holds, which they need too): prefill, at least
+    ``MIN_TOKENS`` tokens in tiles of a height in ``LAUNCH``, H and I multiples of 128. A host decision on shapes
+    alone (no sync), so a given call always takes the same numerics."""
+    return block_m in LAUNCH and num_tokens >= MIN_TOKENS and widths_fit(hidden_size, width)
+
+
+def _quantized(source: torch.Tensor, plan: DispatchPlan, gather: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    width = source.shape[1]
+    q = torch.empty(plan.num_rows, width, dtype=torch.float8_e4m3fn, device=source.device)
+    scales = torch.empty(plan.num_rows, width // BLOCK_K, dtype=torch.float32, device=source.device)
+    quantize_rows_into(source, q, scales, plan, gather=gather)
+    return q, scales
+
+
+def experts_mxfp4_w4a8(
+    hidden: torch.Tensor,
+    gate_up: MXFP4,
+    down: MXFP4,
+    plan: DispatchPlan,
+    out: torch.Tensor,
+    swiglu_limit: Optional[float] = None,
+) -> None:
+    """Quantize GEMM1's rows, GEMM1 + SwiGLU, quantize the intermediate, GEMM2, into ``out``. Call only where
+    :func:`chosen` and ``mxfp4_ws.ws_eligible`` hold."""
+    num_tiles = plan.tile_expert.numel()
+    width, hidden_size = down.shape[2], hidden.shape[1]
+    if num_tiles == 0:
+        return
+    shape = LAUNCH[plan.block_m]
+    consts = {"STAGES": shape.stages, "PRODUCER_REGS": shape.producer_regs, "CONSUMER_REGS": shape.consumer_regs,
+              "num_warps": 4, "maxnreg": shape.maxnreg}
+    w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N // 2, BLOCK_K // 2], gl.int8)
+    a_layout = gl.NVMMASharedLayout.get_default_for([plan.block_m, BLOCK_K], gl.float8e4nv)
+    inter = torch.empty(plan.num_rows, width, dtype=hidden.dtype, device=hidden.device)
+    for gemm1, weight, source, dest, n, k in ((True, gate_up, hidden, inter, width, hidden_size),
+                                              (False, down, inter, out, hidden_size, width)):
+        rows, row_scales = _quantized(source, plan, gather=gemm1)
+        E, N, half_k = weight.values.shape
+        w_desc = TensorDescriptor.from_tensor(weight.values.view(torch.int8).reshape(E * N, half_k),
+                                              [BLOCK_N // 2, BLOCK_K // 2], w_layout)
+        a_desc = TensorDescriptor.from_tensor(rows, [plan.block_m, BLOCK_K], a_layout)
+        exponents = weight.scales.view(torch.uint8).view(E * N, -1).view(torch.int32)  # one word a row and step
+        cols = BLOCK_N // 2 if gemm1 else BLOCK_N
+        _w4a8_kernel[(num_tiles * (n // cols),)](
+            w_desc, a_desc, exponents, row_scales, dest, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
+            n, k, plan.num_rows, exponents.stride(0), row_scales.stride(0), row_scales.stride(1), dest.stride(0),
+            0.0 if swiglu_limit is None else float(swiglu_limit), GEMM1=gemm1, HAS_LIMIT=swiglu_limit is not None,
+            **consts)

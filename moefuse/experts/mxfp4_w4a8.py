@@ -122,7 +122,7 @@ if gluon is not None:
             _tma_load(a_desc, [a_row, i * _BK], ready.index(s), a_smem.index(s))
 
     @gluon.jit
-    def _transform(w_smem, u_smem, f_smem, ready, unpacked, empty, s_ptr, s_row0, s_row1, stride_sn, k_steps,
+    def _transform(w_smem, u_smem, f_smem, ready, unpacked, s_ptr, s_row0, s_row1, stride_sn, k_steps,
                    STAGES: gl.constexpr):
         """Per step: the words of slot s unpacked into the e4m3 tile ``u_smem[s]`` [128 rows, 128] (K in order).
         A row's groups are scaled by 2^(e - base), base = max(the row's largest exponent - 6, 1), which puts its
@@ -153,8 +153,8 @@ if gluon is not None:
             w = gl.join(lo, hi).reshape(_BN, _BK // 8, 4, 2).permute(0, 1, 3, 2).reshape(_BN, _BK)
             u_smem.index(s).store(w)
             fence_async_shared()  # the wgmmas read the tile through the async proxy
+            # The words of slot s were read before this arrival, and the consumers free the slot only after it.
             mbarrier.arrive(unpacked.index(s))
-            mbarrier.arrive(empty.index(s))  # the words are read
 
     @gluon.jit
     def _consume(a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, stride_am, stride_ag, row0, num_rows,
@@ -245,7 +245,7 @@ if gluon is not None:
             for s in gl.static_range(STAGES):
                 mbarrier.init(ready.index(s), count=1)
                 mbarrier.init(unpacked.index(s), count=1)
-                mbarrier.init(empty.index(s), count=3)  # the transform and both consumers
+                mbarrier.init(empty.index(s), count=2)  # both consumers, once their wgmmas have read the slot
             if GEMM1:
                 w_row0 = expert * 2 * N + col_block * cols  # gate rows; the up rows are N further
                 w_row1 = w_row0 + N
@@ -256,8 +256,8 @@ if gluon is not None:
             col0 = col_block * cols
             if GEMM1:
                 gl.warp_specialize([
-                    (_transform, (w_smem, u_smem, f_smem, ready, unpacked, empty, s_ptr, w_row0, w_row1, stride_sn,
-                                  k_steps, STAGES)),
+                    (_transform, (w_smem, u_smem, f_smem, ready, unpacked, s_ptr, w_row0, w_row1, stride_sn, k_steps,
+                                  STAGES)),
                     (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, w_row0, w_row1, row_start, k_steps,
                                 STAGES)),
                     (_gemm1_part, (a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, out_ptr, stride_am,
@@ -269,8 +269,8 @@ if gluon is not None:
                 ], [1, 4, 4], [PRODUCER_REGS, CONSUMER_REGS, CONSUMER_REGS])
             else:
                 gl.warp_specialize([
-                    (_transform, (w_smem, u_smem, f_smem, ready, unpacked, empty, s_ptr, w_row0, w_row1, stride_sn,
-                                  k_steps, STAGES)),
+                    (_transform, (w_smem, u_smem, f_smem, ready, unpacked, s_ptr, w_row0, w_row1, stride_sn, k_steps,
+                                  STAGES)),
                     (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, w_row0, w_row1, row_start, k_steps,
                                 STAGES)),
                     (_gemm2_part, (a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, out_ptr, stride_am,

@@ -252,11 +252,24 @@ def compile_mxfp4_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_li
     return compile_sm90(fn, signature, constexprs, tiles.num_warps, tiles.num_stages)
 
 
+def compile_gluon(fn, types: dict[str, str], constexprs: dict[str, Any], maxnreg: int):
+    """A Gluon kernel of the experts compiled for sm_90 on 4 warps (plus its partitions' own): ``types`` names
+    the arguments' types where they are not an int32 pointer (``*_ptr``) or int32; pointers and the widths and
+    row strides are declared 16-divisible, as the launches pass them."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    signature = {name: types.get(name, "*i32" if name.endswith("_ptr") else "i32")
+                 for name in fn.arg_names if name not in constexprs}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in signature.items()
+             if ty.startswith("*") or name in ("N", "K", "stride_im", "stride_om")}
+    src = GluonASTSource(fn, {**signature, **{name: "constexpr" for name in constexprs}}, constexprs, attrs)
+    return triton.compile(src, target=SM90, options={"num_warps": 4, "maxnreg": maxnreg})
+
+
 def compile_mxfp4_ws_gemm(gemm: int, block_m: int, has_limit: bool):
     """The warp-specialized MXFP4 GEMM1 or GEMM2 (``experts/mxfp4_ws.py``, Gluon) as ``experts_mxfp4_ws`` launches
     it on sm_90: two 64-row consumers, 128-deep steps, registers and slots from ``LAUNCH``."""
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     ws = experts_mxfp4_ws
     fn = ws._gemm1_ws_kernel if gemm == 1 else ws._gemm2_ws_kernel
@@ -269,19 +282,13 @@ def compile_mxfp4_ws_gemm(gemm: int, block_m: int, has_limit: bool):
     types = {"w_desc": f"tensordesc<i32[{ws.ROWS}, {ws.BLOCK_K // 8}],{w_layout!r}>",
              "a_desc": f"tensordesc<bf16[{block_m}, {ws.BLOCK_K}],{a_layout!r}>",
              "s_ptr": "*i32", "inter_ptr": "*bf16", "out_ptr": "*bf16", "limit": "fp32"}
-    signature = {name: types.get(name, "*i32" if name.endswith("_ptr") else "i32")
-                 for name in fn.arg_names if name not in constexprs}
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in signature.items()
-             if ty.startswith("*") or name in ("N", "K", "stride_im", "stride_om")}
-    src = GluonASTSource(fn, {**signature, **{name: "constexpr" for name in constexprs}}, constexprs, attrs)
-    return triton.compile(src, target=SM90, options={"num_warps": 4, "maxnreg": shape.maxnreg})
+    return compile_gluon(fn, types, constexprs, shape.maxnreg)
 
 
 def compile_mxfp4_w4a8_gemm(gemm: int, block_m: int, has_limit: bool):
     """The W4A8 MXFP4 GEMM1 or GEMM2 (``experts/mxfp4_w4a8.py``, Gluon) as ``experts_mxfp4_w4a8`` launches it on
     sm_90: a transform warp group, two 64-row consumers, registers and slots from ``LAUNCH``."""
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     w4a8 = experts_mxfp4_w4a8
     fn, shape = w4a8._w4a8_kernel, w4a8.LAUNCH[block_m]
@@ -293,12 +300,7 @@ def compile_mxfp4_w4a8_gemm(gemm: int, block_m: int, has_limit: bool):
     types = {"w_desc": f"tensordesc<i8[{w_box[0]}, {w_box[1]}],{w_layout!r}>",
              "a_desc": f"tensordesc<fp8e4nv[{a_box[0]}, {a_box[1]}],{a_layout!r}>",
              "s_ptr": "*i32", "as_ptr": "*fp32", "out_ptr": "*bf16", "limit": "fp32"}
-    signature = {name: types.get(name, "*i32" if name.endswith("_ptr") else "i32")
-                 for name in fn.arg_names if name not in constexprs}
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in signature.items()
-             if ty.startswith("*") or name in ("N", "K", "stride_om")}
-    src = GluonASTSource(fn, {**signature, **{name: "constexpr" for name in constexprs}}, constexprs, attrs)
-    return triton.compile(src, target=SM90, options={"num_warps": 4, "maxnreg": shape.maxnreg})
+    return compile_gluon(fn, types, constexprs, shape.maxnreg)
 
 
 def compiled_stats(where: str, problems: list[str], build: Callable[[], Any]) -> Optional[tuple[str, dict, int]]:

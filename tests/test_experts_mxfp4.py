@@ -461,6 +461,26 @@ def test_warp_specialized_matches_float64_and_triton(block_m, M, limit, gen, dev
 
 # --- W4A8: fp8 MMAs at prefill (SPEC §6) -------------------------------------------------------------------------
 
+def _prmt(a: int, b: int, selector: int) -> int:
+    """PTX ``prmt.b32`` (default mode): byte j of the result is byte (selector >> 4j) & 7 of b:a."""
+    pool = (a | b << 32).to_bytes(8, "little")
+    return int.from_bytes(bytes(pool[(selector >> 4 * j) & 7] for j in range(4)), "little")
+
+
+def test_w4a8_conversion_constants(gen):
+    """The W4A8 unpacking's constants (``mxfp4_w4a8._e4m3_asm``), decoded on the CPU: the table with 2^d added is
+    the e4m3 bytes of the eight magnitudes times 2^d for every d the kernels use, and the sign permutes move bit 3
+    of each code to bit 7 of its byte."""
+    for d in range(mxfp4_w4a8.FLUSH_BELOW, 7):
+        words = [(base + d * step) % 2**32 for base, step in zip(mxfp4_w4a8.E4M3_TABLE, mxfp4_w4a8.E4M3_STEP)]
+        table = torch.tensor(list(b"".join(w.to_bytes(4, "little") for w in words)), dtype=torch.uint8)
+        assert torch.equal(table.view(torch.float8_e4m3fn).double(), E2M1[:8] * 2.0**d), d
+    for word in torch.randint(0, 2**31, (64,), generator=gen).tolist() + [0xFFFFFFFF, 0x88888888, 0x80000008]:
+        for half, selector in enumerate(mxfp4_w4a8.SIGN_SELECTORS):
+            signs = _prmt(word, (word << 4) % 2**32, selector) & 0x80808080
+            assert signs == sum(((word >> (16 * half + 4 * j + 3)) & 1) << (8 * j + 7) for j in range(4))
+
+
 def test_w4a8_weight_flushes_only_far_groups(gen):
     """Per row, base = max(largest exponent - 6, 1); a group more than 5 under it (more than 11 under the largest)
     is zeroed, every other kept: decoded by hand from the codes."""

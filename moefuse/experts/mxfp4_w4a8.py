@@ -39,6 +39,8 @@ if gluon is not None:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from .mxfp4_ws import _program
+
 BLOCK_K = 128  # one activation scale and one int32 of weight exponents per row and step
 BLOCK_N = 128  # weight rows a program: GEMM2's output columns, or GEMM1's 64 gate and 64 up rows
 FLUSH_BELOW = -5  # a group whose exponent is more than 11 under its step's largest is flushed (SPEC §6)
@@ -59,23 +61,32 @@ class Launch:
 LAUNCH = {128: Launch(128, 24, 184, 4)}
 
 
+# The e4m3 bytes of the magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6) of codes 0..3 and 4..7 (a byte permute's two
+# source registers), what 2^d adds to each (8d to the exponent field of every entry but the zero), and the permute
+# selectors that move the signs of codes 0..3 and 4..7 (bit 4j + 3 of a word) to bit 7 of byte j from the word
+# and the word shifted left by 4.
+E4M3_TABLE = (0x3C383000, 0x4C484440)
+E4M3_STEP = (0x08080800, 0x08080808)
+SIGN_SELECTORS = (0x1504, 0x3726)
+
+
 def _e4m3_asm() -> str:
     """PTX that unpacks one word of packed codes (``$2``: weights k..k+7 of a row, weight k + j in bits 4j..4j+3)
-    into e4m3 bytes scaled by 2^d (``$3``: the group's exponent less its step's base, SPEC §6), weights k..k+3 into
+    into e4m3 bytes scaled by 2^d (``$3``: the group's exponent less its row's base, SPEC §6), weights k..k+3 into
     ``$0`` and k+4..k+7 into ``$1``, in order.
 
-    A byte permute looks each code's magnitude up in an eight-entry table of e4m3 bytes, (0, 0.5, 1, 1.5, 2, 3, 4,
-    6) · 2^d: for -5 <= d <= 6 every entry but the zero is a normal whose exponent field is the d = 0 entry's plus d,
-    so one multiply-add per half builds the table (every byte stays within 0x08..0x7C: no carries or borrows); a
-    lower d flushes the group (a zero table). Two more permutes, of the word and of the word shifted by 4, gather the
-    signs (bit 3 of each code) into bit 7 of each byte."""
-    return """
-{
+    A byte permute looks each code's magnitude up in an eight-entry table of e4m3 bytes (``E4M3_TABLE``) times 2^d:
+    for -5 <= d <= 6 every entry but the zero is a normal whose exponent field is the d = 0 entry's plus d, so one
+    multiply-add per half builds the table (every byte stays within 0x08..0x7C: no carries or borrows); a lower d
+    flushes the group (a zero table). Two more permutes, of the word and of the word shifted by 4, gather the signs
+    (bit 3 of each code) into bit 7 of each byte (``SIGN_SELECTORS``)."""
+    return f"""
+{{
 .reg .b32 t0, t1, q0, q1, w4, s0, s1;
 .reg .pred flush;
-mad.lo.s32 t0, $3, 0x08080800, 0x3C383000;
-mad.lo.s32 t1, $3, 0x08080808, 0x4C484440;
-setp.lt.s32 flush, $3, FLUSH_BELOW;
+mad.lo.s32 t0, $3, {E4M3_STEP[0]:#x}, {E4M3_TABLE[0]:#x};
+mad.lo.s32 t1, $3, {E4M3_STEP[1]:#x}, {E4M3_TABLE[1]:#x};
+setp.lt.s32 flush, $3, {FLUSH_BELOW};
 selp.b32 t0, 0, t0, flush;
 selp.b32 t1, 0, t1, flush;
 and.b32 q0, $2, 0x7777;
@@ -84,14 +95,14 @@ and.b32 q1, q1, 0x7777;
 prmt.b32 q0, t0, t1, q0;
 prmt.b32 q1, t0, t1, q1;
 shl.b32 w4, $2, 4;
-prmt.b32 s0, $2, w4, 0x1504;
-prmt.b32 s1, $2, w4, 0x3726;
+prmt.b32 s0, $2, w4, {SIGN_SELECTORS[0]:#x};
+prmt.b32 s1, $2, w4, {SIGN_SELECTORS[1]:#x};
 and.b32 s0, s0, 0x80808080;
 and.b32 s1, s1, 0x80808080;
 or.b32 $0, q0, s0;
 or.b32 $1, q1, s1;
-}
-""".replace("FLUSH_BELOW", str(FLUSH_BELOW))
+}}
+"""
 
 
 if gluon is not None:
@@ -181,44 +192,31 @@ if gluon is not None:
         return acc * gl.expand_dims(f_smem.load(gl.SliceLayout(0, MMA)), 0)  # written before step 0's tile
 
     @gluon.jit
-    def _gemm2_part(a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, out_ptr, stride_am, stride_ag,
-                    stride_om, row_start, row_end, col0, num_rows, k_steps, PART: gl.constexpr,
-                    STAGES: gl.constexpr, MMA: gl.constexpr):
+    def _store(values, out_ptr, row0, row_end, col0, stride_om):
+        """``out[row0 + i, col0 + j] = values[i, j]`` in bf16 for the rows before ``row_end`` (the expert's)."""
+        L: gl.constexpr = values.type.layout
+        m = row0 + gl.arange(0, values.shape[0], layout=gl.SliceLayout(1, L))
+        n = col0 + gl.arange(0, values.shape[1], layout=gl.SliceLayout(0, L))
+        ptrs = out_ptr + gl.expand_dims(m.to(gl.int64) * stride_om, 1) + gl.expand_dims(n, 0)
+        gl.store(ptrs, values.to(gl.bfloat16), mask=gl.expand_dims(m < row_end, 1) & gl.expand_dims(n >= 0, 0))
+
+    @gluon.jit
+    def _consumer(a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, out_ptr, stride_am, stride_ag, stride_om,
+                  row_start, row_end, col0, num_rows, k_steps, limit, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                  PART: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr):
+        """Consumer ``PART``: its 64 rows of GEMM2's output, or of GEMM1's intermediate, SwiGLU of the
+        accumulator's gate half (columns 0..63) and up half (64..127) as ``kernel._swiglu``."""
         row0 = row_start + PART * 64
         acc = _consume(a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, stride_am, stride_ag, row0, num_rows,
                        k_steps, PART, STAGES, MMA)
-        m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-        n = col0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, MMA))
-        ptrs = out_ptr + gl.expand_dims(m.to(gl.int64) * stride_om, 1) + gl.expand_dims(n, 0)
-        gl.store(ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(m < row_end, 1) & gl.expand_dims(n >= 0, 0))
-
-    @gluon.jit
-    def _gemm1_part(a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, out_ptr, stride_am, stride_ag,
-                    stride_om, row_start, row_end, col0, num_rows, k_steps, limit, HAS_LIMIT: gl.constexpr,
-                    PART: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr):
-        """SwiGLU of the accumulator's gate half (columns 0..63) and up half (64..127), as ``kernel._swiglu``."""
-        row0 = row_start + PART * 64
-        acc = _consume(a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, stride_am, stride_ag, row0, num_rows,
-                       k_steps, PART, STAGES, MMA)
-        gate, up = acc.reshape(64, 2, _BN // 2).permute(0, 2, 1).split()
-        if HAS_LIMIT:  # DeepSeek-V4's clamp; NaN stays NaN, as torch.clamp keeps it
-            gate = gl.where(gate > limit, limit, gate)
-            up = gl.where(up > limit, limit, gl.where(up < -limit, -limit, up))
-        act = gate * (1.0 / (1.0 + gl.exp(-gate))) * up
-        OUT: gl.constexpr = act.type.layout
-        m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, OUT))
-        n = col0 + gl.arange(0, _BN // 2, layout=gl.SliceLayout(0, OUT))
-        ptrs = out_ptr + gl.expand_dims(m.to(gl.int64) * stride_om, 1) + gl.expand_dims(n, 0)
-        gl.store(ptrs, act.to(gl.bfloat16), mask=gl.expand_dims(m < row_end, 1) & gl.expand_dims(n >= 0, 0))
-
-    @gluon.jit
-    def _program(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, col_blocks):
-        pid = gl.program_id(0)
-        tile = pid // col_blocks
-        expert = gl.load(tile_expert_ptr + tile)
-        row_start = gl.load(tile_row_start_ptr + tile)
-        row_end = gl.load(expert_offsets_ptr + gl.maximum(expert, 0) + 1)
-        return expert, pid % col_blocks, row_start, row_end
+        if GEMM1:
+            gate, up = acc.reshape(64, 2, _BN // 2).permute(0, 2, 1).split()
+            if HAS_LIMIT:  # DeepSeek-V4's clamp; NaN stays NaN, as torch.clamp keeps it
+                gate = gl.where(gate > limit, limit, gate)
+                up = gl.where(up > limit, limit, gl.where(up < -limit, -limit, up))
+            _store(gate * (1.0 / (1.0 + gl.exp(-gate))) * up, out_ptr, row0, row_end, col0, stride_om)
+        else:
+            _store(acc, out_ptr, row0, row_end, col0, stride_om)
 
     @gluon.jit
     def _w4a8_kernel(w_desc, a_desc, s_ptr, as_ptr, out_ptr, tile_expert_ptr, tile_row_start_ptr,
@@ -230,7 +228,7 @@ if gluon is not None:
         (``a_desc``, scales ``as_ptr`` [rows, K/128]) of a 128-row tile."""
         cols: gl.constexpr = _BN // 2 if GEMM1 else _BN
         expert, col_block, row_start, row_end = _program(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-                                                         N // cols)
+                                                         N, cols)
         if expert >= 0:
             MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                           instr_shape=[16, _BN, 32])
@@ -254,32 +252,18 @@ if gluon is not None:
                 w_row1 = w_row0 + _BN // 2
             k_steps = K // _BK
             col0 = col_block * cols
-            if GEMM1:
-                gl.warp_specialize([
-                    (_transform, (w_smem, u_smem, f_smem, ready, unpacked, s_ptr, w_row0, w_row1, stride_sn, k_steps,
-                                  STAGES)),
-                    (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, w_row0, w_row1, row_start, k_steps,
-                                STAGES)),
-                    (_gemm1_part, (a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, out_ptr, stride_am,
-                                   stride_ag, stride_om, row_start, row_end, col0, num_rows, k_steps, limit,
-                                   HAS_LIMIT, 0, STAGES, MMA)),
-                    (_gemm1_part, (a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, out_ptr, stride_am,
-                                   stride_ag, stride_om, row_start, row_end, col0, num_rows, k_steps, limit,
-                                   HAS_LIMIT, 1, STAGES, MMA)),
-                ], [1, 4, 4], [PRODUCER_REGS, CONSUMER_REGS, CONSUMER_REGS])
-            else:
-                gl.warp_specialize([
-                    (_transform, (w_smem, u_smem, f_smem, ready, unpacked, s_ptr, w_row0, w_row1, stride_sn, k_steps,
-                                  STAGES)),
-                    (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, w_row0, w_row1, row_start, k_steps,
-                                STAGES)),
-                    (_gemm2_part, (a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, out_ptr, stride_am,
-                                   stride_ag, stride_om, row_start, row_end, col0, num_rows, k_steps, 0, STAGES,
-                                   MMA)),
-                    (_gemm2_part, (a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, out_ptr, stride_am,
-                                   stride_ag, stride_om, row_start, row_end, col0, num_rows, k_steps, 1, STAGES,
-                                   MMA)),
-                ], [1, 4, 4], [PRODUCER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+            gl.warp_specialize([
+                (_transform, (w_smem, u_smem, f_smem, ready, unpacked, s_ptr, w_row0, w_row1, stride_sn, k_steps,
+                              STAGES)),
+                (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, w_row0, w_row1, row_start, k_steps,
+                            STAGES)),
+                (_consumer, (a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, out_ptr, stride_am, stride_ag,
+                             stride_om, row_start, row_end, col0, num_rows, k_steps, limit, GEMM1, HAS_LIMIT, 0,
+                             STAGES, MMA)),
+                (_consumer, (a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, out_ptr, stride_am, stride_ag,
+                             stride_om, row_start, row_end, col0, num_rows, k_steps, limit, GEMM1, HAS_LIMIT, 1,
+                             STAGES, MMA)),
+            ], [1, 4, 4], [PRODUCER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
 
 def chosen(num_tokens: int, block_m: int, hidden_size: int, width: int) -> bool:

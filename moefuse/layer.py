@@ -342,8 +342,9 @@ class MoELayer(nn.Module):
             always run by the grouped GEMMs: as one more slot when it can (every batch size by default), else as
             a one-expert grouped GEMM (padded tokens). Or ``"mxfp4"``, as DeepSeek-V4 ships: routed experts in
             MXFP4 (SPEC §6; ``experts.gate_up_proj`` int8 [E, 2I, H/2], ``gate_up_proj_scale_inv`` ue8m0 [E, 2I,
-            H/32] ...; H and I multiples of 32), bf16 activations (W4A16), and the shared expert in fp8 as above
-            (a one-expert grouped GEMM on the side stream: the formats differ, so no shared slot).
+            H/32] ...; H and I multiples of 32), bf16 activations (W4A16; W4A8 at prefill on Hopper, SPEC §6), and
+            the shared expert in fp8 as above (a one-expert grouped GEMM on the side stream: the formats differ,
+            so no shared slot).
         hash_vocab_size: make this a hash-routed layer (DeepSeek-V4's first MoE layers): each token's experts are
             ``gate.tid2eid[input_ids]`` (a [vocab, top_k] table loaded from the checkpoint), weighted by the scores
             of those experts (:func:`moefuse.route.reference.hash_gate_torch`); ``forward`` then needs

@@ -23,7 +23,8 @@ the packed tensors are read as the checkpoint ships them (no re-layout).
 History, one H200, DeepSeek-V4-Flash at 16 tokens: building each weight with Triton integer ops ran 4.7x the read
 floor; ``tl.dot_scaled`` 3.7x (990 µs); this unpacking in natural K order, converted to the operand layout through
 shared memory, 706 µs; in the registers' order 461 µs, 1.8x; the same work warp-specialized (``mxfp4_ws.py``, which
-``experts_mxfp4`` hands the experts to on Hopper) 398 µs, 1.5x (docs/PERF-NOTES.md).
+``experts_mxfp4`` hands the experts to on Hopper) 398 µs, 1.5x (docs/PERF-NOTES.md). At prefill on Hopper the
+experts go to the W4A8 kernels instead (``mxfp4_w4a8.py``: fp8 MMAs, SPEC §6).
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ def moe_experts(
         gate_up_proj: [E, 2I, H] of hidden's dtype, gate rows 0..I-1 then up rows (Hugging Face layout); or a
             weight format of that shape (then ``down_proj`` the same format): :class:`moefuse.formats.BlockFP8`
             with bf16 or fp16 hidden (W8A8, the activations quantized on the fly, SPEC §5), or
-            :class:`moefuse.formats.MXFP4` with bf16 hidden (W4A16, SPEC §6).
+            :class:`moefuse.formats.MXFP4` with bf16 hidden (W4A16, SPEC §6; on Hopper, from 512 tokens in
+            128-row tiles, W4A8: fp8 activations and exactly converted weights, ``experts/mxfp4_w4a8.py``).
         down_proj: [E, H, I] of hidden's dtype, or the format of ``gate_up_proj``.
         plan: from :func:`moefuse.dispatch.moe_dispatch` for these M tokens (M·K rows) and E experts, on
             hidden's device; its ``block_m`` is the GEMMs' tile height.

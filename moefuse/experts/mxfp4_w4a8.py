@@ -194,9 +194,8 @@ if gluon is not None:
     @gluon.jit
     def _store(values, out_ptr, row0, row_end, col0, stride_om):
         """``out[row0 + i, col0 + j] = values[i, j]`` in bf16 for the rows before ``row_end`` (the expert's)."""
-        L: gl.constexpr = values.type.layout
-        m = row0 + gl.arange(0, values.shape[0], layout=gl.SliceLayout(1, L))
-        n = col0 + gl.arange(0, values.shape[1], layout=gl.SliceLayout(0, L))
+        m = row0 + gl.arange(0, values.shape[0], layout=gl.SliceLayout(1, values.type.layout))
+        n = col0 + gl.arange(0, values.shape[1], layout=gl.SliceLayout(0, values.type.layout))
         ptrs = out_ptr + gl.expand_dims(m.to(gl.int64) * stride_om, 1) + gl.expand_dims(n, 0)
         gl.store(ptrs, values.to(gl.bfloat16), mask=gl.expand_dims(m < row_end, 1) & gl.expand_dims(n >= 0, 0))
 

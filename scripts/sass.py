@@ -293,7 +293,7 @@ def compile_mxfp4_w4a8_gemm(gemm: int, block_m: int, has_limit: bool):
     w4a8 = experts_mxfp4_w4a8
     fn, shape = w4a8._w4a8_kernel, w4a8.LAUNCH[block_m]
     constexprs = {"GEMM1": gemm == 1, "HAS_LIMIT": has_limit, "STAGES": shape.stages,
-                  "PRODUCER_REGS": shape.producer_regs, "CONSUMER_REGS": shape.consumer_regs}
+                  "PRODUCER_REGS": experts_mxfp4_ws.PRODUCER_REGS, "CONSUMER_REGS": shape.consumer_regs}
     w_box, a_box = [w4a8.BLOCK_N // 2, w4a8.BLOCK_K // 2], [block_m, w4a8.BLOCK_K]
     w_layout = gl.NVMMASharedLayout.get_default_for(w_box, gl.int8)
     a_layout = gl.NVMMASharedLayout.get_default_for(a_box, gl.float8e4nv)

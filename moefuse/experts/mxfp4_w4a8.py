@@ -18,7 +18,6 @@ intermediate in bf16, which GEMM2's quantization pass reads.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -26,39 +25,28 @@ import torch
 from ..dispatch import DispatchPlan
 from ..formats import MXFP4
 from .fp8 import quantize_rows_into
-from .mxfp4_ws import gluon, widths_fit
+from .mxfp4_ws import PRODUCER_REGS, Launch, _exponent_words, gluon, widths_fit
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
-        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .mxfp4_ws import _program
+    from .mxfp4_ws import _program, _tma_load
 
 BLOCK_K = 128  # one activation scale and one int32 of weight exponents per row and step
 BLOCK_N = 128  # weight rows a program: GEMM2's output columns, or GEMM1's 64 gate and 64 up rows
-FLUSH_BELOW = -5  # a group whose exponent is more than 11 under its step's largest is flushed (SPEC §6)
+FLUSH_BELOW = -5  # a group whose exponent is more than 11 under its row's largest is flushed (SPEC §6)
 MIN_TOKENS = 512  # W4A8 runs from this many tokens, in tiles of a height in LAUNCH
 
 
-@dataclass(frozen=True)
-class Launch:
-    """Registers a thread at launch (``maxnreg``, the transform's), the producer's and the consumers' after the
-    hand-over, and the ring's slots."""
-
-    maxnreg: int
-    producer_regs: int
-    consumer_regs: int
-    stages: int
-
-
-LAUNCH = {128: Launch(128, 24, 184, 4)}
+# As mxfp4_ws.LAUNCH: maxnreg is the transform's (the default partition), the producer warp takes PRODUCER_REGS.
+LAUNCH = {128: Launch(maxnreg=128, consumer_regs=184, stages=4)}
 
 
 # The e4m3 bytes of the magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6) of codes 0..3 and 4..7 (a byte permute's two
@@ -106,7 +94,6 @@ or.b32 $1, q1, s1;
 
 
 if gluon is not None:
-    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
     _E4M3: gl.constexpr = gl.constexpr(_e4m3_asm())
     _BK: gl.constexpr = gl.constexpr(BLOCK_K)
     _BN: gl.constexpr = gl.constexpr(BLOCK_N)
@@ -295,7 +282,7 @@ def experts_mxfp4_w4a8(
     if num_tiles == 0:
         return
     shape = LAUNCH[plan.block_m]
-    consts = {"STAGES": shape.stages, "PRODUCER_REGS": shape.producer_regs, "CONSUMER_REGS": shape.consumer_regs,
+    consts = {"STAGES": shape.stages, "PRODUCER_REGS": PRODUCER_REGS, "CONSUMER_REGS": shape.consumer_regs,
               "num_warps": 4, "maxnreg": shape.maxnreg}
     w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N // 2, BLOCK_K // 2], gl.int8)
     a_layout = gl.NVMMASharedLayout.get_default_for([plan.block_m, BLOCK_K], gl.float8e4nv)
@@ -307,7 +294,7 @@ def experts_mxfp4_w4a8(
         w_desc = TensorDescriptor.from_tensor(weight.values.view(torch.int8).reshape(E * N, half_k),
                                               [BLOCK_N // 2, BLOCK_K // 2], w_layout)
         a_desc = TensorDescriptor.from_tensor(rows, [plan.block_m, BLOCK_K], a_layout)
-        exponents = weight.scales.view(torch.uint8).view(E * N, -1).view(torch.int32)  # one word a row and step
+        exponents = _exponent_words(weight.scales)  # one word a row and step
         cols = BLOCK_N // 2 if gemm1 else BLOCK_N
         _w4a8_kernel[(num_tiles * (n // cols),)](
             w_desc, a_desc, exponents, row_scales, dest, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,

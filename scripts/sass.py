@@ -114,11 +114,12 @@ def sass_stats(cubin: bytes) -> tuple[str, dict]:
     return sass, stats
 
 
-def main_loop_instructions(sass: str, shortest_mma_loop: bool = False) -> int:
+def main_loop_instructions(sass: str, shortest_with: str | None = None) -> int:
     """Instructions (NOPs left out) of the longest conditional backward branch's body: a GEMM's K loop. (An
     unconditional backward branch is the return from an out-of-line slow path, such as a TMA barrier's wait loop
-    placed after the epilogue: its span would count the epilogue too.) ``shortest_mma_loop``: the shortest such
-    body with a wgmma instead, a consumer's loop in a warp-specialized kernel (longer spans cross partitions)."""
+    placed after the epilogue: its span would count the epilogue too.) ``shortest_with``: the shortest such body
+    with an instruction whose name contains it instead, the innermost loop doing that work in a warp-specialized
+    kernel (longer spans cross partitions, or are a persistent program's loop over its work items)."""
     lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
     address = [int(re.search(r"/\*([0-9a-f]{4,})\*/", line).group(1), 16) for line in lines]
     spans = []
@@ -126,9 +127,9 @@ def main_loop_instructions(sass: str, shortest_mma_loop: bool = False) -> int:
         jump = re.search(r"@!?U?P\w+\s+BRA\s+(?:`?\(?\.L_x_\d+\)?|0x([0-9a-f]+))", line)
         if jump and jump.group(1) and int(jump.group(1), 16) < here:
             body = [op for a, op in zip(address, lines) if int(jump.group(1), 16) <= a <= here and " NOP" not in op]
-            if not shortest_mma_loop:
+            if shortest_with is None:
                 spans.append(len(body))
-            elif any("GMMA" in op for op in body):
+            elif any(shortest_with in op for op in body):
                 spans.append(-len(body))
     return abs(max(spans, default=0))
 
@@ -389,9 +390,10 @@ def mxfp4_ws(args: argparse.Namespace) -> list[str]:
                 continue
             text, s, smem = result
             # W4A16: a consumer thread's K step, 64 rows x 128 columns of weights over its warp group's 128
-            # threads. W4A8: the transform's (the longest loop with no wgmma), 128 rows x 128 over 128 threads.
-            per_weight = (main_loop_instructions(text, shortest_mma_loop=True) / 64 if mma == "W4A16"
-                          else main_loop_instructions(text) / 128)
+            # threads. W4A8: the transform's (the shortest loop that stores to shared memory), 128 rows x 128
+            # over 128 threads.
+            per_weight = (main_loop_instructions(text, shortest_with="GMMA") / 64 if mma == "W4A16"
+                          else main_loop_instructions(text, shortest_with="STS") / 128)
             print(f"{mma:5s} {gemm:4d} {block_m:7d} {str(has_limit):>5s} {maxnreg:7d} {stages:6d} {smem:6d} "
                   f"{s['regs']:4d} {s['stack']:5d} {s['hgmma']:5d} {per_weight:11.2f}", flush=True)
             if s["stack"] or not s["hgmma"]:  # the register budget is tight: a spill is a bug

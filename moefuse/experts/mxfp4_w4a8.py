@@ -15,6 +15,13 @@ unpacks its own weights between its MMAs. Here the activations are quantized to 
 The unpacking is paid once per 128 tokens and its warps never wait for an MMA; GEMM1's 64 gate rows and 64 up
 rows of the same columns land in one consumer's accumulator, so SwiGLU needs no hand-over. GEMM1 writes the
 intermediate in bf16, which GEMM2's quantization pass reads.
+
+The programs are persistent, one an SM: each takes every num_programs-th work item (a tile's 128 rows times 128
+weight rows) and the ring runs on across them, so an item's first loads and unpacking overlap the previous item's
+last MMAs and its stores. Each item's row scales alternate between two buffers. On one H200 this took
+DeepSeek-V4-Flash's experts at 4,096 tokens from 2,998-3,052 to 2,889-2,898 µs (outputs bit-identical): with one
+program per item, a fixed cost of about 3 µs an item (fitted from GEMM1's 32 and GEMM2's 16 steps an item) was
+11% of GEMM1 and 20% of GEMM2 (docs/PERF-NOTES.md, tenth session).
 """
 from __future__ import annotations
 
@@ -106,77 +113,110 @@ if gluon is not None:
         shape=[BLOCK_N, BLOCK_K // 2])
 
     @gluon.jit
-    def _produce(w_desc, a_desc, w_smem, a_smem, ready, empty, w_row0, w_row1, a_row, k_steps,
-                 STAGES: gl.constexpr):
-        """Per step: the program's weight rows (two boxes of 64) and the tile's activation rows into slot
-        i % STAGES."""
-        half: gl.constexpr = _BN // 2
-        for i in range(k_steps):
-            s = i % STAGES
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first pass finds every slot free
-            mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes + a_desc.block_type.nbytes)
-            _tma_load(w_desc, [w_row0, i * (_BK // 2)], ready.index(s), w_smem.index(s).slice(0, half))
-            _tma_load(w_desc, [w_row1, i * (_BK // 2)], ready.index(s), w_smem.index(s).slice(half, half))
-            _tma_load(a_desc, [a_row, i * _BK], ready.index(s), a_smem.index(s))
+    def _item(item, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, GEMM1: gl.constexpr):
+        """Work item ``item``: its expert (-1: an unused tile, nothing to do), the first weight rows of its two
+        64-row boxes, its first activation row, its expert's end and its first output column."""
+        cols: gl.constexpr = _BN // 2 if GEMM1 else _BN
+        expert, col_block, row_start, row_end = _program(item, tile_expert_ptr, tile_row_start_ptr,
+                                                         expert_offsets_ptr, N, cols)
+        if GEMM1:
+            w_row0 = expert * 2 * N + col_block * cols  # gate rows; the up rows are N further
+            w_row1 = w_row0 + N
+        else:
+            w_row0 = expert * N + col_block * cols
+            w_row1 = w_row0 + _BN // 2
+        return expert, w_row0, w_row1, row_start, row_end, col_block * cols
 
     @gluon.jit
-    def _transform(w_smem, u_smem, f_smem, ready, unpacked, s_ptr, s_row0, s_row1, stride_sn, k_steps,
+    def _produce(w_desc, a_desc, w_smem, a_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
+                 expert_offsets_ptr, N, items, k_steps, GEMM1: gl.constexpr, STAGES: gl.constexpr):
+        """Per step of each of the program's items: the item's weight rows (two boxes of 64) and its tile's
+        activation rows into the next slot of the ring (``step`` counts the program's steps)."""
+        half: gl.constexpr = _BN // 2
+        step = 0
+        for item in range(gl.program_id(0), items, gl.num_programs(0)):
+            expert, w_row0, w_row1, a_row, _, _ = _item(item, tile_expert_ptr, tile_row_start_ptr,
+                                                         expert_offsets_ptr, N, GEMM1)
+            if expert >= 0:
+                for i in range(k_steps):
+                    s = step % STAGES
+                    mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)  # the first pass finds them free
+                    mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes + a_desc.block_type.nbytes)
+                    _tma_load(w_desc, [w_row0, i * (_BK // 2)], ready.index(s), w_smem.index(s).slice(0, half))
+                    _tma_load(w_desc, [w_row1, i * (_BK // 2)], ready.index(s), w_smem.index(s).slice(half, half))
+                    _tma_load(a_desc, [a_row, i * _BK], ready.index(s), a_smem.index(s))
+                    step += 1
+
+    @gluon.jit
+    def _transform(w_smem, u_smem, f_smem, f_free, ready, unpacked, s_ptr, stride_sn, tile_expert_ptr,
+                   tile_row_start_ptr, expert_offsets_ptr, N, items, k_steps, GEMM1: gl.constexpr,
                    STAGES: gl.constexpr):
-        """Per step: the words of slot s unpacked into the e4m3 tile ``u_smem[s]`` [128 rows, 128] (K in order).
-        A row's groups are scaled by 2^(e - base), base = max(the row's largest exponent - 6, 1), which puts its
-        largest at 2^6 (e4m3 up to 384); 2^(base - 127), the row's scale, goes to ``f_smem`` once."""
+        """Per step: the words of the step's slot unpacked into its e4m3 tile ``u_smem`` [128 rows, 128] (K in
+        order). A row's groups are scaled by 2^(e - base), base = max(the row's largest exponent - 6, 1), which
+        puts its largest at 2^6 (e4m3 up to 384); 2^(base - 127), the row's scale, goes to ``f_smem`` once an
+        item, alternating between two buffers (``f_free``: both consumers have read the item two before's)."""
         RL: gl.constexpr = ROW_LAYOUT
         rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, RL))
-        s_rows = gl.where(rows < _BN // 2, s_row0 + rows, s_row1 + rows - _BN // 2)
-        s_ptrs = s_ptr + s_rows.to(gl.int64) * stride_sn
-        top = gl.zeros([_BN], gl.int32, gl.SliceLayout(1, RL))
-        for i in range(k_steps):  # the row's largest exponent, over all its groups
-            word = gl.load(s_ptrs + i)
-            top = gl.maximum(top, gl.maximum(gl.maximum(word & 0xFF, (word >> 8) & 0xFF),
-                                             gl.maximum((word >> 16) & 0xFF, (word >> 24) & 0xFF)))
-        base = gl.expand_dims(gl.maximum(top - 6, 1), 1)
-        f_smem.store((gl.maximum(top - 6, 1) << 23).to(gl.float32, bitcast=True))
-        cols = gl.arange(0, _BK // 2, layout=gl.SliceLayout(0, RL))
-        shift = gl.expand_dims((cols // 16) * 8, 0)  # byte c of a row's step is in group c / 16
-        exponents = gl.load(s_ptrs)
-        for i in range(k_steps):
-            s = i % STAGES
-            d = ((gl.expand_dims(exponents, 1) >> shift) & 0xFF) - base
-            exponents = gl.load(s_ptrs + gl.minimum(i + 1, k_steps - 1))  # the next step's, while this one runs
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            codes = w_smem.index(s).load(RL)
-            lo, hi = gl.inline_asm_elementwise(_E4M3, "=r,=r,r,r,r,r,r", [codes, d], dtype=(gl.float8e4nv,) * 2,
-                                               is_pure=True, pack=4)
-            # Byte i of word w is weight 8w + i (lo) or 8w + 4 + i (hi): into K order.
-            w = gl.join(lo, hi).reshape(_BN, _BK // 8, 4, 2).permute(0, 1, 3, 2).reshape(_BN, _BK)
-            u_smem.index(s).store(w)
-            fence_async_shared()  # the wgmmas read the tile through the async proxy
-            # The words of slot s were read before this arrival, and the consumers free the slot only after it.
-            mbarrier.arrive(unpacked.index(s))
+        byte = gl.arange(0, _BK // 2, layout=gl.SliceLayout(0, RL))
+        shift = gl.expand_dims((byte // 16) * 8, 0)  # byte c of a row's step is in group c / 16
+        step = 0
+        done = 0  # the program's items so far
+        for item in range(gl.program_id(0), items, gl.num_programs(0)):
+            expert, s_row0, s_row1, _, _, _ = _item(item, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                                                    N, GEMM1)
+            if expert >= 0:
+                s_rows = gl.where(rows < _BN // 2, s_row0 + rows, s_row1 + rows - _BN // 2)
+                s_ptrs = s_ptr + s_rows.to(gl.int64) * stride_sn
+                top = gl.zeros([_BN], gl.int32, gl.SliceLayout(1, RL))
+                for i in range(k_steps):  # the row's largest exponent, over all its groups
+                    word = gl.load(s_ptrs + i)
+                    top = gl.maximum(top, gl.maximum(gl.maximum(word & 0xFF, (word >> 8) & 0xFF),
+                                                     gl.maximum((word >> 16) & 0xFF, (word >> 24) & 0xFF)))
+                base = gl.expand_dims(gl.maximum(top - 6, 1), 1)
+                mbarrier.wait(f_free.index(done % 2), ((done // 2) & 1) ^ 1)
+                f_smem.index(done % 2).store((gl.maximum(top - 6, 1) << 23).to(gl.float32, bitcast=True))
+                exponents = gl.load(s_ptrs)
+                for i in range(k_steps):
+                    s = step % STAGES
+                    d = ((gl.expand_dims(exponents, 1) >> shift) & 0xFF) - base
+                    exponents = gl.load(s_ptrs + gl.minimum(i + 1, k_steps - 1))  # the next step's, meanwhile
+                    mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+                    codes = w_smem.index(s).load(RL)
+                    lo, hi = gl.inline_asm_elementwise(_E4M3, "=r,=r,r,r,r,r,r", [codes, d],
+                                                       dtype=(gl.float8e4nv,) * 2, is_pure=True, pack=4)
+                    # Byte i of word w is weight 8w + i (lo) or 8w + 4 + i (hi): into K order.
+                    w = gl.join(lo, hi).reshape(_BN, _BK // 8, 4, 2).permute(0, 1, 3, 2).reshape(_BN, _BK)
+                    u_smem.index(s).store(w)
+                    fence_async_shared()  # the wgmmas read the tile through the async proxy
+                    # The slot's words were read before this arrival, and the consumers free it only after it.
+                    mbarrier.arrive(unpacked.index(s))
+                    step += 1
+                done += 1
 
     @gluon.jit
-    def _consume(a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, stride_am, stride_ag, row0, num_rows,
-                 k_steps, PART: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr):
-        """Consumer ``PART``'s 64 activation rows (from ``row0``) times the program's 128 weight rows: ``acc``
-        [64, 128], each step's product (a fresh accumulator) added times the rows' activation scales of the step,
-        and the columns' (weight rows') scales applied at the end."""
+    def _consume(a_smem, u_smem, ready, unpacked, empty, as_ptr, stride_am, stride_ag, row0, num_rows, k_steps,
+                 step, PART: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr):
+        """Consumer ``PART``'s 64 activation rows (from ``row0``) times the item's 128 weight rows: ``acc``
+        [64, 128], each step's product (a fresh accumulator) added times the rows' activation scales of the step.
+        Returns it and the program's step count after the item."""
         m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
         as_ptrs = as_ptr + gl.minimum(m, num_rows - 1).to(gl.int64) * stride_am  # rows past the plan: never stored
         part_rows: gl.constexpr = 64
         acc = gl.zeros([part_rows, _BN], gl.float32, MMA)
         next_scale = gl.load(as_ptrs)
         for i in range(k_steps):
-            s = i % STAGES
+            s = step % STAGES
             a_scale = next_scale
             next_scale = gl.load(as_ptrs + gl.minimum(i + 1, k_steps - 1) * stride_ag)
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            mbarrier.wait(unpacked.index(s), (i // STAGES) & 1)
+            mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+            mbarrier.wait(unpacked.index(s), (step // STAGES) & 1)
             a = a_smem.index(s).slice(PART * part_rows, part_rows)  # this consumer's half of the tile
             part = warpgroup_mma(a, u_smem.index(s).permute((1, 0)), acc, use_acc=False, is_async=True)
             part = warpgroup_mma_wait(0, deps=[part])
             mbarrier.arrive(empty.index(s))
             acc += part * gl.expand_dims(a_scale, 1)
-        return acc * gl.expand_dims(f_smem.load(gl.SliceLayout(0, MMA)), 0)  # written before step 0's tile
+            step += 1
+        return acc, step
 
     @gluon.jit
     def _store(values, out_ptr, row0, row_end, col0, stride_om):
@@ -187,69 +227,75 @@ if gluon is not None:
         gl.store(ptrs, values.to(gl.bfloat16), mask=gl.expand_dims(m < row_end, 1) & gl.expand_dims(n >= 0, 0))
 
     @gluon.jit
-    def _consumer(a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, out_ptr, stride_am, stride_ag, stride_om,
-                  row_start, row_end, col0, num_rows, k_steps, limit, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                  PART: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr):
-        """Consumer ``PART``: its 64 rows of GEMM2's output, or of GEMM1's intermediate, SwiGLU of the
+    def _consumer(a_smem, u_smem, f_smem, f_free, ready, unpacked, empty, as_ptr, out_ptr, stride_am, stride_ag,
+                  stride_om, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, items, num_rows, k_steps,
+                  limit, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, PART: gl.constexpr, STAGES: gl.constexpr,
+                  MMA: gl.constexpr):
+        """Consumer ``PART``, per item: its 64 rows of GEMM2's output, or of GEMM1's intermediate, SwiGLU of the
         accumulator's gate half (columns 0..63) and up half (64..127) as ``kernel._swiglu``."""
-        row0 = row_start + PART * 64
-        acc = _consume(a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, stride_am, stride_ag, row0, num_rows,
-                       k_steps, PART, STAGES, MMA)
-        if GEMM1:
-            gate, up = acc.reshape(64, 2, _BN // 2).permute(0, 2, 1).split()
-            if HAS_LIMIT:  # DeepSeek-V4's clamp; NaN stays NaN, as torch.clamp keeps it
-                gate = gl.where(gate > limit, limit, gate)
-                up = gl.where(up > limit, limit, gl.where(up < -limit, -limit, up))
-            _store(gate * (1.0 / (1.0 + gl.exp(-gate))) * up, out_ptr, row0, row_end, col0, stride_om)
-        else:
-            _store(acc, out_ptr, row0, row_end, col0, stride_om)
+        step = 0
+        done = 0
+        for item in range(gl.program_id(0), items, gl.num_programs(0)):
+            expert, _, _, row_start, row_end, col0 = _item(item, tile_expert_ptr, tile_row_start_ptr,
+                                                           expert_offsets_ptr, N, GEMM1)
+            if expert >= 0:
+                row0 = row_start + PART * 64
+                acc, step = _consume(a_smem, u_smem, ready, unpacked, empty, as_ptr, stride_am, stride_ag, row0,
+                                     num_rows, k_steps, step, PART, STAGES, MMA)
+                # The weight rows' scales, written before the item's first tile was unpacked.
+                f = f_smem.index(done % 2).load(gl.SliceLayout(0, MMA))
+                mbarrier.arrive(f_free.index(done % 2))
+                acc = acc * gl.expand_dims(f, 0)
+                if GEMM1:
+                    gate, up = acc.reshape(64, 2, _BN // 2).permute(0, 2, 1).split()
+                    if HAS_LIMIT:  # DeepSeek-V4's clamp; NaN stays NaN, as torch.clamp keeps it
+                        gate = gl.where(gate > limit, limit, gate)
+                        up = gl.where(up > limit, limit, gl.where(up < -limit, -limit, up))
+                    _store(gate * (1.0 / (1.0 + gl.exp(-gate))) * up, out_ptr, row0, row_end, col0, stride_om)
+                else:
+                    _store(acc, out_ptr, row0, row_end, col0, stride_om)
+                done += 1
 
     @gluon.jit
     def _w4a8_kernel(w_desc, a_desc, s_ptr, as_ptr, out_ptr, tile_expert_ptr, tile_row_start_ptr,
-                     expert_offsets_ptr, N, K, num_rows, stride_sn, stride_am, stride_ag, stride_om, limit,
+                     expert_offsets_ptr, N, K, items, num_rows, stride_sn, stride_am, stride_ag, stride_om, limit,
                      GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr,
                      PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        """GEMM1 (``GEMM1``: out = intermediate [rows, N], SwiGLU of the gate rows n and up rows N + n, 64 columns a
-        program; K = H) or GEMM2 (out [rows, N], 128 columns a program; K = I), on the quantized activation rows
-        (``a_desc``, scales ``as_ptr`` [rows, K/128]) of a 128-row tile."""
-        cols: gl.constexpr = _BN // 2 if GEMM1 else _BN
-        expert, col_block, row_start, row_end = _program(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-                                                         N, cols)
-        if expert >= 0:
-            MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                          instr_shape=[16, _BN, 32])
-            w_smem = gl.allocate_shared_memory(gl.int8, [STAGES, _BN, _BK // 2], w_desc.layout)
-            a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, _BK], a_desc.layout)
-            u_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BN, _BK], gl.float8e4nv)
-            u_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _BN, _BK], u_layout)
-            f_smem = gl.allocate_shared_memory(gl.float32, [_BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            unpacked = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for s in gl.static_range(STAGES):
-                mbarrier.init(ready.index(s), count=1)
-                mbarrier.init(unpacked.index(s), count=1)
-                mbarrier.init(empty.index(s), count=2)  # both consumers, once their wgmmas have read the slot
-            if GEMM1:
-                w_row0 = expert * 2 * N + col_block * cols  # gate rows; the up rows are N further
-                w_row1 = w_row0 + N
-            else:
-                w_row0 = expert * N + col_block * cols
-                w_row1 = w_row0 + _BN // 2
-            k_steps = K // _BK
-            col0 = col_block * cols
-            gl.warp_specialize([
-                (_transform, (w_smem, u_smem, f_smem, ready, unpacked, s_ptr, w_row0, w_row1, stride_sn, k_steps,
-                              STAGES)),
-                (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, w_row0, w_row1, row_start, k_steps,
-                            STAGES)),
-                (_consumer, (a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, out_ptr, stride_am, stride_ag,
-                             stride_om, row_start, row_end, col0, num_rows, k_steps, limit, GEMM1, HAS_LIMIT, 0,
-                             STAGES, MMA)),
-                (_consumer, (a_smem, u_smem, f_smem, ready, unpacked, empty, as_ptr, out_ptr, stride_am, stride_ag,
-                             stride_om, row_start, row_end, col0, num_rows, k_steps, limit, GEMM1, HAS_LIMIT, 1,
-                             STAGES, MMA)),
-            ], [1, 4, 4], [PRODUCER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+        """GEMM1 (``GEMM1``: out = intermediate [rows, N], SwiGLU of the gate rows n and up rows N + n, 64 columns an
+        item; K = H) or GEMM2 (out [rows, N], 128 columns an item; K = I), on the quantized activation rows
+        (``a_desc``, scales ``as_ptr`` [rows, K/128]) of 128-row tiles. Persistent: the program takes items
+        ``program_id, program_id + num_programs, ...`` of the ``items`` = tiles x column blocks, and its ring runs
+        on across them, so one item's first loads and unpacking overlap the previous item's last MMAs and stores."""
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, _BN, 32])
+        w_smem = gl.allocate_shared_memory(gl.int8, [STAGES, _BN, _BK // 2], w_desc.layout)
+        a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, _BK], a_desc.layout)
+        u_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BN, _BK], gl.float8e4nv)
+        u_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _BN, _BK], u_layout)
+        f_smem = gl.allocate_shared_memory(gl.float32, [2, _BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        unpacked = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        f_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(unpacked.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)  # both consumers, once their wgmmas have read the slot
+        for s in gl.static_range(2):
+            mbarrier.init(f_free.index(s), count=2)  # both consumers, once they have read the scales
+        k_steps = K // _BK
+        gl.warp_specialize([
+            (_transform, (w_smem, u_smem, f_smem, f_free, ready, unpacked, s_ptr, stride_sn, tile_expert_ptr,
+                          tile_row_start_ptr, expert_offsets_ptr, N, items, k_steps, GEMM1, STAGES)),
+            (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
+                        expert_offsets_ptr, N, items, k_steps, GEMM1, STAGES)),
+            (_consumer, (a_smem, u_smem, f_smem, f_free, ready, unpacked, empty, as_ptr, out_ptr, stride_am, stride_ag,
+                         stride_om, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, items, num_rows,
+                         k_steps, limit, GEMM1, HAS_LIMIT, 0, STAGES, MMA)),
+            (_consumer, (a_smem, u_smem, f_smem, f_free, ready, unpacked, empty, as_ptr, out_ptr, stride_am, stride_ag,
+                         stride_om, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, items, num_rows,
+                         k_steps, limit, GEMM1, HAS_LIMIT, 1, STAGES, MMA)),
+        ], [1, 4, 4], [PRODUCER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
 
 def chosen(num_tokens: int, block_m: int, hidden_size: int, width: int) -> bool:
@@ -287,6 +333,7 @@ def experts_mxfp4_w4a8(
     w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N // 2, BLOCK_K // 2], gl.int8)
     a_layout = gl.NVMMASharedLayout.get_default_for([plan.block_m, BLOCK_K], gl.float8e4nv)
     inter = torch.empty(plan.num_rows, width, dtype=hidden.dtype, device=hidden.device)
+    programs = torch.cuda.get_device_properties(hidden.device).multi_processor_count  # one an SM (shared memory)
     for gemm1, weight, source, dest, n, k in ((True, gate_up, hidden, inter, width, hidden_size),
                                               (False, down, inter, out, hidden_size, width)):
         rows, row_scales = _quantized(source, plan, gather=gemm1)
@@ -295,9 +342,9 @@ def experts_mxfp4_w4a8(
                                               [BLOCK_N // 2, BLOCK_K // 2], w_layout)
         a_desc = TensorDescriptor.from_tensor(rows, [plan.block_m, BLOCK_K], a_layout)
         exponents = _exponent_words(weight.scales)  # one word a row and step
-        cols = BLOCK_N // 2 if gemm1 else BLOCK_N
-        _w4a8_kernel[(num_tiles * (n // cols),)](
+        items = num_tiles * (n // (BLOCK_N // 2 if gemm1 else BLOCK_N))
+        _w4a8_kernel[(min(items, programs),)](
             w_desc, a_desc, exponents, row_scales, dest, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
-            n, k, plan.num_rows, exponents.stride(0), row_scales.stride(0), row_scales.stride(1), dest.stride(0),
+            n, k, items, plan.num_rows, exponents.stride(0), row_scales.stride(0), row_scales.stride(1), dest.stride(0),
             0.0 if swiglu_limit is None else float(swiglu_limit), GEMM1=gemm1, HAS_LIMIT=swiglu_limit is not None,
             **consts)

@@ -178,8 +178,9 @@ if gluon is not None:
         _store(act, out_ptr, row_start, row_end, col0, stride_om, True, BLOCK_M, MMA)
 
     @gluon.jit
-    def _program(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, BN: gl.constexpr):
-        pid = gl.program_id(0)
+    def _program(pid, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, BN: gl.constexpr):
+        """Work item ``pid``: tile ``pid // (N / BN)`` of the plan, column block ``pid % (N / BN)``; its expert
+        (-1: an unused tile), its first row and its expert's end."""
         col_blocks = N // BN
         tile = pid // col_blocks
         expert = gl.load(tile_expert_ptr + tile)
@@ -205,8 +206,8 @@ if gluon is not None:
                          CONSUMER_REGS: gl.constexpr):
         """intermediate[rows, paired(n)] = SwiGLU(x @ gate[e, n]^T, x @ up[e, n]^T) for 64 columns n a program.
         N = I, K = H; ``a_desc`` reads the gathered, paired activation rows."""
-        expert, col_block, row_start, row_end = _program(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-                                                         N, _ROWS)
+        expert, col_block, row_start, row_end = _program(gl.program_id(0), tile_expert_ptr, tile_row_start_ptr,
+                                                         expert_offsets_ptr, N, _ROWS)
         if expert >= 0:
             MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                           instr_shape=[16, BLOCK_M, 16])
@@ -233,8 +234,8 @@ if gluon is not None:
                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """out[rows, n] = intermediate[rows] @ down[e, n]^T for 128 columns n a program. N = H, K = I; the
         intermediate in the paired K order (GEMM1 wrote it so)."""
-        expert, col_block, row_start, row_end = _program(tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-                                                         N, 2 * _ROWS)
+        expert, col_block, row_start, row_end = _program(gl.program_id(0), tile_expert_ptr, tile_row_start_ptr,
+                                                         expert_offsets_ptr, N, 2 * _ROWS)
         if expert >= 0:
             MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                           instr_shape=[16, BLOCK_M, 16])

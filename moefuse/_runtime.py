@@ -56,9 +56,23 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def capability(device: torch.device) -> tuple[int, int]:
     """Compute capability of CUDA ``device`` (read once per device: the driver query costs microseconds)."""
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+    return _capability(_index(device))
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of CUDA ``device`` (read once per device, as :func:`capability`)."""
+    return _sm_count(_index(device))
 
 
 def pdl_enabled(enable_pdl: bool | None, device: torch.device) -> bool:

@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from .. import _runtime
 from ..dispatch import DispatchPlan
 from ..formats import MXFP4
 from .fp8 import quantize_rows_into
@@ -333,7 +334,7 @@ def experts_mxfp4_w4a8(
     w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N // 2, BLOCK_K // 2], gl.int8)
     a_layout = gl.NVMMASharedLayout.get_default_for([plan.block_m, BLOCK_K], gl.float8e4nv)
     inter = torch.empty(plan.num_rows, width, dtype=hidden.dtype, device=hidden.device)
-    programs = torch.cuda.get_device_properties(hidden.device).multi_processor_count  # one an SM (shared memory)
+    programs = _runtime.sm_count(hidden.device)  # one an SM (shared memory)
     for gemm1, weight, source, dest, n, k in ((True, gate_up, hidden, inter, width, hidden_size),
                                               (False, down, inter, out, hidden_size, width)):
         rows, row_scales = _quantized(source, plan, gather=gemm1)

@@ -300,7 +300,9 @@ def compile_mxfp4_w4a8_gemm(gemm: int, block_m: int, has_limit: bool):
     a_layout = gl.NVMMASharedLayout.get_default_for(a_box, gl.float8e4nv)
     types = {"w_desc": f"tensordesc<i8[{w_box[0]}, {w_box[1]}],{w_layout!r}>",
              "a_desc": f"tensordesc<fp8e4nv[{a_box[0]}, {a_box[1]}],{a_layout!r}>",
-             "s_ptr": "*i32", "as_ptr": "*fp32", "out_ptr": "*bf16", "limit": "fp32"}
+             "s_ptr": "*i32", "as_ptr": "*fp32", "limit": "fp32",
+             # GEMM1 writes the intermediate quantized (values, scales); GEMM2 passes its output twice
+             "out_ptr": "*fp8e4nv" if gemm == 1 else "*bf16", "os_ptr": "*fp32" if gemm == 1 else "*bf16"}
     return compile_gluon(fn, types, constexprs, shape.maxnreg)
 
 

@@ -2,7 +2,8 @@
 
 At prefill the W4A16 kernels (``mxfp4_ws.py``) run their MMAs in bf16, at half the fp8 rate, and each consumer
 unpacks its own weights between its MMAs. Here the activations are quantized to e4m3 per token and 128 columns
-(SPEC §5, one pass per GEMM), the weights are converted to e4m3 exactly, and a program splits the work three ways:
+(SPEC §5: GEMM1's by a pass over the gathered rows, GEMM2's by GEMM1's consumers), the weights are converted to
+e4m3 exactly, and a program splits the work three ways:
 
 - a producer warp streams, per 128-deep step, the packed words of the program's 128 weight rows and the tile's
   activation rows (TMA) into a ring of slots;
@@ -13,12 +14,16 @@ unpacks its own weights between its MMAs. Here the activations are quantized to 
   columns' step scales: the fp32 promotion every 128 products of SPEC §5.
 
 The unpacking is paid once per 128 tokens and its warps never wait for an MMA; GEMM1's 64 gate rows and 64 up
-rows of the same columns land in one consumer's accumulator, so SwiGLU needs no hand-over. GEMM1 writes the
-intermediate in bf16, which GEMM2's quantization pass reads.
+rows of the same columns land in one consumer's accumulator, so SwiGLU needs no hand-over. GEMM1's items come in
+pairs, the two 64-column halves of a 128-column block, taken one after the other by the same program: the first
+half's SwiGLU waits in shared memory (rounded to bf16), the second's consumer quantizes both and writes the e4m3
+intermediate and its scales, which GEMM2 reads as they are (bit for bit what a pass over the bf16 intermediate
+gives: 2,881-2,887 against 2,919-2,929 µs at 4,096 tokens with the pass, 5,576-5,615 against 5,608-5,609 at 8,192).
 
 The programs are persistent, one an SM: each takes every num_programs-th work item (a tile's 128 rows times 128
 weight rows) and the ring runs on across them, so an item's first loads and unpacking overlap the previous item's
-last MMAs and its stores. Each item's row scales alternate between two buffers. On one H200 this took
+last MMAs and its stores. Each item's row scales alternate between two buffers, and each partition derives its
+ring position from the items it has done. On one H200 this took
 DeepSeek-V4-Flash's experts at 4,096 tokens from 2,998-3,052 to 2,889-2,898 µs (outputs bit-identical): with one
 program per item, a fixed cost of about 3 µs an item (fitted from GEMM1's 32 and GEMM2's 16 steps an item) was
 11% of GEMM1 and 20% of GEMM2 (docs/PERF-NOTES.md, tenth session).
@@ -28,6 +33,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import triton.language as tl
 
 from .. import _runtime
 from ..dispatch import DispatchPlan
@@ -132,21 +138,24 @@ if gluon is not None:
     def _produce(w_desc, a_desc, w_smem, a_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
                  expert_offsets_ptr, N, items, k_steps, GEMM1: gl.constexpr, STAGES: gl.constexpr):
         """Per step of each of the program's items: the item's weight rows (two boxes of 64) and its tile's
-        activation rows into the next slot of the ring (``step`` counts the program's steps)."""
+        activation rows into the next slot of the ring (``step``: the program's steps so far)."""
         half: gl.constexpr = _BN // 2
-        step = 0
-        for item in range(gl.program_id(0), items, gl.num_programs(0)):
-            expert, w_row0, w_row1, a_row, _, _ = _item(item, tile_expert_ptr, tile_row_start_ptr,
-                                                         expert_offsets_ptr, N, GEMM1)
-            if expert >= 0:
-                for i in range(k_steps):
-                    s = step % STAGES
-                    mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)  # the first pass finds them free
-                    mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes + a_desc.block_type.nbytes)
-                    _tma_load(w_desc, [w_row0, i * (_BK // 2)], ready.index(s), w_smem.index(s).slice(0, half))
-                    _tma_load(w_desc, [w_row1, i * (_BK // 2)], ready.index(s), w_smem.index(s).slice(half, half))
-                    _tma_load(a_desc, [a_row, i * _BK], ready.index(s), a_smem.index(s))
-                    step += 1
+        G: gl.constexpr = 2 if GEMM1 else 1  # items in a row (GEMM1: pairs)
+        done = 0
+        for first in range(gl.program_id(0) * G, items, gl.num_programs(0) * G):
+            for item in range(first, first + G):
+                expert, w_row0, w_row1, a_row, _, _ = _item(item, tile_expert_ptr, tile_row_start_ptr,
+                                                             expert_offsets_ptr, N, GEMM1)
+                if expert >= 0:
+                    for i in range(k_steps):
+                        step = done * k_steps + i
+                        s = step % STAGES
+                        mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)  # the first pass finds them free
+                        mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes + a_desc.block_type.nbytes)
+                        _tma_load(w_desc, [w_row0, i * (_BK // 2)], ready.index(s), w_smem.index(s).slice(0, half))
+                        _tma_load(w_desc, [w_row1, i * (_BK // 2)], ready.index(s), w_smem.index(s).slice(half, half))
+                        _tma_load(a_desc, [a_row, i * _BK], ready.index(s), a_smem.index(s))
+                    done += 1
 
     @gluon.jit
     def _transform(w_smem, u_smem, f_smem, f_free, ready, unpacked, s_ptr, stride_sn, tile_expert_ptr,
@@ -160,52 +169,55 @@ if gluon is not None:
         rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, RL))
         byte = gl.arange(0, _BK // 2, layout=gl.SliceLayout(0, RL))
         shift = gl.expand_dims((byte // 16) * 8, 0)  # byte c of a row's step is in group c / 16
-        step = 0
+        G: gl.constexpr = 2 if GEMM1 else 1  # items in a row (GEMM1: pairs)
         done = 0  # the program's items so far
-        for item in range(gl.program_id(0), items, gl.num_programs(0)):
-            expert, s_row0, s_row1, _, _, _ = _item(item, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-                                                    N, GEMM1)
-            if expert >= 0:
-                s_rows = gl.where(rows < _BN // 2, s_row0 + rows, s_row1 + rows - _BN // 2)
-                s_ptrs = s_ptr + s_rows.to(gl.int64) * stride_sn
-                top = gl.zeros([_BN], gl.int32, gl.SliceLayout(1, RL))
-                for i in range(k_steps):  # the row's largest exponent, over all its groups
-                    word = gl.load(s_ptrs + i)
-                    top = gl.maximum(top, gl.maximum(gl.maximum(word & 0xFF, (word >> 8) & 0xFF),
-                                                     gl.maximum((word >> 16) & 0xFF, (word >> 24) & 0xFF)))
-                base = gl.expand_dims(gl.maximum(top - 6, 1), 1)
-                mbarrier.wait(f_free.index(done % 2), ((done // 2) & 1) ^ 1)
-                f_smem.index(done % 2).store((gl.maximum(top - 6, 1) << 23).to(gl.float32, bitcast=True))
-                exponents = gl.load(s_ptrs)
-                for i in range(k_steps):
-                    s = step % STAGES
-                    d = ((gl.expand_dims(exponents, 1) >> shift) & 0xFF) - base
-                    exponents = gl.load(s_ptrs + gl.minimum(i + 1, k_steps - 1))  # the next step's, meanwhile
-                    mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-                    codes = w_smem.index(s).load(RL)
-                    lo, hi = gl.inline_asm_elementwise(_E4M3, "=r,=r,r,r,r,r,r", [codes, d],
-                                                       dtype=(gl.float8e4nv,) * 2, is_pure=True, pack=4)
-                    # Byte i of word w is weight 8w + i (lo) or 8w + 4 + i (hi): into K order.
-                    w = gl.join(lo, hi).reshape(_BN, _BK // 8, 4, 2).permute(0, 1, 3, 2).reshape(_BN, _BK)
-                    u_smem.index(s).store(w)
-                    fence_async_shared()  # the wgmmas read the tile through the async proxy
-                    # The slot's words were read before this arrival, and the consumers free it only after it.
-                    mbarrier.arrive(unpacked.index(s))
-                    step += 1
-                done += 1
+        for first in range(gl.program_id(0) * G, items, gl.num_programs(0) * G):
+            for item in range(first, first + G):
+                expert, s_row0, s_row1, _, _, _ = _item(item, tile_expert_ptr, tile_row_start_ptr,
+                                                        expert_offsets_ptr, N, GEMM1)
+                if expert >= 0:
+                    s_rows = gl.where(rows < _BN // 2, s_row0 + rows, s_row1 + rows - _BN // 2)
+                    s_ptrs = s_ptr + s_rows.to(gl.int64) * stride_sn
+                    top = gl.zeros([_BN], gl.int32, gl.SliceLayout(1, RL))
+                    for i in range(k_steps):  # the row's largest exponent, over all its groups
+                        word = gl.load(s_ptrs + i)
+                        top = gl.maximum(top, gl.maximum(gl.maximum(word & 0xFF, (word >> 8) & 0xFF),
+                                                         gl.maximum((word >> 16) & 0xFF, (word >> 24) & 0xFF)))
+                    base = gl.expand_dims(gl.maximum(top - 6, 1), 1)
+                    mbarrier.wait(f_free.index(done % 2), ((done // 2) & 1) ^ 1)
+                    f_smem.index(done % 2).store((gl.maximum(top - 6, 1) << 23).to(gl.float32, bitcast=True))
+                    exponents = gl.load(s_ptrs)
+                    for i in range(k_steps):
+                        step = done * k_steps + i
+                        s = step % STAGES
+                        d = ((gl.expand_dims(exponents, 1) >> shift) & 0xFF) - base
+                        exponents = gl.load(s_ptrs + gl.minimum(i + 1, k_steps - 1))  # the next step's, meanwhile
+                        mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+                        codes = w_smem.index(s).load(RL)
+                        lo, hi = gl.inline_asm_elementwise(_E4M3, "=r,=r,r,r,r,r,r", [codes, d],
+                                                           dtype=(gl.float8e4nv,) * 2, is_pure=True, pack=4)
+                        # Byte i of word w is weight 8w + i (lo) or 8w + 4 + i (hi): into K order.
+                        w = gl.join(lo, hi).reshape(_BN, _BK // 8, 4, 2).permute(0, 1, 3, 2).reshape(_BN, _BK)
+                        u_smem.index(s).store(w)
+                        fence_async_shared()  # the wgmmas read the tile through the async proxy
+                        # The slot's words were read before this arrival, and the consumers free it only after it.
+                        mbarrier.arrive(unpacked.index(s))
+                    done += 1
 
     @gluon.jit
     def _consume(a_smem, u_smem, ready, unpacked, empty, as_ptr, stride_am, stride_ag, row0, num_rows, k_steps,
-                 step, PART: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr):
+                 first, PART: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr):
         """Consumer ``PART``'s 64 activation rows (from ``row0``) times the item's 128 weight rows: ``acc``
         [64, 128], each step's product (a fresh accumulator) added times the rows' activation scales of the step.
-        Returns it and the program's step count after the item."""
+        ``first``: the program's steps before this item (each partition derives its ring position from the items it
+        has done, so no count is carried through the item loop)."""
         m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
         as_ptrs = as_ptr + gl.minimum(m, num_rows - 1).to(gl.int64) * stride_am  # rows past the plan: never stored
         part_rows: gl.constexpr = 64
         acc = gl.zeros([part_rows, _BN], gl.float32, MMA)
         next_scale = gl.load(as_ptrs)
         for i in range(k_steps):
+            step = first + i
             s = step % STAGES
             a_scale = next_scale
             next_scale = gl.load(as_ptrs + gl.minimum(i + 1, k_steps - 1) * stride_ag)
@@ -216,50 +228,87 @@ if gluon is not None:
             part = warpgroup_mma_wait(0, deps=[part])
             mbarrier.arrive(empty.index(s))
             acc += part * gl.expand_dims(a_scale, 1)
-            step += 1
-        return acc, step
+        return acc
 
     @gluon.jit
     def _store(values, out_ptr, row0, row_end, col0, stride_om):
-        """``out[row0 + i, col0 + j] = values[i, j]`` in bf16 for the rows before ``row_end`` (the expert's)."""
+        """``out[row0 + i, col0 + j] = values[i, j]`` for the rows before ``row_end`` (the expert's)."""
         m = row0 + gl.arange(0, values.shape[0], layout=gl.SliceLayout(1, values.type.layout))
         n = col0 + gl.arange(0, values.shape[1], layout=gl.SliceLayout(0, values.type.layout))
         ptrs = out_ptr + gl.expand_dims(m.to(gl.int64) * stride_om, 1) + gl.expand_dims(n, 0)
-        gl.store(ptrs, values.to(gl.bfloat16), mask=gl.expand_dims(m < row_end, 1) & gl.expand_dims(n >= 0, 0))
+        gl.store(ptrs, values, mask=gl.expand_dims(m < row_end, 1) & gl.expand_dims(n >= 0, 0))
 
     @gluon.jit
-    def _consumer(a_smem, u_smem, f_smem, f_free, ready, unpacked, empty, as_ptr, out_ptr, stride_am, stride_ag,
-                  stride_om, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, items, num_rows, k_steps,
-                  limit, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, PART: gl.constexpr, STAGES: gl.constexpr,
-                  MMA: gl.constexpr):
-        """Consumer ``PART``, per item: its 64 rows of GEMM2's output, or of GEMM1's intermediate, SwiGLU of the
-        accumulator's gate half (columns 0..63) and up half (64..127) as ``kernel._swiglu``."""
-        step = 0
+    def _max_keeping_nan(a, b):
+        return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @gluon.jit
+    def _e4m3(y):
+        """fp32 within [-448, 448] after the clamp (NaN stays NaN: the hardware's min and max would drop it) -> e4m3,
+        rounded to nearest even."""
+        y = gl.maximum(y, -448.0, propagate_nan=tl.PropagateNan.ALL)
+        return gl.minimum(y, 448.0, propagate_nan=tl.PropagateNan.ALL).to(gl.float8e4nv)
+
+    @gluon.jit
+    def _store_quantized(left, right, q_ptr, qs_ptr, row0, row_end, col0, stride_qm, stride_qs):
+        """GEMM1's intermediate columns ``col0 ..`` + 128 of rows ``row0 ..`` (``left`` and ``right``: 64 columns
+        each, bf16) quantized as ``fp8._quantize`` does the pass over the stored intermediate (SPEC §5): the values
+        into ``q_ptr`` (e4m3), each row's scale into ``qs_ptr`` at group ``col0 / 128``."""
+        layout: gl.constexpr = left.type.layout
+        left, right = left.to(gl.float32), right.to(gl.float32)
+        amax = gl.maximum(gl.reduce(gl.abs(left), 1, _max_keeping_nan), gl.reduce(gl.abs(right), 1, _max_keeping_nan),
+                          propagate_nan=tl.PropagateNan.ALL)
+        inv = gl.expand_dims(gl.where(amax > 0, gl.div_rn(gl.full(amax.shape, 448.0, gl.float32, amax.type.layout),
+                                                          amax), 0.0), 1)
+        _store(_e4m3(left * inv), q_ptr, row0, row_end, col0, stride_qm)
+        _store(_e4m3(right * inv), q_ptr, row0, row_end, col0 + 64, stride_qm)
+        m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        scale = gl.div_rn(amax, gl.full(amax.shape, 448.0, gl.float32, amax.type.layout))
+        gl.store(qs_ptr + m.to(gl.int64) * stride_qs + col0 // 128, scale, mask=m < row_end)
+
+    @gluon.jit
+    def _consumer(a_smem, u_smem, f_smem, f_free, ready, unpacked, empty, halves, as_ptr, out_ptr, os_ptr,
+                  stride_am, stride_ag, stride_om, stride_os, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                  N, items, num_rows, k_steps, limit, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                  PART: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr):
+        """Consumer ``PART``, per item: its 64 rows of GEMM2's output (bf16), or of GEMM1's intermediate, SwiGLU of
+        the accumulator's gate half (columns 0..63) and up half (64..127) as ``kernel._swiglu``, rounded to bf16 and
+        quantized per 128 columns into ``out_ptr`` (e4m3) and ``os_ptr`` (scales): the first of an item pair's two
+        64-column halves waits in ``halves`` for the second."""
+        G: gl.constexpr = 2 if GEMM1 else 1  # items in a row (GEMM1: pairs)
         done = 0
-        for item in range(gl.program_id(0), items, gl.num_programs(0)):
-            expert, _, _, row_start, row_end, col0 = _item(item, tile_expert_ptr, tile_row_start_ptr,
-                                                           expert_offsets_ptr, N, GEMM1)
-            if expert >= 0:
-                row0 = row_start + PART * 64
-                acc, step = _consume(a_smem, u_smem, ready, unpacked, empty, as_ptr, stride_am, stride_ag, row0,
-                                     num_rows, k_steps, step, PART, STAGES, MMA)
-                # The weight rows' scales, written before the item's first tile was unpacked.
-                f = f_smem.index(done % 2).load(gl.SliceLayout(0, MMA))
-                mbarrier.arrive(f_free.index(done % 2))
-                acc = acc * gl.expand_dims(f, 0)
-                if GEMM1:
-                    gate, up = acc.reshape(64, 2, _BN // 2).permute(0, 2, 1).split()
-                    if HAS_LIMIT:  # DeepSeek-V4's clamp; NaN stays NaN, as torch.clamp keeps it
-                        gate = gl.where(gate > limit, limit, gate)
-                        up = gl.where(up > limit, limit, gl.where(up < -limit, -limit, up))
-                    _store(gate * (1.0 / (1.0 + gl.exp(-gate))) * up, out_ptr, row0, row_end, col0, stride_om)
-                else:
-                    _store(acc, out_ptr, row0, row_end, col0, stride_om)
-                done += 1
+        for first in range(gl.program_id(0) * G, items, gl.num_programs(0) * G):
+            for item in range(first, first + G):
+                expert, _, _, row_start, row_end, col0 = _item(item, tile_expert_ptr, tile_row_start_ptr,
+                                                               expert_offsets_ptr, N, GEMM1)
+                if expert >= 0:
+                    row0 = row_start + PART * 64
+                    acc = _consume(a_smem, u_smem, ready, unpacked, empty, as_ptr, stride_am, stride_ag, row0,
+                                   num_rows, k_steps, done * k_steps, PART, STAGES, MMA)
+                    # The weight rows' scales, written before the item's first tile was unpacked.
+                    f = f_smem.index(done % 2).load(gl.SliceLayout(0, MMA))
+                    mbarrier.arrive(f_free.index(done % 2))
+                    acc = acc * gl.expand_dims(f, 0)
+                    if GEMM1:
+                        gate, up = acc.reshape(64, 2, _BN // 2).permute(0, 2, 1).split()
+                        if HAS_LIMIT:  # DeepSeek-V4's clamp; NaN stays NaN, as torch.clamp keeps it
+                            gate = gl.where(gate > limit, limit, gate)
+                            up = gl.where(up > limit, limit, gl.where(up < -limit, -limit, up))
+                        act = (gate * (1.0 / (1.0 + gl.exp(-gate))) * up).to(gl.bfloat16)
+                        # Each thread reads back what it wrote, where it wrote it: no barrier.
+                        if item == first:
+                            halves.index(PART).store(act)
+                        else:
+                            _store_quantized(halves.index(PART).load(act.type.layout), act, out_ptr, os_ptr, row0,
+                                             row_end, col0 - 64, stride_om, stride_os)
+                    else:
+                        _store(acc.to(gl.bfloat16), out_ptr, row0, row_end, col0, stride_om)
+                    done += 1
 
     @gluon.jit
-    def _w4a8_kernel(w_desc, a_desc, s_ptr, as_ptr, out_ptr, tile_expert_ptr, tile_row_start_ptr,
-                     expert_offsets_ptr, N, K, items, num_rows, stride_sn, stride_am, stride_ag, stride_om, limit,
+    def _w4a8_kernel(w_desc, a_desc, s_ptr, as_ptr, out_ptr, os_ptr, tile_expert_ptr, tile_row_start_ptr,
+                     expert_offsets_ptr, N, K, items, num_rows, stride_sn, stride_am, stride_ag, stride_om, stride_os,
+                     limit,
                      GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr,
                      PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """GEMM1 (``GEMM1``: out = intermediate [rows, N], SwiGLU of the gate rows n and up rows N + n, 64 columns an
@@ -278,6 +327,7 @@ if gluon is not None:
         unpacked = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         f_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        halves = gl.allocate_shared_memory(gl.bfloat16, [2, 64, _BN // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(unpacked.index(s), count=1)
@@ -290,12 +340,12 @@ if gluon is not None:
                           tile_row_start_ptr, expert_offsets_ptr, N, items, k_steps, GEMM1, STAGES)),
             (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
                         expert_offsets_ptr, N, items, k_steps, GEMM1, STAGES)),
-            (_consumer, (a_smem, u_smem, f_smem, f_free, ready, unpacked, empty, as_ptr, out_ptr, stride_am, stride_ag,
-                         stride_om, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, items, num_rows,
-                         k_steps, limit, GEMM1, HAS_LIMIT, 0, STAGES, MMA)),
-            (_consumer, (a_smem, u_smem, f_smem, f_free, ready, unpacked, empty, as_ptr, out_ptr, stride_am, stride_ag,
-                         stride_om, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, items, num_rows,
-                         k_steps, limit, GEMM1, HAS_LIMIT, 1, STAGES, MMA)),
+            (_consumer, (a_smem, u_smem, f_smem, f_free, ready, unpacked, empty, halves, as_ptr, out_ptr, os_ptr,
+                         stride_am, stride_ag, stride_om, stride_os, tile_expert_ptr, tile_row_start_ptr,
+                         expert_offsets_ptr, N, items, num_rows, k_steps, limit, GEMM1, HAS_LIMIT, 0, STAGES, MMA)),
+            (_consumer, (a_smem, u_smem, f_smem, f_free, ready, unpacked, empty, halves, as_ptr, out_ptr, os_ptr,
+                         stride_am, stride_ag, stride_om, stride_os, tile_expert_ptr, tile_row_start_ptr,
+                         expert_offsets_ptr, N, items, num_rows, k_steps, limit, GEMM1, HAS_LIMIT, 1, STAGES, MMA)),
         ], [1, 4, 4], [PRODUCER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -306,14 +356,6 @@ def chosen(num_tokens: int, block_m: int, hidden_size: int, width: int) -> bool:
     return block_m in LAUNCH and num_tokens >= MIN_TOKENS and widths_fit(hidden_size, width)
 
 
-def _quantized(source: torch.Tensor, plan: DispatchPlan, gather: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    width = source.shape[1]
-    q = torch.empty(plan.num_rows, width, dtype=torch.float8_e4m3fn, device=source.device)
-    scales = torch.empty(plan.num_rows, width // BLOCK_K, dtype=torch.float32, device=source.device)
-    quantize_rows_into(source, q, scales, plan, gather=gather)
-    return q, scales
-
-
 def experts_mxfp4_w4a8(
     hidden: torch.Tensor,
     gate_up: MXFP4,
@@ -322,8 +364,8 @@ def experts_mxfp4_w4a8(
     out: torch.Tensor,
     swiglu_limit: Optional[float] = None,
 ) -> None:
-    """Quantize GEMM1's rows, GEMM1 + SwiGLU, quantize the intermediate, GEMM2, into ``out``. Call only where
-    :func:`chosen` and ``mxfp4_ws.ws_eligible`` hold."""
+    """Quantize GEMM1's rows, GEMM1 + SwiGLU (which quantizes the intermediate), GEMM2, into ``out``. Call only
+    where :func:`chosen` and ``mxfp4_ws.ws_eligible`` hold."""
     num_tiles = plan.tile_expert.numel()
     width, hidden_size = down.shape[2], hidden.shape[1]
     if num_tiles == 0:
@@ -333,19 +375,29 @@ def experts_mxfp4_w4a8(
               "num_warps": 4, "maxnreg": shape.maxnreg}
     w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N // 2, BLOCK_K // 2], gl.int8)
     a_layout = gl.NVMMASharedLayout.get_default_for([plan.block_m, BLOCK_K], gl.float8e4nv)
-    inter = torch.empty(plan.num_rows, width, dtype=hidden.dtype, device=hidden.device)
+    rows, row_scales = _quantized_rows(plan, hidden_size, hidden.device)
+    quantize_rows_into(hidden, rows, row_scales, plan, gather=True)
+    inter, inter_scales = _quantized_rows(plan, width, hidden.device)  # GEMM1 writes them
     programs = _runtime.sm_count(hidden.device)  # one an SM (shared memory)
-    for gemm1, weight, source, dest, n, k in ((True, gate_up, hidden, inter, width, hidden_size),
-                                              (False, down, inter, out, hidden_size, width)):
-        rows, row_scales = _quantized(source, plan, gather=gemm1)
+    for gemm1, weight, (source, source_scales), dest, dest_scales, n, k in (
+            (True, gate_up, (rows, row_scales), inter, inter_scales, width, hidden_size),
+            (False, down, (inter, inter_scales), out, out, hidden_size, width)):
         E, N, half_k = weight.values.shape
         w_desc = TensorDescriptor.from_tensor(weight.values.view(torch.int8).reshape(E * N, half_k),
                                               [BLOCK_N // 2, BLOCK_K // 2], w_layout)
-        a_desc = TensorDescriptor.from_tensor(rows, [plan.block_m, BLOCK_K], a_layout)
+        a_desc = TensorDescriptor.from_tensor(source, [plan.block_m, BLOCK_K], a_layout)
         exponents = _exponent_words(weight.scales)  # one word a row and step
         items = num_tiles * (n // (BLOCK_N // 2 if gemm1 else BLOCK_N))
-        _w4a8_kernel[(min(items, programs),)](
-            w_desc, a_desc, exponents, row_scales, dest, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
-            n, k, items, plan.num_rows, exponents.stride(0), row_scales.stride(0), row_scales.stride(1), dest.stride(0),
+        pairs = 2 if gemm1 else 1
+        _w4a8_kernel[(min(items // pairs, programs),)](
+            w_desc, a_desc, exponents, source_scales, dest, dest_scales, plan.tile_expert, plan.tile_row_start,
+            plan.expert_offsets, n, k, items, plan.num_rows, exponents.stride(0), source_scales.stride(0),
+            source_scales.stride(1), dest.stride(0), dest_scales.stride(0),
             0.0 if swiglu_limit is None else float(swiglu_limit), GEMM1=gemm1, HAS_LIMIT=swiglu_limit is not None,
             **consts)
+
+
+def _quantized_rows(plan: DispatchPlan, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for the plan's rows quantized per 128 columns (SPEC §5): e4m3 values and fp32 scales."""
+    return (torch.empty(plan.num_rows, width, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(plan.num_rows, width // BLOCK_K, dtype=torch.float32, device=device))

@@ -21,9 +21,9 @@ intermediate and its scales, which GEMM2 reads as they are (bit for bit what a p
 gives: 2,881-2,887 against 2,919-2,929 µs at 4,096 tokens with the pass, 5,576-5,615 against 5,608-5,609 at 8,192).
 
 The programs are persistent, one an SM: each takes every num_programs-th work item (a tile's 128 rows times 128
-weight rows) and the ring runs on across them, so an item's first loads and unpacking overlap the previous item's
-last MMAs and its stores. Each item's row scales alternate between two buffers, and each partition derives its
-ring position from the items it has done. On one H200 this took
+weight rows; GEMM1's in pairs) and the ring runs on across them, so an item's first loads and unpacking overlap
+the previous item's last MMAs and its stores. Each item's row scales alternate between two buffers, and each
+partition derives its ring position from the items it has done. On one H200 this took
 DeepSeek-V4-Flash's experts at 4,096 tokens from 2,998-3,052 to 2,889-2,898 µs (outputs bit-identical): with one
 program per item, a fixed cost of about 3 µs an item (fitted from GEMM1's 32 and GEMM2's 16 steps an item) was
 11% of GEMM1 and 20% of GEMM2 (docs/PERF-NOTES.md, tenth session).
@@ -311,11 +311,13 @@ if gluon is not None:
                      limit,
                      GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr,
                      PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        """GEMM1 (``GEMM1``: out = intermediate [rows, N], SwiGLU of the gate rows n and up rows N + n, 64 columns an
-        item; K = H) or GEMM2 (out [rows, N], 128 columns an item; K = I), on the quantized activation rows
-        (``a_desc``, scales ``as_ptr`` [rows, K/128]) of 128-row tiles. Persistent: the program takes items
-        ``program_id, program_id + num_programs, ...`` of the ``items`` = tiles x column blocks, and its ring runs
-        on across them, so one item's first loads and unpacking overlap the previous item's last MMAs and stores."""
+        """GEMM1 (``GEMM1``: out = the intermediate [rows, N] quantized, e4m3 values and ``os_ptr`` [rows, N/128]
+        scales, of SwiGLU of the gate rows n and up rows N + n, 64 columns an item; K = H) or GEMM2 (out [rows, N]
+        in bf16, 128 columns an item; K = I), on the quantized activation rows (``a_desc``, scales ``as_ptr``
+        [rows, K/128]) of 128-row tiles. Persistent: the program takes the ``items`` (tiles x column blocks) in
+        groups of G (GEMM1: 2, a 128-column block's halves; GEMM2: 1), groups ``program_id, program_id +
+        num_programs, ...``, and its ring runs on across them, so one item's first loads and unpacking overlap the
+        previous item's last MMAs and stores."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, _BN, 32])
         w_smem = gl.allocate_shared_memory(gl.int8, [STAGES, _BN, _BK // 2], w_desc.layout)

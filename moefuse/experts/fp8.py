@@ -146,6 +146,13 @@ def _quantize_rows_kernel(
         tl.store(s_ptr + rows.to(tl.int64) * stride_sm + k0 // 128 * stride_sg, scale, mask=row_ok)
 
 
+def quantized_rows(plan: DispatchPlan, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for the plan's rows of ``width`` columns quantized per 128 (SPEC §5): e4m3 values [num_rows, width] and
+    fp32 scales [num_rows, ceil(width / 128)]."""
+    return (torch.empty(plan.num_rows, width, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(plan.num_rows, triton.cdiv(width, BLOCK), dtype=torch.float32, device=device))
+
+
 def quantize_rows_into(source: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, plan: DispatchPlan, *,
                        gather: bool, use_pdl: bool = False) -> None:
     """Quantize the plan's valid rows (SPEC §5) into ``q`` [num_rows, W] (e4m3) and ``scales`` [num_rows, W/128]
@@ -310,16 +317,14 @@ def experts_fp8(
     if num_tiles == 0 or width == 0:
         return
     device = hidden.device
-    inter = torch.empty(plan.num_rows, width, dtype=torch.float8_e4m3fn, device=device)
-    inter_scales = torch.empty(plan.num_rows, triton.cdiv(width, BLOCK), dtype=torch.float32, device=device)
+    inter, inter_scales = quantized_rows(plan, width, device)
     emulate = _runtime.interpreting()
     launch = {"launch_pdl": True} if use_pdl else {}
     t1 = fp8_tiles(gemm1_tiles, plan.block_m, True, hidden.element_size())
     t2 = fp8_tiles(gemm2_tiles, plan.block_m, False, 1)
     prequantize = plan.num_rows >= FP8_PREQUANTIZE_MIN_ROWS
     if prequantize:
-        a = torch.empty(plan.num_rows, hidden_size, dtype=torch.float8_e4m3fn, device=device)
-        a_scales = torch.empty(plan.num_rows, triton.cdiv(hidden_size, BLOCK), dtype=torch.float32, device=device)
+        a, a_scales = quantized_rows(plan, hidden_size, device)
         quantize_rows_into(hidden, a, a_scales, plan, gather=True, use_pdl=use_pdl)
         a_desc = rows_descriptor(a, plan.block_m, t1.block_k)
     else:  # not read: GEMM1 quantizes the gathered rows itself

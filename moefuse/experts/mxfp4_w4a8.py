@@ -38,7 +38,7 @@ import triton.language as tl
 from .. import _runtime
 from ..dispatch import DispatchPlan
 from ..formats import MXFP4
-from .fp8 import quantize_rows_into
+from .fp8 import quantize_rows_into, quantized_rows
 from .mxfp4_ws import PRODUCER_REGS, Launch, _exponent_words, gluon, widths_fit
 
 if gluon is not None:
@@ -377,9 +377,9 @@ def experts_mxfp4_w4a8(
               "num_warps": 4, "maxnreg": shape.maxnreg}
     w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N // 2, BLOCK_K // 2], gl.int8)
     a_layout = gl.NVMMASharedLayout.get_default_for([plan.block_m, BLOCK_K], gl.float8e4nv)
-    rows, row_scales = _quantized_rows(plan, hidden_size, hidden.device)
+    rows, row_scales = quantized_rows(plan, hidden_size, hidden.device)
     quantize_rows_into(hidden, rows, row_scales, plan, gather=True)
-    inter, inter_scales = _quantized_rows(plan, width, hidden.device)  # GEMM1 writes them
+    inter, inter_scales = quantized_rows(plan, width, hidden.device)  # GEMM1 writes them
     programs = _runtime.sm_count(hidden.device)  # one an SM (shared memory)
     for gemm1, weight, (source, source_scales), dest, dest_scales, n, k in (
             (True, gate_up, (rows, row_scales), inter, inter_scales, width, hidden_size),
@@ -398,8 +398,3 @@ def experts_mxfp4_w4a8(
             0.0 if swiglu_limit is None else float(swiglu_limit), GEMM1=gemm1, HAS_LIMIT=swiglu_limit is not None,
             **consts)
 
-
-def _quantized_rows(plan: DispatchPlan, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Room for the plan's rows quantized per 128 columns (SPEC §5): e4m3 values and fp32 scales."""
-    return (torch.empty(plan.num_rows, width, dtype=torch.float8_e4m3fn, device=device),
-            torch.empty(plan.num_rows, width // BLOCK_K, dtype=torch.float32, device=device))

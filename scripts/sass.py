@@ -223,12 +223,13 @@ def compile_fp8_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_limi
         "EMULATE_RTNE": False, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
         "GROUP_M": tiles.group_m, "W_TMA": True, "USE_PDL": True, "A_TMA": gemm == 2 or prequantized,
         **{name: 1 for name in UNIT_STRIDES + ("stride_ak",) if name in fn.arg_names},
-        **({"HAS_LIMIT": has_limit, "A_QUANTIZED": prequantized, "UP_ALIGNED": True} if gemm == 1
+        **({"HAS_LIMIT": has_limit, "A_QUANTIZED": prequantized, "UP_ALIGNED": True, "SPLIT": 1} if gemm == 1
            else {"SWAP": block_m < experts_fp8.WGMMA_MIN_ROWS}),
     }
     rows = f"tensordesc<fp8e4nv[{block_m}, {tiles.block_k}]>"
     types = {"hidden_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*fp8e4nv", "inter_ptr": "*fp8e4nv",
-             "a_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "is_ptr": "*fp32", "as_ptr": "*fp32", "limit": "fp32",
+             "a_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "is_ptr": "*fp32", "as_ptr": "*fp32", "part_ptr": "*fp32",
+             "limit": "fp32",
              "a_desc": rows, "inter_desc": rows,
              "w_desc": f"tensordesc<fp8e4nv[{tiles.block_n}, {tiles.block_k}]>"}
     signature = {name: types.get(name, "*i32" if name.endswith("_ptr") else "i32")
@@ -293,7 +294,7 @@ def compile_mxfp4_w4a8_gemm(gemm: int, block_m: int, has_limit: bool):
 
     w4a8 = experts_mxfp4_w4a8
     fn, shape = w4a8._w4a8_kernel, w4a8.LAUNCH[block_m]
-    constexprs = {"GEMM1": gemm == 1, "HAS_LIMIT": has_limit, "STAGES": shape.stages,
+    constexprs = {"GEMM1": gemm == 1, "G": w4a8.item_group(gemm == 1), "HAS_LIMIT": has_limit, "STAGES": shape.stages,
                   "PRODUCER_REGS": experts_mxfp4_ws.PRODUCER_REGS, "CONSUMER_REGS": shape.consumer_regs}
     w_box, a_box = [w4a8.BLOCK_N // 2, w4a8.BLOCK_K // 2], [block_m, w4a8.BLOCK_K]
     w_layout = gl.NVMMASharedLayout.get_default_for(w_box, gl.int8)

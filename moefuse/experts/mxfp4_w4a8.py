@@ -80,8 +80,9 @@ def _e4m3_asm() -> str:
     A byte permute looks each code's magnitude up in an eight-entry table of e4m3 bytes (``E4M3_TABLE``) times 2^d:
     for -5 <= d <= 6 every entry but the zero is a normal whose exponent field is the d = 0 entry's plus d, so one
     multiply-add per half builds the table (every byte stays within 0x08..0x7C: no carries or borrows); a lower d
-    flushes the group (a zero table). Two more permutes, of the word and of the word shifted by 4, gather the signs
-    (bit 3 of each code) into bit 7 of each byte (``SIGN_SELECTORS``)."""
+    flushes the group (a zero table). A permute reads only its selector's low 16 bits, so one mask of the magnitudes
+    serves both halves (the high half shifted down). Two more permutes, of the word and of the word shifted by 4,
+    gather the signs (bit 3 of each code) into bit 7 of each byte (``SIGN_SELECTORS``)."""
     return f"""
 {{
 .reg .b32 t0, t1, q0, q1, w4, s0, s1;
@@ -91,9 +92,8 @@ mad.lo.s32 t1, $3, {E4M3_STEP[1]:#x}, {E4M3_TABLE[1]:#x};
 setp.lt.s32 flush, $3, {FLUSH_BELOW};
 selp.b32 t0, 0, t0, flush;
 selp.b32 t1, 0, t1, flush;
-and.b32 q0, $2, 0x7777;
-shr.b32 q1, $2, 16;
-and.b32 q1, q1, 0x7777;
+and.b32 q0, $2, 0x77777777;
+shr.b32 q1, q0, 16;
 prmt.b32 q0, t0, t1, q0;
 prmt.b32 q1, t0, t1, q1;
 shl.b32 w4, $2, 4;
@@ -120,6 +120,18 @@ if gluon is not None:
         shape=[BLOCK_N, BLOCK_K // 2])
 
     @gluon.jit
+    def _item_count(items, G: gl.constexpr):
+        """How many of the ``items`` this program takes: groups of G consecutive items (G divides ``items``), groups
+        ``program_id, program_id + num_programs, ...``."""
+        groups = gl.cdiv(items // G - gl.program_id(0), gl.num_programs(0))
+        return G * gl.maximum(groups, 0)
+
+    @gluon.jit
+    def _nth_item(n, G: gl.constexpr):
+        """The program's ``n``-th item (see ``_item_count``)."""
+        return (gl.program_id(0) + (n // G) * gl.num_programs(0)) * G + n % G
+
+    @gluon.jit
     def _item(item, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, GEMM1: gl.constexpr):
         """Work item ``item``: its expert (-1: an unused tile, nothing to do), the first weight rows of its two
         64-row boxes, its first activation row, its expert's end and its first output column."""
@@ -136,31 +148,29 @@ if gluon is not None:
 
     @gluon.jit
     def _produce(w_desc, a_desc, w_smem, a_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
-                 expert_offsets_ptr, N, items, k_steps, GEMM1: gl.constexpr, STAGES: gl.constexpr):
+                 expert_offsets_ptr, N, items, k_steps, GEMM1: gl.constexpr, G: gl.constexpr, STAGES: gl.constexpr):
         """Per step of each of the program's items: the item's weight rows (two boxes of 64) and its tile's
         activation rows into the next slot of the ring (``step``: the program's steps so far)."""
         half: gl.constexpr = _BN // 2
-        G: gl.constexpr = 2 if GEMM1 else 1  # items in a row (GEMM1: pairs)
         done = 0
-        for first in range(gl.program_id(0) * G, items, gl.num_programs(0) * G):
-            for item in range(first, first + G):
-                expert, w_row0, w_row1, a_row, _, _ = _item(item, tile_expert_ptr, tile_row_start_ptr,
-                                                             expert_offsets_ptr, N, GEMM1)
-                if expert >= 0:
-                    for i in range(k_steps):
-                        step = done * k_steps + i
-                        s = step % STAGES
-                        mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)  # the first pass finds them free
-                        mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes + a_desc.block_type.nbytes)
-                        _tma_load(w_desc, [w_row0, i * (_BK // 2)], ready.index(s), w_smem.index(s).slice(0, half))
-                        _tma_load(w_desc, [w_row1, i * (_BK // 2)], ready.index(s), w_smem.index(s).slice(half, half))
-                        _tma_load(a_desc, [a_row, i * _BK], ready.index(s), a_smem.index(s))
-                    done += 1
+        for n in range(_item_count(items, G)):
+            expert, w_row0, w_row1, a_row, _, _ = _item(_nth_item(n, G), tile_expert_ptr, tile_row_start_ptr,
+                                                         expert_offsets_ptr, N, GEMM1)
+            if expert >= 0:
+                for i in range(k_steps):
+                    step = done * k_steps + i
+                    s = step % STAGES
+                    mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)  # the first pass finds them free
+                    mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes + a_desc.block_type.nbytes)
+                    _tma_load(w_desc, [w_row0, i * (_BK // 2)], ready.index(s), w_smem.index(s).slice(0, half))
+                    _tma_load(w_desc, [w_row1, i * (_BK // 2)], ready.index(s), w_smem.index(s).slice(half, half))
+                    _tma_load(a_desc, [a_row, i * _BK], ready.index(s), a_smem.index(s))
+                done += 1
 
     @gluon.jit
     def _transform(w_smem, u_smem, f_smem, f_free, ready, unpacked, s_ptr, stride_sn, tile_expert_ptr,
                    tile_row_start_ptr, expert_offsets_ptr, N, items, k_steps, GEMM1: gl.constexpr,
-                   STAGES: gl.constexpr):
+                   G: gl.constexpr, STAGES: gl.constexpr):
         """Per step: the words of the step's slot unpacked into its e4m3 tile ``u_smem`` [128 rows, 128] (K in
         order). A row's groups are scaled by 2^(e - base), base = max(the row's largest exponent - 6, 1), which
         puts its largest at 2^6 (e4m3 up to 384); 2^(base - 127), the row's scale, goes to ``f_smem`` once an
@@ -169,40 +179,38 @@ if gluon is not None:
         rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, RL))
         byte = gl.arange(0, _BK // 2, layout=gl.SliceLayout(0, RL))
         shift = gl.expand_dims((byte // 16) * 8, 0)  # byte c of a row's step is in group c / 16
-        G: gl.constexpr = 2 if GEMM1 else 1  # items in a row (GEMM1: pairs)
         done = 0  # the program's items so far
-        for first in range(gl.program_id(0) * G, items, gl.num_programs(0) * G):
-            for item in range(first, first + G):
-                expert, s_row0, s_row1, _, _, _ = _item(item, tile_expert_ptr, tile_row_start_ptr,
-                                                        expert_offsets_ptr, N, GEMM1)
-                if expert >= 0:
-                    s_rows = gl.where(rows < _BN // 2, s_row0 + rows, s_row1 + rows - _BN // 2)
-                    s_ptrs = s_ptr + s_rows.to(gl.int64) * stride_sn
-                    top = gl.zeros([_BN], gl.int32, gl.SliceLayout(1, RL))
-                    for i in range(k_steps):  # the row's largest exponent, over all its groups
-                        word = gl.load(s_ptrs + i)
-                        top = gl.maximum(top, gl.maximum(gl.maximum(word & 0xFF, (word >> 8) & 0xFF),
-                                                         gl.maximum((word >> 16) & 0xFF, (word >> 24) & 0xFF)))
-                    base = gl.expand_dims(gl.maximum(top - 6, 1), 1)
-                    mbarrier.wait(f_free.index(done % 2), ((done // 2) & 1) ^ 1)
-                    f_smem.index(done % 2).store((gl.maximum(top - 6, 1) << 23).to(gl.float32, bitcast=True))
-                    exponents = gl.load(s_ptrs)
-                    for i in range(k_steps):
-                        step = done * k_steps + i
-                        s = step % STAGES
-                        d = ((gl.expand_dims(exponents, 1) >> shift) & 0xFF) - base
-                        exponents = gl.load(s_ptrs + gl.minimum(i + 1, k_steps - 1))  # the next step's, meanwhile
-                        mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-                        codes = w_smem.index(s).load(RL)
-                        lo, hi = gl.inline_asm_elementwise(_E4M3, "=r,=r,r,r,r,r,r", [codes, d],
-                                                           dtype=(gl.float8e4nv,) * 2, is_pure=True, pack=4)
-                        # Byte i of word w is weight 8w + i (lo) or 8w + 4 + i (hi): into K order.
-                        w = gl.join(lo, hi).reshape(_BN, _BK // 8, 4, 2).permute(0, 1, 3, 2).reshape(_BN, _BK)
-                        u_smem.index(s).store(w)
-                        fence_async_shared()  # the wgmmas read the tile through the async proxy
-                        # The slot's words were read before this arrival, and the consumers free it only after it.
-                        mbarrier.arrive(unpacked.index(s))
-                    done += 1
+        for n in range(_item_count(items, G)):
+            expert, s_row0, s_row1, _, _, _ = _item(_nth_item(n, G), tile_expert_ptr, tile_row_start_ptr,
+                                                    expert_offsets_ptr, N, GEMM1)
+            if expert >= 0:
+                s_rows = gl.where(rows < _BN // 2, s_row0 + rows, s_row1 + rows - _BN // 2)
+                s_ptrs = s_ptr + s_rows.to(gl.int64) * stride_sn
+                top = gl.zeros([_BN], gl.int32, gl.SliceLayout(1, RL))
+                for i in range(k_steps):  # the row's largest exponent, over all its groups
+                    word = gl.load(s_ptrs + i)
+                    top = gl.maximum(top, gl.maximum(gl.maximum(word & 0xFF, (word >> 8) & 0xFF),
+                                                     gl.maximum((word >> 16) & 0xFF, (word >> 24) & 0xFF)))
+                base = gl.expand_dims(gl.maximum(top - 6, 1), 1)
+                mbarrier.wait(f_free.index(done % 2), ((done // 2) & 1) ^ 1)
+                f_smem.index(done % 2).store((gl.maximum(top - 6, 1) << 23).to(gl.float32, bitcast=True))
+                exponents = gl.load(s_ptrs)
+                for i in range(k_steps):
+                    step = done * k_steps + i
+                    s = step % STAGES
+                    d = ((gl.expand_dims(exponents, 1) >> shift) & 0xFF) - base
+                    exponents = gl.load(s_ptrs + gl.minimum(i + 1, k_steps - 1))  # the next step's, meanwhile
+                    mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+                    codes = w_smem.index(s).load(RL)
+                    lo, hi = gl.inline_asm_elementwise(_E4M3, "=r,=r,r,r,r,r,r", [codes, d],
+                                                       dtype=(gl.float8e4nv,) * 2, is_pure=True, pack=4)
+                    # Byte i of word w is weight 8w + i (lo) or 8w + 4 + i (hi): into K order.
+                    w = gl.join(lo, hi).reshape(_BN, _BK // 8, 4, 2).permute(0, 1, 3, 2).reshape(_BN, _BK)
+                    u_smem.index(s).store(w)
+                    fence_async_shared()  # the wgmmas read the tile through the async proxy
+                    # The slot's words were read before this arrival, and the consumers free it only after it.
+                    mbarrier.arrive(unpacked.index(s))
+                done += 1
 
     @gluon.jit
     def _consume(a_smem, u_smem, ready, unpacked, empty, as_ptr, stride_am, stride_ag, row0, num_rows, k_steps,
@@ -269,55 +277,53 @@ if gluon is not None:
     @gluon.jit
     def _consumer(a_smem, u_smem, f_smem, f_free, ready, unpacked, empty, halves, as_ptr, out_ptr, os_ptr,
                   stride_am, stride_ag, stride_om, stride_os, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-                  N, items, num_rows, k_steps, limit, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                  PART: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr):
+                  N, items, num_rows, k_steps, limit, GEMM1: gl.constexpr, G: gl.constexpr,
+                  HAS_LIMIT: gl.constexpr, PART: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr):
         """Consumer ``PART``, per item: its 64 rows of GEMM2's output (bf16), or of GEMM1's intermediate, SwiGLU of
         the accumulator's gate half (columns 0..63) and up half (64..127) as ``kernel._swiglu``, rounded to bf16 and
         quantized per 128 columns into ``out_ptr`` (e4m3) and ``os_ptr`` (scales): the first of an item pair's two
         64-column halves waits in ``halves`` for the second."""
-        G: gl.constexpr = 2 if GEMM1 else 1  # items in a row (GEMM1: pairs)
         done = 0
-        for first in range(gl.program_id(0) * G, items, gl.num_programs(0) * G):
-            for item in range(first, first + G):
-                expert, _, _, row_start, row_end, col0 = _item(item, tile_expert_ptr, tile_row_start_ptr,
-                                                               expert_offsets_ptr, N, GEMM1)
-                if expert >= 0:
-                    row0 = row_start + PART * 64
-                    acc = _consume(a_smem, u_smem, ready, unpacked, empty, as_ptr, stride_am, stride_ag, row0,
-                                   num_rows, k_steps, done * k_steps, PART, STAGES, MMA)
-                    # The weight rows' scales, written before the item's first tile was unpacked.
-                    f = f_smem.index(done % 2).load(gl.SliceLayout(0, MMA))
-                    mbarrier.arrive(f_free.index(done % 2))
-                    acc = acc * gl.expand_dims(f, 0)
-                    if GEMM1:
-                        gate, up = acc.reshape(64, 2, _BN // 2).permute(0, 2, 1).split()
-                        if HAS_LIMIT:  # DeepSeek-V4's clamp; NaN stays NaN, as torch.clamp keeps it
-                            gate = gl.where(gate > limit, limit, gate)
-                            up = gl.where(up > limit, limit, gl.where(up < -limit, -limit, up))
-                        act = (gate * (1.0 / (1.0 + gl.exp(-gate))) * up).to(gl.bfloat16)
-                        # Each thread reads back what it wrote, where it wrote it: no barrier.
-                        if item == first:
-                            halves.index(PART).store(act)
-                        else:
-                            _store_quantized(halves.index(PART).load(act.type.layout), act, out_ptr, os_ptr, row0,
-                                             row_end, col0 - 64, stride_om, stride_os)
+        for n in range(_item_count(items, G)):
+            expert, _, _, row_start, row_end, col0 = _item(_nth_item(n, G), tile_expert_ptr, tile_row_start_ptr,
+                                                           expert_offsets_ptr, N, GEMM1)
+            if expert >= 0:
+                row0 = row_start + PART * 64
+                acc = _consume(a_smem, u_smem, ready, unpacked, empty, as_ptr, stride_am, stride_ag, row0,
+                               num_rows, k_steps, done * k_steps, PART, STAGES, MMA)
+                # The weight rows' scales, written before the item's first tile was unpacked.
+                f = f_smem.index(done % 2).load(gl.SliceLayout(0, MMA))
+                mbarrier.arrive(f_free.index(done % 2))
+                acc = acc * gl.expand_dims(f, 0)
+                if GEMM1:
+                    gate, up = acc.reshape(64, 2, _BN // 2).permute(0, 2, 1).split()
+                    if HAS_LIMIT:  # DeepSeek-V4's clamp; NaN stays NaN, as torch.clamp keeps it
+                        gate = gl.where(gate > limit, limit, gate)
+                        up = gl.where(up > limit, limit, gl.where(up < -limit, -limit, up))
+                    act = (gate * (1.0 / (1.0 + gl.exp(-gate))) * up).to(gl.bfloat16)
+                    # Each thread reads back what it wrote, where it wrote it: no barrier.
+                    if n % G == 0:
+                        halves.index(PART).store(act)
                     else:
-                        _store(acc.to(gl.bfloat16), out_ptr, row0, row_end, col0, stride_om)
-                    done += 1
+                        _store_quantized(halves.index(PART).load(act.type.layout), act, out_ptr, os_ptr, row0,
+                                         row_end, col0 - 64, stride_om, stride_os)
+                else:
+                    _store(acc.to(gl.bfloat16), out_ptr, row0, row_end, col0, stride_om)
+                done += 1
 
     @gluon.jit
     def _w4a8_kernel(w_desc, a_desc, s_ptr, as_ptr, out_ptr, os_ptr, tile_expert_ptr, tile_row_start_ptr,
                      expert_offsets_ptr, N, K, items, num_rows, stride_sn, stride_am, stride_ag, stride_om, stride_os,
                      limit,
-                     GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr,
+                     GEMM1: gl.constexpr, G: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr,
                      PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """GEMM1 (``GEMM1``: out = the intermediate [rows, N] quantized, e4m3 values and ``os_ptr`` [rows, N/128]
         scales, of SwiGLU of the gate rows n and up rows N + n, 64 columns an item; K = H) or GEMM2 (out [rows, N]
         in bf16, 128 columns an item; K = I), on the quantized activation rows (``a_desc``, scales ``as_ptr``
         [rows, K/128]) of 128-row tiles. Persistent: the program takes the ``items`` (tiles x column blocks) in
-        groups of G (GEMM1: 2, a 128-column block's halves; GEMM2: 1), groups ``program_id, program_id +
-        num_programs, ...``, and its ring runs on across them, so one item's first loads and unpacking overlap the
-        previous item's last MMAs and stores."""
+        groups of G consecutive ones (``item_group``), groups ``program_id, program_id + num_programs, ...``
+        (``_item_count``, ``_nth_item``), and its ring runs on across them, so one item's first loads and unpacking
+        overlap the previous item's last MMAs and stores."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, _BN, 32])
         w_smem = gl.allocate_shared_memory(gl.int8, [STAGES, _BN, _BK // 2], w_desc.layout)
@@ -339,16 +345,22 @@ if gluon is not None:
         k_steps = K // _BK
         gl.warp_specialize([
             (_transform, (w_smem, u_smem, f_smem, f_free, ready, unpacked, s_ptr, stride_sn, tile_expert_ptr,
-                          tile_row_start_ptr, expert_offsets_ptr, N, items, k_steps, GEMM1, STAGES)),
+                          tile_row_start_ptr, expert_offsets_ptr, N, items, k_steps, GEMM1, G, STAGES)),
             (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
-                        expert_offsets_ptr, N, items, k_steps, GEMM1, STAGES)),
+                        expert_offsets_ptr, N, items, k_steps, GEMM1, G, STAGES)),
             (_consumer, (a_smem, u_smem, f_smem, f_free, ready, unpacked, empty, halves, as_ptr, out_ptr, os_ptr,
                          stride_am, stride_ag, stride_om, stride_os, tile_expert_ptr, tile_row_start_ptr,
-                         expert_offsets_ptr, N, items, num_rows, k_steps, limit, GEMM1, HAS_LIMIT, 0, STAGES, MMA)),
+                         expert_offsets_ptr, N, items, num_rows, k_steps, limit, GEMM1, G, HAS_LIMIT, 0, STAGES, MMA)),
             (_consumer, (a_smem, u_smem, f_smem, f_free, ready, unpacked, empty, halves, as_ptr, out_ptr, os_ptr,
                          stride_am, stride_ag, stride_om, stride_os, tile_expert_ptr, tile_row_start_ptr,
-                         expert_offsets_ptr, N, items, num_rows, k_steps, limit, GEMM1, HAS_LIMIT, 1, STAGES, MMA)),
+                         expert_offsets_ptr, N, items, num_rows, k_steps, limit, GEMM1, G, HAS_LIMIT, 1, STAGES, MMA)),
         ], [1, 4, 4], [PRODUCER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+
+
+def item_group(gemm1: bool) -> int:
+    """How many consecutive work items a program takes together: GEMM1's come in pairs (the two 64-column halves
+    of a 128-column block of the intermediate, which the second quantizes whole), GEMM2's one by one."""
+    return 2 if gemm1 else 1
 
 
 def chosen(num_tokens: int, block_m: int, hidden_size: int, width: int) -> bool:
@@ -390,11 +402,11 @@ def experts_mxfp4_w4a8(
         a_desc = TensorDescriptor.from_tensor(source, [plan.block_m, BLOCK_K], a_layout)
         exponents = _exponent_words(weight.scales)  # one word a row and step
         items = num_tiles * (n // (BLOCK_N // 2 if gemm1 else BLOCK_N))
-        pairs = 2 if gemm1 else 1
-        _w4a8_kernel[(min(items // pairs, programs),)](
+        group = item_group(gemm1)
+        _w4a8_kernel[(min(items // group, programs),)](
             w_desc, a_desc, exponents, source_scales, dest, dest_scales, plan.tile_expert, plan.tile_row_start,
             plan.expert_offsets, n, k, items, plan.num_rows, exponents.stride(0), source_scales.stride(0),
             source_scales.stride(1), dest.stride(0), dest_scales.stride(0),
-            0.0 if swiglu_limit is None else float(swiglu_limit), GEMM1=gemm1, HAS_LIMIT=swiglu_limit is not None,
-            **consts)
+            0.0 if swiglu_limit is None else float(swiglu_limit), GEMM1=gemm1, G=group,
+            HAS_LIMIT=swiglu_limit is not None, **consts)
 

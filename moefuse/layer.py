@@ -620,17 +620,19 @@ class MoELayer(nn.Module):
         slot = self._shared_slot(x.shape[0], x.device, num_token_non_padded)
         if slot is not None:
             return self._forward_shared_slot(x, *slot)
-        # The shared expert forks first, so that it also overlaps the router linear and the router.
+        weights, ids = self.gate(x, num_token_non_padded, input_ids=input_ids)
+        # The shared expert forks after the router: forked first, its kernels took the SMs the router linear needed
+        # and delayed the routed chain (the MXFP4 DeepSeek-V4-Flash layer at one token: 73.3 against 65.9 µs on
+        # one H200; within noise or faster for the bf16 and fp8 layers measured, docs/PERF-NOTES.md).
         on_side_stream = x.is_cuda and self.shared_experts is not None and not torch.compiler.is_compiling()
         shared: torch.Tensor | None = None
         if on_side_stream:
             main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
-            side.wait_stream(main)  # x (and everything before it) is ready
+            side.wait_stream(main)  # x and the router (everything before it) are ready
             with torch.cuda.stream(side):
                 shared = self._shared(x)
         else:
             shared = self._shared(x) if self.shared_experts is not None else None
-        weights, ids = self.gate(x, num_token_non_padded, input_ids=input_ids)
         if self.supports_deferred_finalize:
             routed: torch.Tensor | DeferredFinalizeOutput = self.forward_deferred_finalize(x, weights, ids)
         else:

@@ -223,13 +223,12 @@ def compile_fp8_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_limi
         "EMULATE_RTNE": False, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
         "GROUP_M": tiles.group_m, "W_TMA": True, "USE_PDL": True, "A_TMA": gemm == 2 or prequantized,
         **{name: 1 for name in UNIT_STRIDES + ("stride_ak",) if name in fn.arg_names},
-        **({"HAS_LIMIT": has_limit, "A_QUANTIZED": prequantized, "UP_ALIGNED": True, "SPLIT": 1} if gemm == 1
+        **({"HAS_LIMIT": has_limit, "A_QUANTIZED": prequantized, "UP_ALIGNED": True} if gemm == 1
            else {"SWAP": block_m < experts_fp8.WGMMA_MIN_ROWS}),
     }
     rows = f"tensordesc<fp8e4nv[{block_m}, {tiles.block_k}]>"
     types = {"hidden_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*fp8e4nv", "inter_ptr": "*fp8e4nv",
-             "a_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "is_ptr": "*fp32", "as_ptr": "*fp32", "part_ptr": "*fp32",
-             "limit": "fp32",
+             "a_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "is_ptr": "*fp32", "as_ptr": "*fp32", "limit": "fp32",
              "a_desc": rows, "inter_desc": rows,
              "w_desc": f"tensordesc<fp8e4nv[{tiles.block_n}, {tiles.block_k}]>"}
     signature = {name: types.get(name, "*i32" if name.endswith("_ptr") else "i32")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moefuse.dispatch import moe_dispatch
-from moefuse.experts import GemmTiles, TileConfig, configs, fp8, moe_experts
+from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts
 from moefuse.experts.reference import moe_experts_fp8_torch
 from moefuse.formats import BlockFP8, dequantize_rows, quantize_rows, ue8m0_to_float
 from moefuse.testing import assert_rel_close, rms_rel_error
@@ -174,34 +174,6 @@ def test_tall_tiles(block_m, shape, gen, device):
         # wgmma's fp8 sums flip e4m3 roundings of the intermediate (SPEC §5): on an H200, up to 3e-2 max and
         # 6.3e-3 RMS on these inputs over 6 seeds; a wrong scale or row errs by O(1).
         _check(x, w1, w2, ids, block_m=block_m, limit=2.0, tol=5e-2, rms_tol=1e-2)
-
-
-def test_split_k_rule():
-    """GEMM1 splits K only where its programs would leave most SMs idle, in parts of at least two steps."""
-    assert fp8.split_k(16, 32) == 8  # DeepSeek-V4-Flash's shared expert at decode: 128 programs
-    assert fp8.split_k(32, 32) == 4
-    assert fp8.split_k(128, 56) == 1  # DeepSeek-V3's 8 routed experts at one token: already a wave
-    assert fp8.split_k(2, 1) == 1 and fp8.split_k(2, 3) == 1 and fp8.split_k(2, 5) == 2
-
-
-@pytest.mark.parametrize("M", [1, 5], ids=["one-token", "nan-token"])
-def test_split_gemm1_matches_float64(M, gen, device, monkeypatch):
-    """A lone expert with few programs: GEMM1 splits K (5 steps, the last partial, into parts of 3 and 2) and a
-    second kernel adds the parts, then SwiGLU (clamped) and the quantization; against float64, and against the
-    unsplit kernel (the parts' fp32 sums round differently, so close, not equal). A NaN stays in its token."""
-    x, w1, w2, ids = _inputs(gen, M, 1, 1, 520, 136, device=device)
-    if M > 1:
-        x[2, 300] = float("nan")
-    assert fp8.split_k(2, 5) == 2  # this shape's GEMM1: one tile, two column blocks
-    plan = _check(x, w1, w2, ids, limit=1.5)
-    split = torch.empty(plan.num_rows, x.shape[1], dtype=x.dtype, device=device)
-    moe_experts(x, w1, w2, plan, swiglu_limit=1.5, out=split, backend="triton")
-    monkeypatch.setattr(fp8, "split_k", lambda programs, k_steps: 1)
-    whole = torch.empty_like(split)
-    moe_experts(x, w1, w2, plan, swiglu_limit=1.5, out=whole, backend="triton")
-    n = int(plan.expert_offsets[-1])
-    assert torch.equal(split[:n].isnan(), whole[:n].isnan())
-    assert_rel_close(split[:n].nan_to_num(), whole[:n].nan_to_num(), 2e-2, "split against unsplit")
 
 
 def test_errors_name_the_argument(gen, device):

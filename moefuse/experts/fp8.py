@@ -22,9 +22,7 @@ What the peers run as separate kernels is fused here:
   against 5,931 µs at 4096 tokens (3,561 against 2,947 at 1024). The largest errors (3e-2 max on narrow test
   shapes, the same at 32, 64 and 128) come from e4m3 roundings of the intermediate that any non-fp32 sum flips.
 - **GEMM1's epilogue quantizes the intermediate**: SwiGLU (and the clamp) in fp32, then per row of the 128-column
-  tile the same quantization, written as e4m3 plus one scale per row. Where a lone expert at decode would run on
-  a few programs (``split_k``), GEMM1 splits K and ``_swiglu_quantize_kernel`` adds the parts and runs that
-  epilogue (SPEC §5, "Split GEMM1").
+  tile the same quantization, written as e4m3 plus one scale per row.
 
 Grid and tile order are the bf16 kernels' (``_program_tile``). BLOCK_K is 128 (one scale step); GEMM1's BLOCK_N
 is 128 (one intermediate scale group per tile row); GEMM2's BLOCK_N is at most 128, so a tile's columns lie in one
@@ -45,7 +43,7 @@ import triton.language as tl
 from .. import _runtime
 from ..dispatch import DispatchPlan
 from ..formats import BLOCK, BlockFP8
-from .configs import FP8_PREQUANTIZE_MIN_ROWS, NUM_SMS, SMEM_BUDGET, GemmTiles
+from .configs import FP8_PREQUANTIZE_MIN_ROWS, SMEM_BUDGET, GemmTiles
 from .kernel import _program_start, _round, _swiglu, _tile_span, rows_descriptor, weight_descriptor
 
 WGMMA_MIN_ROWS = 64  # GEMM2's shorter tiles swap their MMA's operands (``_add_scaled``)
@@ -172,23 +170,21 @@ def quantize_rows_into(source: torch.Tensor, q: torch.Tensor, scales: torch.Tens
 
 @triton.jit(do_not_specialize=["num_tiles"])
 def _gemm1_fp8_kernel(
-    hidden_ptr, a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, inter_ptr, is_ptr, part_ptr,
+    hidden_ptr, a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, inter_ptr, is_ptr,
     tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, p2e_ptr,
-    num_tiles, N, K, k_chunk, top_k, limit,
+    num_tiles, N, K, top_k, limit,
     stride_hm, stride_hk, stride_am, stride_ak, stride_asm, stride_asg,
     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-    stride_im, stride_in, stride_ism, stride_isg, stride_ps, stride_pm,
+    stride_im, stride_in, stride_ism, stride_isg,
     HAS_LIMIT: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr, A_QUANTIZED: tl.constexpr,
-    A_TMA: tl.constexpr, USE_PDL: tl.constexpr, UP_ALIGNED: tl.constexpr, SPLIT: tl.constexpr,
+    A_TMA: tl.constexpr, USE_PDL: tl.constexpr, UP_ALIGNED: tl.constexpr,
 ):
     """intermediate[rows, n] = quant(SwiGLU(deq(q(x)) @ deq(W)[e, n]^T, ... [e, N + n]^T)). N = I, K = H.
 
     ``UP_ALIGNED``: N is a multiple of 128, so the up tile's rows N + cols start a weight block as the gate tile's do.
     ``A_QUANTIZED``: the activations come quantized in the plan's row order (``a_ptr``/``a_desc``, scales
     ``as_ptr``, from ``_quantize_rows_kernel``); else they are gathered from ``hidden`` and quantized here.
-    ``SPLIT`` > 1: program (p, s) sums only K steps ``s·k_chunk ..`` and stores its gate and up sums (fp32) into
-    ``part_ptr`` [SPLIT, rows, 2N]; ``_swiglu_quantize_kernel`` adds them and finishes (``split_k``).
     """
     tile, col_block, expert = _program_start(num_tiles, N, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                                              BLOCK_M, BLOCK_N, GROUP_M, USE_PDL)
@@ -199,14 +195,7 @@ def _gemm1_fp8_kernel(
     tokens = (tl.load(p2e_ptr + a_rows) // top_k).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     w_expert = w_ptr + expert.to(tl.int64) * stride_we
-    if SPLIT > 1:
-        k_lo = tl.program_id(1) * k_chunk
-        k_hi = tl.minimum(K, k_lo + k_chunk)
-    else:
-        k_lo = 0
-        k_hi = K
-    gate_ptrs = (w_expert + wrapped[None, :].to(tl.int64) * stride_wn
-                 + (k_lo + ks)[:, None] * stride_wk)  # [BLOCK_K, BLOCK_N]
+    gate_ptrs = w_expert + wrapped[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
     up_ptrs = gate_ptrs + N * stride_wn
     gate_row = expert * 2 * N + col_block * BLOCK_N  # first weight row of the tile in the [E·2N, K] view
     # The weight-block scale of the tile's columns: one scalar per step for the gate tile (BLOCK_N is one block, and
@@ -219,7 +208,7 @@ def _gemm1_fp8_kernel(
         up_scale_ptrs = s_expert + ((N + wrapped) // 128) * stride_sn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         k_ok = ks < K - k0
         if A_QUANTIZED:
             a, a_scale = _load_rows(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, ks, k_ok, stride_am, stride_ak,
@@ -240,56 +229,12 @@ def _gemm1_fp8_kernel(
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
 
-    if SPLIT > 1:
-        part_ptrs = (part_ptr + tl.program_id(1) * stride_ps + rows.to(tl.int64)[:, None] * stride_pm
-                     + cols[None, :])
-        tl.store(part_ptrs, acc_gate, mask=row_ok[:, None] & col_ok[None, :])
-        tl.store(part_ptrs + N, acc_up, mask=row_ok[:, None] & col_ok[None, :])
-    else:
-        _finish_intermediate(acc_gate, acc_up, rows, row_ok, cols, col_ok, col_block, inter_ptr, is_ptr, limit,
-                             stride_im, stride_in, stride_ism, stride_isg, HAS_LIMIT, EMULATE_RTNE)
-
-
-@triton.jit
-def _finish_intermediate(gate, up, rows, row_ok, cols, col_ok, group, inter_ptr, is_ptr, limit,
-                         stride_im, stride_in, stride_ism, stride_isg, HAS_LIMIT: tl.constexpr,
-                         EMULATE_RTNE: tl.constexpr):
-    """GEMM1's epilogue on the fp32 sums of 128 columns (group ``group``): SwiGLU, quantized per row (SPEC §5),
-    values and scales stored for the rows ``row_ok``."""
-    act = _swiglu(gate, up, limit, HAS_LIMIT)
+    act = _swiglu(acc_gate, acc_up, limit, HAS_LIMIT)
     act = tl.where(col_ok[None, :], act, 0.0)  # a partial last group: its missing columns must not set the amax
     q, scale = _quantize(act, EMULATE_RTNE)
     out_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_in
     tl.store(out_ptrs, q, mask=row_ok[:, None] & col_ok[None, :])
-    tl.store(is_ptr + rows.to(tl.int64) * stride_ism + group * stride_isg, scale, mask=row_ok)
-
-
-@triton.jit(do_not_specialize=["num_rows"])
-def _swiglu_quantize_kernel(
-    part_ptr, inter_ptr, is_ptr, expert_offsets_ptr, num_experts, num_rows, N, limit,
-    stride_ps, stride_pm, stride_im, stride_in, stride_ism, stride_isg,
-    SPLIT: tl.constexpr, HAS_LIMIT: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_R: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """A split GEMM1's epilogue: gate and up = the SPLIT partial sums added in order (fp32), then as GEMM1's own
-    (``_finish_intermediate``), for the plan's valid rows and 128 columns a program."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # GEMM1's partial sums
-        tl.extra.cuda.gdc_launch_dependents()
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < tl.minimum(tl.load(expert_offsets_ptr + num_experts), num_rows)
-    group = tl.program_id(1)
-    cols = group * 128 + tl.arange(0, 128)
-    col_ok = cols < N
-    mask = row_ok[:, None] & col_ok[None, :]
-    ptrs = part_ptr + rows.to(tl.int64)[:, None] * stride_pm + cols[None, :]
-    gate = tl.load(ptrs, mask=mask, other=0.0)
-    up = tl.load(ptrs + N, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        gate += tl.load(ptrs + s * stride_ps, mask=mask, other=0.0)
-        up += tl.load(ptrs + s * stride_ps + N, mask=mask, other=0.0)
-    _finish_intermediate(gate, up, rows, row_ok, cols, col_ok, group, inter_ptr, is_ptr, limit,
-                         stride_im, stride_in, stride_ism, stride_isg, HAS_LIMIT, EMULATE_RTNE)
+    tl.store(is_ptr + rows.to(tl.int64) * stride_ism + col_block * stride_isg, scale, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["num_tiles"])
@@ -347,20 +292,6 @@ def fp8_tiles(tiles: GemmTiles, block_m: int, gemm1: bool, a_bytes: int) -> Gemm
     return GemmTiles(block_n, BLOCK, tiles.group_m, tiles.num_warps, stages)
 
 
-def split_k(programs: int, k_steps: int) -> int:
-    """How many parts GEMM1 splits K into where it quantizes its own activations (a few tokens): 1, unless its
-    programs would leave more than half the SMs idle (a lone expert, such as the fp8 shared expert beside
-    DeepSeek-V4's MXFP4 experts: 16 programs of 32 steps), then enough parts for about a program per SM, each of
-    at least two steps. Such a program is bound by its own instruction chain, not by memory: on one H200 the
-    DeepSeek-V4-Flash shared expert took 49.6 µs at one token unsplit and 24.2 split (its read floor is about
-    6). At 128 tokens (activations quantized before GEMM1) a split measured slower (53.7 against 52.1 µs), so
-    those never split. A pure function of the shapes, so a call's numerics never depend on the routing or the
-    GPU."""
-    if 2 * programs > NUM_SMS:
-        return 1
-    return max(1, min(k_steps // 2, NUM_SMS // max(programs, 1)))
-
-
 def experts_fp8(
     hidden: torch.Tensor,
     gate_up: BlockFP8,
@@ -399,35 +330,18 @@ def experts_fp8(
     else:  # not read: GEMM1 quantizes the gathered rows itself
         a, a_scales, a_desc = inter, inter_scales, None
     desc1 = weight_descriptor(gate_up.values, t1.block_n, t1.block_k)
-    programs1 = num_tiles * triton.cdiv(width, t1.block_n)
-    k_steps = triton.cdiv(hidden_size, t1.block_k)
-    split = 1 if prequantize else split_k(programs1, k_steps)
-    k_chunk = triton.cdiv(k_steps, split) * t1.block_k
-    split = triton.cdiv(hidden_size, k_chunk)  # no empty part
-    limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
-    part = (torch.empty(split, plan.num_rows, 2 * width, dtype=torch.float32, device=device) if split > 1
-            else inter_scales)  # not read unsplit
-    _gemm1_fp8_kernel[(programs1, split)](
+    _gemm1_fp8_kernel[(num_tiles * triton.cdiv(width, t1.block_n),)](
         hidden, a, a if a_desc is None else a_desc, a_scales,
-        gate_up.values, gate_up.values if desc1 is None else desc1, gate_up.scales, inter, inter_scales, part,
+        gate_up.values, gate_up.values if desc1 is None else desc1, gate_up.scales, inter, inter_scales,
         plan.tile_expert, plan.tile_row_start, plan.expert_offsets, plan.permuted_to_expanded,
-        num_tiles, width, hidden_size, k_chunk, plan.top_k, limit,
+        num_tiles, width, hidden_size, plan.top_k, 0.0 if swiglu_limit is None else float(swiglu_limit),
         hidden.stride(0), hidden.stride(1), *a.stride(), *a_scales.stride(),
         *gate_up.values.stride(), *gate_up.scales.stride(), *inter.stride(), *inter_scales.stride(),
-        part.stride(0), part.stride(1),
         HAS_LIMIT=swiglu_limit is not None, EMULATE_RTNE=emulate, BLOCK_M=plan.block_m, BLOCK_N=t1.block_n,
         BLOCK_K=t1.block_k, GROUP_M=t1.group_m, W_TMA=desc1 is not None,
         A_QUANTIZED=prequantize, A_TMA=a_desc is not None, USE_PDL=use_pdl,
-        UP_ALIGNED=width % BLOCK == 0, SPLIT=split, num_warps=t1.num_warps, num_stages=t1.num_stages, **launch,
+        UP_ALIGNED=width % BLOCK == 0, num_warps=t1.num_warps, num_stages=t1.num_stages, **launch,
     )
-    if split > 1:
-        block_r = 16
-        _swiglu_quantize_kernel[(triton.cdiv(plan.num_rows, block_r), triton.cdiv(width, BLOCK))](
-            part, inter, inter_scales, plan.expert_offsets, plan.num_experts, plan.num_rows, width, limit,
-            part.stride(0), part.stride(1), *inter.stride(), *inter_scales.stride(),
-            SPLIT=split, HAS_LIMIT=swiglu_limit is not None, EMULATE_RTNE=emulate, BLOCK_R=block_r,
-            USE_PDL=use_pdl, num_warps=4, **launch,
-        )
     desc2 = weight_descriptor(down.values, t2.block_n, t2.block_k)
     inter_desc = rows_descriptor(inter, plan.block_m, t2.block_k)
     _gemm2_fp8_kernel[(num_tiles * triton.cdiv(hidden_size, t2.block_n),)](

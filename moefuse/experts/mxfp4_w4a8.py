@@ -409,4 +409,3 @@ def experts_mxfp4_w4a8(
             source_scales.stride(1), dest.stride(0), dest_scales.stride(0),
             0.0 if swiglu_limit is None else float(swiglu_limit), GEMM1=gemm1, G=group,
             HAS_LIMIT=swiglu_limit is not None, **consts)
-

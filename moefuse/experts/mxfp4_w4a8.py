@@ -132,10 +132,12 @@ if gluon is not None:
         return (gl.program_id(0) + (n // G) * gl.num_programs(0)) * G + n % G
 
     @gluon.jit
-    def _item(item, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, GEMM1: gl.constexpr):
+    def _item(item, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, GEMM1: gl.constexpr,
+              G: gl.constexpr):
         """Work item ``item``: its expert (-1: an unused tile, nothing to do), the first weight rows of its two
-        64-row boxes, its first activation row, its expert's end and its first output column."""
-        cols: gl.constexpr = _BN // 2 if GEMM1 else _BN
+        64-row boxes, its first activation row, its expert's end and its first output column. A group of G items
+        covers 128 output columns."""
+        cols: gl.constexpr = _BN // G
         expert, col_block, row_start, row_end = _program(item, tile_expert_ptr, tile_row_start_ptr,
                                                          expert_offsets_ptr, N, cols)
         if GEMM1:
@@ -155,7 +157,7 @@ if gluon is not None:
         done = 0
         for n in range(_item_count(items, G)):
             expert, w_row0, w_row1, a_row, _, _ = _item(_nth_item(n, G), tile_expert_ptr, tile_row_start_ptr,
-                                                         expert_offsets_ptr, N, GEMM1)
+                                                         expert_offsets_ptr, N, GEMM1, G)
             if expert >= 0:
                 for i in range(k_steps):
                     step = done * k_steps + i
@@ -182,7 +184,7 @@ if gluon is not None:
         done = 0  # the program's items so far
         for n in range(_item_count(items, G)):
             expert, s_row0, s_row1, _, _, _ = _item(_nth_item(n, G), tile_expert_ptr, tile_row_start_ptr,
-                                                    expert_offsets_ptr, N, GEMM1)
+                                                    expert_offsets_ptr, N, GEMM1, G)
             if expert >= 0:
                 s_rows = gl.where(rows < _BN // 2, s_row0 + rows, s_row1 + rows - _BN // 2)
                 s_ptrs = s_ptr + s_rows.to(gl.int64) * stride_sn
@@ -286,7 +288,7 @@ if gluon is not None:
         done = 0
         for n in range(_item_count(items, G)):
             expert, _, _, row_start, row_end, col0 = _item(_nth_item(n, G), tile_expert_ptr, tile_row_start_ptr,
-                                                           expert_offsets_ptr, N, GEMM1)
+                                                           expert_offsets_ptr, N, GEMM1, G)
             if expert >= 0:
                 row0 = row_start + PART * 64
                 acc = _consume(a_smem, u_smem, ready, unpacked, empty, as_ptr, stride_am, stride_ag, row0,
@@ -335,6 +337,7 @@ if gluon is not None:
         unpacked = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         f_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        # Each consumer's first half of GEMM1's item pairs (GEMM2 never touches it: the compiler drops it there).
         halves = gl.allocate_shared_memory(gl.bfloat16, [2, 64, _BN // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
@@ -401,8 +404,8 @@ def experts_mxfp4_w4a8(
                                               [BLOCK_N // 2, BLOCK_K // 2], w_layout)
         a_desc = TensorDescriptor.from_tensor(source, [plan.block_m, BLOCK_K], a_layout)
         exponents = _exponent_words(weight.scales)  # one word a row and step
-        items = num_tiles * (n // (BLOCK_N // 2 if gemm1 else BLOCK_N))
         group = item_group(gemm1)
+        items = num_tiles * (n // BLOCK_N) * group
         _w4a8_kernel[(min(items // group, programs),)](
             w_desc, a_desc, exponents, source_scales, dest, dest_scales, plan.tile_expert, plan.tile_row_start,
             plan.expert_offsets, n, k, items, plan.num_rows, exponents.stride(0), source_scales.stride(0),

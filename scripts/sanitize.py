@@ -1,7 +1,10 @@
 """Every stage once at odd shapes, for ``compute-sanitizer --tool memcheck`` (``tests/test_gpu.py`` runs it).
 
 Shapes are chosen to hit the edges: widths that are not multiples of any tile, -1 slots, empty experts, a
-strided hidden state, 128-row tiles with short tails, the shared expert as a slot, and the layer's own graphs.
+strided hidden state, 128-row tiles with short tails, the shared expert as a slot, and the layer's own graphs;
+then the quantized experts (SPEC §5, §6): fp8 block-scale, MXFP4 on the Triton kernels (widths not multiples of 128) and
+on the warp-specialized Gluon kernels at every tile height they launch (sm_90; W4A8 from 512 tokens), and the fp8
+and MXFP4 layers with their fp8 shared experts.
 
     compute-sanitizer --tool memcheck python scripts/sanitize.py
 """
@@ -17,8 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moefuse import MoEConfig, MoELayer  # noqa: E402
 from moefuse.dispatch import moe_dispatch  # noqa: E402
-from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts  # noqa: E402
+from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts, mxfp4_ws  # noqa: E402
 from moefuse.finalize import moe_finalize_fuse_shared  # noqa: E402
+from moefuse.formats import MXFP4, BlockFP8, ExpertWeight, tile_dtype  # noqa: E402
+from moefuse.layer import Quant  # noqa: E402
 from moefuse.route import moe_fused_gate, router_logits  # noqa: E402
 
 
@@ -53,8 +58,48 @@ def main() -> None:
             layer.shared_slot_max_tokens = 16
             layer(h)
             layer.shared_slot_max_tokens = None
+    quantized()
     torch.cuda.synchronize()
     print("sanitize: every stage ran")
+
+
+def _ids(tokens: int, E: int, K: int) -> torch.Tensor:
+    """Top-K ids without repeats, every fifth token's second slot absent, expert 1 empty."""
+    ids = torch.rand(tokens, E - 1, device="cuda").argsort(dim=1)[:, :K].int()
+    ids = ids + (ids >= 1).int()
+    ids[::5, 1] = -1
+    return ids
+
+
+def quantized() -> None:
+    """The fp8 and MXFP4 experts and layers (which run only where their formats are given)."""
+    dev, bf16 = "cuda", torch.bfloat16
+    E, K = 10, 3
+    for H, I, tokens in ((200, 72, (7, 300)), (224, 96, (7, 300)), (256, 384, (1, 40, 300, 520))):
+        w1 = torch.randn(E, 2 * I, H, device=dev) * 0.05
+        w2 = torch.randn(E, H, I, device=dev) * 0.05
+        formats: list[tuple[ExpertWeight, ExpertWeight]] = [(BlockFP8.quantize(w1), BlockFP8.quantize(w2))]
+        if H % 32 == 0 and I % 32 == 0:
+            formats.append((MXFP4.quantize(w1), MXFP4.quantize(w2)))
+        for m in tokens:
+            x = torch.randn(m, H + 3, device=dev, dtype=bf16)[:, 1:1 + H]  # strided rows
+            ids = _ids(m, E, K)
+            for gate_up, down in formats:
+                # The Gluon kernels (whole 128-deep steps, sm_90) at every height they launch, W4A8 from 512 tokens.
+                gluon = isinstance(gate_up, MXFP4) and mxfp4_ws.widths_fit(H, I)
+                picked = configs.pick_block_m(m, E, H, I, K, tile_dtype(gate_up, bf16))
+                heights = sorted(mxfp4_ws.LAUNCH) if gluon and 40 <= m < 512 else [128] if gluon and m >= 512 \
+                    else [picked]
+                for block_m in heights:
+                    moe_experts(x, gate_up, down, moe_dispatch(ids, E, block_m), swiglu_limit=7.0)
+    layers: tuple[tuple[Quant, int, int], ...] = (("fp8", 200, 128), ("mxfp4", 256, 128))
+    for quant, H, I in layers:
+        config = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, num_shared_experts=1,
+                           routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", swiglu_limit=0.5)
+        layer = MoELayer(config, quant=quant, device=dev).init_random_(seed=1, std=0.1)
+        with torch.no_grad():
+            for n in (1, 7, 300):
+                layer(torch.randn(n, H, device=dev, dtype=bf16))
 
 
 if __name__ == "__main__":

@@ -304,18 +304,27 @@ def stack_gate_up(shared: nn.Module) -> None:
 def _stacked(base: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor | None:
     """``base`` [E, ...] extended by one expert over the same storage, when ``parts`` fill that expert exactly,
     one after the other (the shared expert as this layer allocates it); else None."""
+    if not _fill_next_expert(base, *parts):
+        return None
+    return base.as_strided((base.shape[0] + 1, *base.shape[1:]), base.stride())
+
+
+# Storage addresses cannot be traced: torch.compile takes this answer when it traces the forward (a weight replaced
+# later by tensors that do not lie so needs stack_gate_up, as in eager mode, where the check runs every call).
+@torch.compiler.assume_constant_result
+def _fill_next_expert(base: torch.Tensor, *parts: torch.Tensor) -> bool:
+    """Whether ``parts`` follow ``base`` [E, ...] in its storage, contiguous and of its dtype, and fill one more
+    expert of its shape exactly."""
     offset = base.numel()
     if not base.is_contiguous():
-        return None
+        return False
     for part in parts:
         if not (part.is_contiguous() and part.dtype == base.dtype
                 and part.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
                 and part.data_ptr() == base.data_ptr() + offset * base.element_size()):
-            return None
+            return False
         offset += part.numel()
-    if offset != base.numel() // base.shape[0] * (base.shape[0] + 1):
-        return None
-    return base.as_strided((base.shape[0] + 1, *base.shape[1:]), base.stride())
+    return offset == base.numel() // base.shape[0] * (base.shape[0] + 1)
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}

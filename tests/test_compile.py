@@ -1,5 +1,5 @@
-"""torch.compile(fullgraph=True) of a whole MoELayer forward: every op is a registered custom op with a fake
-implementation, so Dynamo traces the block without a graph break."""
+"""torch.compile(fullgraph=True) of a whole MoELayer forward (bf16, fp8 and MXFP4): every op is a registered custom
+op with a fake implementation, so Dynamo traces the block without a graph break."""
 
 from __future__ import annotations
 
@@ -23,6 +23,27 @@ def test_layer_compiles_without_graph_breaks(deferred, gen, monkeypatch):
         want = layer(x)
         got = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
     assert_rel_close(got, want, 1e-6)
+
+
+QUANTIZED = {  # the shared expert is fp8 block-scale in both, so I is a multiple of 128
+    "fp8": MoEConfig(hidden_size=128, intermediate_size=128, num_experts=6, top_k=2, num_shared_experts=1,
+                     routed_scaling_factor=1.5),
+    "mxfp4": MoEConfig(hidden_size=96, intermediate_size=128, num_experts=6, top_k=2, num_shared_experts=1,
+                       routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", swiglu_limit=0.5),
+}
+
+
+@pytest.mark.parametrize("quant", sorted(QUANTIZED))
+def test_quantized_layer_compiles_without_graph_breaks(quant, gen):
+    """The fp8 and MXFP4 layers too: the quantized experts are custom ops, and the fp8 shared expert's check that
+    its gate and up tensors share one storage is taken at trace time (addresses cannot be traced)."""
+    torch._dynamo.reset()
+    layer = MoELayer(QUANTIZED[quant], quant=quant, backend="reference").init_random_(7, std=0.1)
+    x = torch.randn(5, QUANTIZED[quant].hidden_size, generator=gen).bfloat16()
+    with torch.no_grad():
+        want = layer(x)
+        got = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(got, want)
 
 
 def test_dispatch_and_experts_ops_pass_opcheck(gen):

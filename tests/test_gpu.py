@@ -1,5 +1,6 @@
-"""GPU-only checks: CUDA-graph replay equals eager for every op and the layer, the layer's self-captured decode
-graphs (when they re-capture, that they stay correct, what they hold), and the stages under compute-sanitizer.
+"""GPU-only checks: CUDA-graph replay equals eager for every op and the layer (bf16, fp8, MXFP4), the layer's
+self-captured decode graphs (when they re-capture, that they stay correct, what they hold), and the stages under
+compute-sanitizer.
 
 Skipped on a machine without a GPU (CI): the interpreter has no CUDA graphs and no sanitizer.
 """
@@ -102,6 +103,34 @@ def test_layer_graph_equals_plain_path(M, gen):
         plain = _plain(layer, x)
     assert torch.equal(first, plain) and torch.equal(again, plain)
     assert_rel_close(first.float(), moe_layer_torch(layer, x, route_dtype=torch.float32), 1e-2)
+
+
+QUANTIZED = {  # H and I multiples of 128: on Hopper the MXFP4 experts run the Gluon kernels
+    "fp8": MoEConfig(hidden_size=128, intermediate_size=128, num_experts=6, top_k=2, num_shared_experts=1,
+                     routed_scaling_factor=1.5),
+    "mxfp4": MoEConfig(hidden_size=256, intermediate_size=128, num_experts=6, top_k=2, num_shared_experts=1,
+                       routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", swiglu_limit=0.5),
+}
+
+
+@pytest.mark.parametrize("quant", sorted(QUANTIZED))
+@pytest.mark.parametrize("M", [1, 5])
+def test_quantized_layer_graph_and_compile_equal_plain_path(quant, M, gen):
+    """The fp8 and MXFP4 layers (shared expert on the side stream): the layer's own decode graph, replayed, and
+    torch.compile(fullgraph=True) give the plain path's output bit for bit."""
+    config = QUANTIZED[quant]
+    layer = MoELayer(config, quant=quant, device="cuda").init_random_(int(torch.randint(1 << 30, (), generator=gen)),
+                                                                    std=0.1)
+    x = torch.randn(M, config.hidden_size, generator=gen).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        first = layer(x)  # captures
+        again = layer(x)  # replays
+        assert len(layer.graphs) == 1
+        plain = _plain(layer, x)
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(first, plain) and torch.equal(again, plain) and torch.equal(compiled, plain)
+    assert_rel_close(plain.float(), moe_layer_torch(layer, x, route_dtype=torch.float32), 1e-2)
 
 
 def test_layer_graph_output_is_not_overwritten_by_the_next_call(gen):

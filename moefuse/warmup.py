@@ -2,11 +2,12 @@
 
 Triton compiles a kernel the first time it sees a new combination of compile-time constants (tile shapes from the
 tile table, block sizes derived from the token count, ...). On the request path that is a stall of 0.1 to 2 s.
-Integer arguments that vary with the token count are marked ``do_not_specialize`` in every kernel, so a variant is
-decided by the launch-shape functions of the stages alone; :func:`launch_signature` collects them for one token
-count, and :func:`warmup` runs each layer once at the smallest token count of each distinct signature (never a
-full-size activation per bucket when a smaller batch compiles the same thing), and at every token count that the
-layer's self-captured decode graphs cover (``MoELayer.graph_max_tokens``), so those are captured too.
+Integer arguments that vary with the token count are marked ``do_not_specialize`` in every launched kernel
+(``tests/test_warmup.py`` checks it), so a variant is decided by the launch-shape functions of the stages alone;
+:func:`launch_signature` collects them for one token count, and :func:`warmup` runs each layer once at the smallest
+token count of each distinct signature (never a full-size activation per bucket when a smaller batch compiles the
+same thing), and at every token count that the layer's self-captured decode graphs cover
+(``MoELayer.graph_max_tokens``), so those are captured too.
 
 Triton keeps what it compiled on disk (``TRITON_CACHE_DIR``, default ``~/.triton/cache``): a later process loads
 instead of compiling, which :func:`warmup` then does in a fraction of the time. Ship that folder with a container

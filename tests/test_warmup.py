@@ -34,3 +34,45 @@ def test_cpu_layers_compile_nothing():
 def test_bad_max_tokens(bad):
     with pytest.raises(ValueError, match="max_tokens"):
         warmup(MoELayer(SMALL, dtype=torch.float32), bad)
+
+
+# Integer arguments whose value follows the token count (rows, tiles, work items, chunks). Triton specializes an
+# integer on being 1 or a multiple of 16, so one left specialized gives a token count a kernel variant that
+# warm-up, which runs one count per launch signature, may not have compiled: a compile on the request path.
+TOKEN_VARYING = {"M", "n_valid", "num_rows", "num_tiles", "num_chunks", "tiles_per_chunk", "items"}
+
+
+def _launched_kernels():
+    """Every Triton and Gluon kernel moefuse launches (``name[grid](...)`` in its module) as a ``JITFunction`` (under
+    the interpreter ``triton.jit`` gives an ``InterpretedFunction``: rebuilt from its function and arguments)."""
+    import importlib
+    import inspect
+    import pkgutil
+    import re
+
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    import moefuse
+
+    for info in pkgutil.walk_packages(moefuse.__path__, "moefuse."):
+        if info.name.endswith("__main__"):  # runs the CLI
+            continue
+        module = importlib.import_module(info.name)
+        source = inspect.getsource(module)
+        for name, obj in vars(module).items():
+            if isinstance(obj, InterpretedFunction):
+                obj = JITFunction(obj.fn, **obj.kwargs)
+            if (isinstance(obj, JITFunction) and obj.fn.__module__ == info.name
+                    and re.search(rf"\b{name}\[", source)):
+                yield f"{info.name}.{name}", obj
+
+
+def test_token_varying_integers_are_not_specialized():
+    """The W4A8 kernel's ``items`` and ``num_rows`` were left specialized (found 2026-12-02: 3,072 and 3,078 rows
+    gave two variants, offline with Triton's binder)."""
+    kernels = dict(_launched_kernels())
+    assert "moefuse.experts.mxfp4_w4a8._w4a8_kernel" in kernels and len(kernels) >= 15  # all stages
+    specialized = [f"{name}: {p.name}" for name, fn in kernels.items() for p in fn.params
+                   if p.name in TOKEN_VARYING and not p.is_constexpr and not p.do_not_specialize]
+    assert specialized == []

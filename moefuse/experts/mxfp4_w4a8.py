@@ -313,7 +313,7 @@ if gluon is not None:
                     _store(acc.to(gl.bfloat16), out_ptr, row0, row_end, col0, stride_om)
                 done += 1
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["items", "num_rows"])  # they vary with the token count: one variant for all
     def _w4a8_kernel(w_desc, a_desc, s_ptr, as_ptr, out_ptr, os_ptr, tile_expert_ptr, tile_row_start_ptr,
                      expert_offsets_ptr, N, K, items, num_rows, stride_sn, stride_am, stride_ag, stride_om, stride_os,
                      limit,

@@ -86,10 +86,10 @@ def quantized() -> None:
             ids = _ids(m, E, K)
             for gate_up, down in formats:
                 # The Gluon kernels (whole 128-deep steps, sm_90) at every height they launch, W4A8 from 512 tokens.
-                gluon = isinstance(gate_up, MXFP4) and mxfp4_ws.widths_fit(H, I)
-                picked = configs.pick_block_m(m, E, H, I, K, tile_dtype(gate_up, bf16))
-                heights = sorted(mxfp4_ws.LAUNCH) if gluon and 40 <= m < 512 else [128] if gluon and m >= 512 \
-                    else [picked]
+                if isinstance(gate_up, MXFP4) and mxfp4_ws.widths_fit(H, I) and m >= 40:
+                    heights = sorted(mxfp4_ws.LAUNCH) if m < 512 else [128]
+                else:
+                    heights = [configs.pick_block_m(m, E, H, I, K, tile_dtype(gate_up, bf16))]
                 for block_m in heights:
                     moe_experts(x, gate_up, down, moe_dispatch(ids, E, block_m), swiglu_limit=7.0)
     layers: tuple[tuple[Quant, int, int], ...] = (("fp8", 200, 128), ("mxfp4", 256, 128))

@@ -16,11 +16,11 @@ image (run the warm-up once while building it) and set ``TRITON_CACHE_DIR`` to i
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from moefuse.formats import tile_dtype
 from moefuse.layer import MoELayer
 from moefuse.route import kernel as gate_kernel
 from moefuse.route import linear
+
+if TYPE_CHECKING:
+    from triton.runtime.jit import JITFunction
 
 
 @dataclass
@@ -93,24 +96,42 @@ def token_counts(layer: MoELayer, max_tokens: int) -> list[int]:
     return sorted(seen.values())
 
 
-@contextlib.contextmanager
-def count_compilations() -> Iterator[list[str]]:
-    """Within the block, the names of the Triton kernels compiled (or loaded from the disk cache) are appended to
-    the yielded list, through Triton's ``jit_cache_hook`` (Triton 3.6 and later, as the project requires)."""
-    from triton import knobs
+class Compilations:
+    """The moefuse kernel variants compiled (or loaded from the disk cache) since it was made, read live:
+    ``len()`` counts them and iteration gives their names.
 
-    names: list[str] = []
-    previous = knobs.runtime.jit_cache_hook
+    It compares the size of each kernel's in-memory variant cache with its size at the start, instead of using
+    Triton's ``jit_cache_hook``: before calling that hook Triton serializes the variant's constants to JSON, which
+    fails on a Gluon kernel's layout constants (Triton 3.6 and 3.9), so a hook would break the first launch of every
+    Gluon kernel. Kernels of modules imported later count from zero. Under the interpreter nothing is compiled and
+    nothing is counted."""
 
-    def hook(*args, **kwargs):
-        names.append(getattr(kwargs.get("fn"), "name", "?"))
-        return previous(*args, **kwargs) if previous is not None else False
+    def __init__(self) -> None:
+        self._start = {fn: _variants(fn) for fn in _kernels()}
 
-    knobs.runtime.jit_cache_hook = hook
-    try:
-        yield names
-    finally:
-        knobs.runtime.jit_cache_hook = previous
+    def names(self) -> list[str]:
+        """One kernel name per new variant."""
+        return [fn.fn.__qualname__ for fn in _kernels() for _ in range(_variants(fn) - self._start.get(fn, 0))]
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+
+def _kernels() -> list[JITFunction]:
+    """The Triton and Gluon kernels defined in moefuse's imported modules."""
+    from triton.runtime.jit import JITFunction
+
+    return [obj for name, module in list(sys.modules.items())
+            if module is not None and (name == "moefuse" or name.startswith("moefuse."))
+            for obj in vars(module).values() if isinstance(obj, JITFunction) and obj.fn.__module__ == name]
+
+
+def _variants(fn: JITFunction) -> int:
+    """Variants of ``fn`` in memory, over all devices (``device_caches``: each device's first entry is its cache)."""
+    return sum(len(cache[0]) for cache in getattr(fn, "device_caches", {}).values())
 
 
 def _layers(module: nn.Module) -> list[MoELayer]:
@@ -137,30 +158,30 @@ def warmup(module: nn.Module, max_tokens: int = 4096, *, progress: bool = True) 
     layers = [m for m in _layers(module) if m.experts.gate_up_proj.is_cuda and m.backend != "reference"]
     report = WarmupReport(layers=len(layers))
     done: dict[tuple, list[int]] = {}
-    with count_compilations() as compiled:
-        for i, layer in enumerate(layers, 1):
-            layer.check_weights()  # what the forward does not check (MXFP4 exponents): before any request
-            weight = layer.experts.gate_up_proj
-            shape = (layer.config, weight.dtype, weight.device, layer.graphs.max_tokens, layer.shared_slot_max_tokens,
-                     layer.shared_slot_weights() is not None)
-            first_of_shape = shape not in done
-            if first_of_shape:
-                done[shape] = token_counts(layer, max_tokens)
-                report.token_counts += done[shape]
-                counts = done[shape]
-            else:  # kernels compiled already: only this layer's own decode graphs are left to capture
-                counts = [m for m in done[shape] if m <= layer.graphs.max_tokens]
-            for j, num_tokens in enumerate(counts, 1):
-                if progress and (j == len(counts) or j % 8 == 1):
-                    _progress(f"layer {i}/{len(layers)}: batch size {num_tokens} ({j}/{len(counts)}), "
-                              f"{len(compiled)} variants so far")
-                x = torch.randn(num_tokens, layer.config.hidden_size, device=weight.device,
-                                dtype=layer.activation_dtype)
-                layer(x, input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=weight.device))
-            if first_of_shape:
-                _prime_cublas(layer, max_tokens)
-            report.graphs += len(layer.graphs)
-            torch.cuda.synchronize(layer.experts.gate_up_proj.device)
+    compiled = Compilations()
+    for i, layer in enumerate(layers, 1):
+        layer.check_weights()  # what the forward does not check (MXFP4 exponents): before any request
+        weight = layer.experts.gate_up_proj
+        shape = (layer.config, weight.dtype, weight.device, layer.graphs.max_tokens, layer.shared_slot_max_tokens,
+                 layer.shared_slot_weights() is not None)
+        first_of_shape = shape not in done
+        if first_of_shape:
+            done[shape] = token_counts(layer, max_tokens)
+            report.token_counts += done[shape]
+            counts = done[shape]
+        else:  # kernels compiled already: only this layer's own decode graphs are left to capture
+            counts = [m for m in done[shape] if m <= layer.graphs.max_tokens]
+        for j, num_tokens in enumerate(counts, 1):
+            if progress and (j == len(counts) or j % 8 == 1):
+                _progress(f"layer {i}/{len(layers)}: batch size {num_tokens} ({j}/{len(counts)}), "
+                          f"{len(compiled)} variants so far")
+            x = torch.randn(num_tokens, layer.config.hidden_size, device=weight.device,
+                            dtype=layer.activation_dtype)
+            layer(x, input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=weight.device))
+        if first_of_shape:
+            _prime_cublas(layer, max_tokens)
+        report.graphs += len(layer.graphs)
+        torch.cuda.synchronize(layer.experts.gate_up_proj.device)
     report.compiled = len(compiled)
     report.seconds = time.perf_counter() - start
     if progress:

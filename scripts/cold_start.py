@@ -1,15 +1,16 @@
 """Cold start on a GPU: first call vs warm call before and after ``moefuse.warmup``, and what warm-up costs.
 
-Each measurement runs in a fresh Python process with its own Triton cache folder (``TRITON_CACHE_DIR``):
+Per weight format (``--formats``: bf16 and fp8 on DeepSeek-V3, MXFP4 on DeepSeek-V4-Flash unless ``--preset``
+names one), each measurement runs in a fresh Python process with its own Triton cache folder (``TRITON_CACHE_DIR``):
 
 1. fresh cache, no warm-up: a full-size layer's first call at each token count vs a warm call at it;
 2. fresh cache: ``warmup(layer, max_tokens)`` (seconds, variants), then the same first-vs-warm calls;
 3. the cache that (2) left on disk, a new process: the warm-up again (what a container with a shipped cache pays);
-4. with ``--all-presets``: warm-up of every preset on a fresh cache (variants, seconds).
+4. with ``--all-presets``: warm-up of every preset in that format on a fresh cache (variants, seconds).
 
-Writes ``results/cold_start.json`` and ``results/COLD_START.md``.
+Writes ``results/cold_start.json`` and ``results/COLD_START.md``; the formats not run keep their earlier blocks.
 
-    python scripts/cold_start.py [--preset deepseek-v3] [--max-tokens 4096] [--all-presets]
+    python scripts/cold_start.py [--formats bf16 fp8 mxfp4] [--preset NAME] [--max-tokens 4096] [--all-presets]
 """
 
 from __future__ import annotations
@@ -27,16 +28,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS = (1, 7, 300, 512, 4096)
+PRESETS = {"bf16": "deepseek-v3", "fp8": "deepseek-v3", "mxfp4": "deepseek-v4-flash"}  # as each ships
 
 
-def child(preset: str, max_tokens: int, do_warmup: bool, first_calls: bool) -> dict:
+def child(fmt: str, preset: str, max_tokens: int, do_warmup: bool, first_calls: bool) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
     from moefuse import MoELayer, warmup
     from moefuse import preset as get_preset
 
-    layer = MoELayer(get_preset(preset), dtype=torch.bfloat16, device="cuda").init_random_(0)
+    quant = None if fmt == "bf16" else fmt
+    layer = MoELayer(get_preset(preset), dtype=torch.bfloat16, device="cuda", quant=quant).init_random_(0)
     out: dict = {"preset": preset}
     if do_warmup:
         report = warmup(layer, max_tokens, progress=False)
@@ -78,44 +81,38 @@ def run_child(cache: str, *args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="deepseek-v3")
-    parser.add_argument("--max-tokens", type=int, default=4096)
-    parser.add_argument("--all-presets", action="store_true")
-    parser.add_argument("--out", default=str(ROOT / "results"))
-    parser.add_argument("--child", nargs=4, metavar=("PRESET", "MAX", "WARMUP", "CALLS"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        preset, max_tokens, do_warmup, calls = args.child
-        print(json.dumps(child(preset, int(max_tokens), do_warmup == "1", calls == "1")))
-        return
-
+def measure(fmt: str, preset: str, max_tokens: int, all_presets: bool) -> dict:
+    """One format's block: the three processes above (and every preset's warm-up with ``all_presets``)."""
     import torch
     import triton
 
-    sys.path.insert(0, str(ROOT))
-    from moefuse.bench.report import format_table
-
-    record: dict = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-                    "torch": torch.__version__, "triton": triton.__version__, "max_tokens": args.max_tokens}
-    m = str(args.max_tokens)
+    record: dict = {"format": fmt, "preset": preset, "date": datetime.date.today().isoformat(),
+                    "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                    "max_tokens": max_tokens}
+    m = str(max_tokens)
     with tempfile.TemporaryDirectory() as cold, tempfile.TemporaryDirectory() as shipped:
-        print("1/3 fresh cache, no warm-up", file=sys.stderr, flush=True)
-        record["no_warmup"] = run_child(cold, args.preset, m, "0", "1")
-        print("2/3 fresh cache, warm-up", file=sys.stderr, flush=True)
-        record["warmup_fresh"] = run_child(shipped, args.preset, m, "1", "1")
-        print("3/3 warm disk cache, warm-up", file=sys.stderr, flush=True)
-        record["warmup_disk"] = run_child(shipped, args.preset, m, "1", "0")
-    if args.all_presets:
-        from moefuse.config import PRESETS
+        print(f"{fmt} 1/3 fresh cache, no warm-up", file=sys.stderr, flush=True)
+        record["no_warmup"] = run_child(cold, fmt, preset, m, "0", "1")
+        print(f"{fmt} 2/3 fresh cache, warm-up", file=sys.stderr, flush=True)
+        record["warmup_fresh"] = run_child(shipped, fmt, preset, m, "1", "1")
+        print(f"{fmt} 3/3 warm disk cache, warm-up", file=sys.stderr, flush=True)
+        record["warmup_disk"] = run_child(shipped, fmt, preset, m, "1", "0")
+    if all_presets:
+        from moefuse.config import PRESETS as ALL
 
         record["presets"] = []
-        for name in sorted(PRESETS):
-            print(f"preset {name}: fresh-cache warm-up", file=sys.stderr, flush=True)
+        for name in sorted(ALL):
+            print(f"{fmt} preset {name}: fresh-cache warm-up", file=sys.stderr, flush=True)
             with tempfile.TemporaryDirectory() as cache:
-                record["presets"].append(run_child(cache, name, m, "1", "0"))
+                record["presets"].append(run_child(cache, fmt, name, m, "1", "0"))
+    return record
 
+
+def section(record: dict) -> str:
+    """One format's block of COLD_START.md."""
+    from moefuse.bench.report import format_table
+
+    fmt, preset = record["format"], record["preset"]
     rows = []
     for before, after in zip(record["no_warmup"]["calls"], record["warmup_fresh"]["calls"]):
         rows.append({"M": before["M"], "b_first": before["first_ms"], "b_warm": before["warm_ms"],
@@ -124,25 +121,53 @@ def main() -> None:
     calls = format_table(rows, [("M", "M"), ("b_first", "first call ms, no warm-up"), ("b_warm", "warm ms"),
                                 ("b_x", "first / warm"), ("a_first", "first call ms after warm-up"),
                                 ("a_warm", "warm ms"), ("a_x", "first / warm")],
-                         f"{args.preset}, full size, bf16: first call vs warm call (wall clock, synchronised)")
-    summary = [{"preset": args.preset, "cache": "fresh", **record["warmup_fresh"]},
-               {"preset": args.preset, "cache": "on disk (from the run above)", **record["warmup_disk"]}]
+                         f"{preset}, full size, {fmt}: first call vs warm call (wall clock, synchronised)")
+    summary = [{"cache": "fresh", **record["warmup_fresh"]},
+               {"cache": "on disk (from the run above)", **record["warmup_disk"]}]
     summary += [{"cache": "fresh", **r} for r in record.get("presets", [])]
     warm = format_table(summary, [("preset", "preset"), ("cache", "Triton cache"), ("warmup_s", "warm-up s"),
                                   ("variants", "kernel variants"), ("batch_sizes", "batch sizes run"),
-                                  ("graphs", "decode graphs")], f"moefuse.warmup(layer, {args.max_tokens})")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cold_start.json").write_text(json.dumps(record, indent=1))
-    head = (f"# Cold start\n\nWritten by `scripts/cold_start.py` on {record['date']}, {record['gpu']}, torch "
-            f"{record['torch']}, Triton {record['triton']}. Each block is a fresh process with its own Triton cache. "
-            f"Before the rows, each process makes one call at 2 tokens: "
+                                  ("graphs", "decode graphs")], f"{fmt}: moefuse.warmup(layer, {record['max_tokens']})")
+    head = (f"## {fmt}\n\nMeasured on {record['date']}, {record['gpu']}, torch {record['torch']}, Triton "
+            f"{record['triton']}. Before the rows, each process makes one call at 2 tokens: "
             f"{record['no_warmup']['process_first_ms']:.2f} ms without warm-up, "
             f"{record['warmup_fresh']['process_first_ms']:.2f} ms after it.")
-    (out / "COLD_START.md").write_text("\n\n".join([head, warm, calls]) + "\n")
-    print(warm)
-    print()
-    print(calls)
+    return "\n\n".join([head, warm, calls])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--formats", nargs="+", choices=sorted(PRESETS), default=["bf16"])
+    parser.add_argument("--preset", help="one preset for every format (default: each format's model)")
+    parser.add_argument("--max-tokens", type=int, default=4096)
+    parser.add_argument("--all-presets", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "results"))
+    parser.add_argument("--child", nargs=5, metavar=("FORMAT", "PRESET", "MAX", "WARMUP", "CALLS"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        fmt, preset, max_tokens, do_warmup, calls = args.child
+        print(json.dumps(child(fmt, preset, int(max_tokens), do_warmup == "1", calls == "1")))
+        return
+
+    sys.path.insert(0, str(ROOT))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "cold_start.json"
+    blocks = {}
+    if path.exists():
+        old = json.loads(path.read_text())
+        for block in old.get("blocks", [old | {"format": "bf16", "preset": old["no_warmup"]["preset"]}]):  # bf16 only
+            blocks[block["format"]] = block
+    for fmt in args.formats:
+        blocks[fmt] = measure(fmt, args.preset or PRESETS[fmt], args.max_tokens, args.all_presets)
+    ordered = [blocks[f] for f in PRESETS if f in blocks]
+    path.write_text(json.dumps({"blocks": ordered}, indent=1))
+    text = ("# Cold start\n\nWritten by `scripts/cold_start.py`. Each warm-up row and each first-call table comes from "
+            "a fresh process with its own Triton cache folder; layers at full size with random weights.\n\n"
+            + "\n\n".join(section(b) for b in ordered))
+    (out / "COLD_START.md").write_text(text + "\n")
+    print(text)
 
 
 if __name__ == "__main__":

@@ -146,8 +146,9 @@ def run_warmup(args: argparse.Namespace) -> int:
         print("moefuse warmup needs a CUDA GPU (on the CPU nothing is compiled)", file=sys.stderr)
         return 2
     dtype = DTYPES[args.dtype or "bf16"]
-    progress(f"building {args.preset} layer ({str(dtype).removeprefix('torch.')})")
-    layer = MoELayer(preset(args.preset), dtype=dtype, device="cuda").init_random_(0)
+    weights = f", {args.quant} experts" if args.quant else ""
+    progress(f"building {args.preset} layer ({str(dtype).removeprefix('torch.')}{weights})")
+    layer = MoELayer(preset(args.preset), dtype=dtype, device="cuda", quant=args.quant).init_random_(0)
     report = warmup(layer, args.max_tokens)
     print(report)
     return 0
@@ -179,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     warm.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
     warm.add_argument("--max-tokens", type=_positive_int, default=4096, help="largest batch to prepare for")
     warm.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16")
+    warm.add_argument("--quant", default=None, choices=["fp8", "mxfp4"],
+                      help="expert weights in fp8 block-scale or MXFP4, as the deployment runs them")
     bench = sub.add_parser("bench", help="GPU benchmarks: tables, results file and plot")
     bench.add_argument("stages", nargs="*", default=["router", "finalize", "experts", "layer", "quant", "host"])
     bench.add_argument("--quick", action="store_true", help="fewer sizes")

@@ -27,6 +27,14 @@ def test_bench_needs_a_gpu(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_warmup_needs_a_gpu(capsys):
+    assert main(["warmup", "--preset", "deepseek-v4-flash", "--quant", "mxfp4", "--max-tokens", "64"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["warmup", "--quant", "int4"])
+
+
 def test_run_fp8_layer(capsys):
     assert main(["--quant", "fp8", "--tokens", "4", "--no-timing"]) == 0
     out = capsys.readouterr().out

@@ -154,11 +154,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "cold_start.json"
-    blocks = {}
-    if path.exists():
-        old = json.loads(path.read_text())
-        for block in old.get("blocks", [old | {"format": "bf16", "preset": old["no_warmup"]["preset"]}]):  # bf16 only
-            blocks[block["format"]] = block
+    blocks = {block["format"]: block for block in json.loads(path.read_text())["blocks"]} if path.exists() else {}
     for fmt in args.formats:
         blocks[fmt] = measure(fmt, args.preset or PRESETS[fmt], args.max_tokens, args.all_presets)
     ordered = [blocks[f] for f in PRESETS if f in blocks]

@@ -556,6 +556,37 @@ def test_w4a8_matches_float64(M, far, limit, gen, device):
     assert out[n_valid:].isnan().all(), "rows with no token must be left unwritten"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon kernels run on sm_90 only (CI compiles them: test_sm90.py)")
+def test_w4a8_row_bases_are_each_rows_own(gen, device):
+    """Each weight row is converted against its own base (its largest exponent, SPEC §6), which the transform gathers
+    during the program's previous item: rows whose exponents sit 2^-6..2^6 apart from item to item, so a base taken
+    from another row or item puts groups out of e4m3's range (flushed or overflowed, an O(1) error). GEMM1's up rows
+    are shifted per 128 intermediate columns and GEMM2's groups back by as much (the intermediate's 128-column
+    quantization sees one shift); GEMM2's rows are shifted one by one, and each output column is compared scaled
+    back. 4,000 tokens: several items a program (``test_w4a8_matches_float64``)."""
+    E, H, I = WS_SHAPE
+    M = 4000
+    x, w1, w2, ids = _inputs(gen, M, 3, E, H, I, empty=4, device=device)
+    up_shift = torch.randint(-6, 7, (E, I // 128), generator=gen).to(device)
+    row_shift = torch.randint(-6, 7, (E, H), generator=gen).to(device)
+    s1, s2 = w1.scales.int() - 12, w2.scales.int() - 12  # room below 128, the largest supported exponent
+    s1[:, I:] += up_shift.repeat_interleave(128, dim=1)[:, :, None]
+    s2 += row_shift[:, :, None] - up_shift.repeat_interleave(128 // 32, dim=1)[:, None, :]
+    assert int(s1.min()) >= 0 and int(s1.max()) <= 128 and int(s2.min()) >= 0 and int(s2.max()) <= 128
+    w1, w2 = MXFP4(w1.values, s1.to(torch.uint8)), MXFP4(w2.values, s2.to(torch.uint8))
+    plan = moe_dispatch(ids, E, 128, backend="triton")
+    assert mxfp4_ws.ws_eligible(x, w1, w2, plan) and mxfp4_w4a8.chosen(M, 128, H, I)
+    out = _run(x, w1, w2, plan, None)
+    ref = moe_experts_w4a8_torch(x, w1, w2, plan, dtype=torch.float64,
+                                 out=torch.zeros(plan.num_rows, H, dtype=torch.float64, device=device))
+    n_valid = int(plan.expert_offsets[-1])
+    row_expert = torch.repeat_interleave(torch.arange(E, device=device), plan.expert_offsets.diff())
+    back = torch.exp2(-row_shift[row_expert].double())  # each output column to one scale
+    assert_rel_close(out[:n_valid] * back, ref[:n_valid] * back, 5e-2, "w4a8 gemm2_out")
+    assert rms_rel_error(out[:n_valid] * back, ref[:n_valid] * back) <= 1e-2
+
+
 # --- errors ----------------------------------------------------------------------------------------------------
 
 class _NoLaunch:

@@ -211,6 +211,19 @@ def test_heuristic_without_arch_and_forced_block_m():
     assert tiny.gemm1.block_n <= 64 and tiny.gemm1.block_k <= 64  # capped by the tiny dims
 
 
+def test_mxfp4_tile_heights_follow_the_measured_limits():
+    """MXFP4 (uint8) tiles by rows per touched expert (``configs.MXFP4_HEIGHTS``): each height up to its limit, the
+    next one row past it, 128 beyond the last (DeepSeek-V4-Flash: E 256, top-6, so M tokens are 6M/256 rows an
+    expert)."""
+    for height, most in configs.MXFP4_HEIGHTS:
+        for rows, want in ((most, height), (most + 1, 2 * height)):
+            M = rows * 256 // 6  # the largest M whose rows per expert, rounded up, is ``rows``
+            assert -(-M * 6 // 256) == rows
+            assert pick_block_m(M, 256, 4096, 2048, 6, torch.uint8, (9, 0)) == want, (M, rows)
+    assert pick_block_m(4096, 256, 4096, 2048, 6, torch.uint8, (9, 0)) == 128
+    assert pick_block_m(1, 256, 4096, 2048, 6, torch.uint8, None) == 16
+
+
 def test_override_is_scoped():
     default = pick(7, E, H, I, 2, torch.float32, None)
     with configs.override(SMALL_TILES):

@@ -45,6 +45,9 @@ TABLE_DTYPES = (torch.bfloat16, torch.float16)  # the tile tables' activations; 
 # 16 tokens (128 rows) and 271 µs at 128 tokens.
 FP8_PREQUANTIZE_MIN_ROWS = 64
 MXFP4_FEW_ROWS = 16  # at most this many routed rows: MXFP4's deeper decode tiles (heuristic, item 7)
+# MXFP4's tile heights and the most rows per touched expert each takes before the next is faster (heuristic, item 7);
+# more rows take 128-row tiles (W4A8 from mxfp4_w4a8.MIN_TOKENS tokens).
+MXFP4_HEIGHTS = ((16, 13), (32, 32), (64, 58))
 
 
 @dataclass(frozen=True)
@@ -317,7 +320,13 @@ def heuristic(
        644 / 2,005 / 2,355). Tall tiles as for bf16 with 3 stages (M = 4096: 4,365 µs, against 4,775 for 4 stages
        with tiles grouped per expert, 4,917 for [64, 64] and 5,083 for [128, 64]). On sm_90, models whose H and I
        are multiples of 128 run the warp-specialized kernels of ``mxfp4_ws.py`` instead (their launch shape is
-       per tile height, ``mxfp4_ws.LAUNCH``); the tiles here serve the rest.
+       per tile height, ``mxfp4_ws.LAUNCH``); the tiles here serve the rest. Tile heights by the rows per
+       touched expert (``MXFP4_HEIGHTS``), not item 1's power of two: 16 rows up to 13, 32 up to 32, 64 up to 58,
+       then 128 (W4A8's). A tile's unpacking is paid per tile, so an expert with a second tile costs nearly twice
+       as much, and with uniform routing a share of the experts has more rows than the mean; the limits are where
+       the next height measured faster, DeepSeek-V4-Flash experts on one H200 (2026-12-02, µs, rows per expert:
+       shorter / taller tile): 12: 1,409 / 1,555; 15: 1,708 / 1,597; 30: 2,040 / 2,280; 36: 2,602 / 2,301;
+       57: 2,606 / 2,761 (W4A8); 60: 2,877 / 2,768; 63: 3,182 / 2,747.
     """
     M = int(M)
     rows = max(M * K, 1)
@@ -328,6 +337,8 @@ def heuristic(
     mxfp4 = dtype == torch.uint8
     if block_m is None and fp8:
         block_m = 16 if per_expert <= 16 else 64
+    elif block_m is None and mxfp4:
+        block_m = next((height for height, most in MXFP4_HEIGHTS if per_expert <= most), 128)
     elif block_m is None:
         block_m = min(32 if fp32 else 128, max(16, _next_pow2(per_expert)))
     num_tiles = touched * -(-per_expert // block_m)

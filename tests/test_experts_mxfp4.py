@@ -559,8 +559,8 @@ def test_w4a8_matches_float64(M, far, limit, gen, device):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Gluon kernels run on sm_90 only (CI compiles them: test_sm90.py)")
 def test_w4a8_row_bases_are_each_rows_own(gen, device):
-    """Each weight row is converted against its own base (its largest exponent, SPEC §6), which the transform gathers
-    during the program's previous item: rows whose exponents sit 2^-6..2^6 apart from item to item, so a base taken
+    """Each weight row is converted against its own base (from its largest exponent, SPEC §6), which the transform
+    finds per item from the item's rows: rows whose exponents sit 2^-6..2^6 apart from item to item, so a base taken
     from another row or item puts groups out of e4m3's range (flushed or overflowed, an O(1) error). GEMM1's up rows
     are shifted per 128 intermediate columns and GEMM2's groups back by as much (the intermediate's 128-column
     quantization sees one shift); GEMM2's rows are shifted one by one, and each output column is compared scaled

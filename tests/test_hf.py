@@ -7,6 +7,7 @@ import torch
 
 import moefuse
 from moefuse import MoELayer
+from moefuse.route.reference import near_tie_rows
 from moefuse.testing import assert_rel_close
 
 COMMON = dict(vocab_size=128, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
@@ -50,44 +51,36 @@ def _model(name: str, seed: int) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def _routing_margin(model: torch.nn.Module, ids: torch.Tensor) -> float:
-    """The smallest gap, over the MoE layers and tokens of ``model(ids)``, between the last routing choice and the
-    first one left out (the groups' scores where the router picks groups first, then the experts' scores), in
-    float64. Near zero it is a tie, which transformers' ``torch.topk`` may break either way where moefuse takes
-    the lower id (SPEC §2), so the patched model may route that token elsewhere (seen once in CI: two group sums
-    equal in fp32)."""
+def _routing_tie(model: torch.nn.Module, ids: torch.Tensor) -> bool:
+    """Whether a token of ``model(ids)`` has, in some MoE layer, a routing choice within 1e-5 of a tie in float64
+    (``near_tie_rows``: the experts' keys and, where the router picks groups first, the groups' scores).
+    transformers' ``torch.topk`` may break such a tie either way where moefuse takes the lower id (SPEC §2), so
+    the patched model may route that token elsewhere (seen once in CI: two group sums equal in fp32)."""
     inputs: list[torch.Tensor] = []
     hooks = [layer.mlp.register_forward_hook(lambda module, args, out: inputs.append(args[0]))
              for layer in model.model.layers]
     model(ids)
     for hook in hooks:
         hook.remove()
-    c, margin = model.config, float("inf")
+    c = model.config
     for layer, x in zip(model.model.layers, inputs):
         gate = layer.mlp.gate
-        logits = x.reshape(-1, x.shape[-1]).double() @ gate.weight.double().T
         bias = getattr(gate, "e_score_correction_bias", None)
-        scores = logits.softmax(-1) if bias is None else logits.sigmoid() + bias.double()
-        groups, keep = getattr(c, "n_group", None) or 1, getattr(c, "topk_group", None) or 1
-        if groups > 1:
-            by_group = scores.view(len(scores), groups, -1)
-            group_scores = by_group.topk(2, dim=-1).values.sum(-1)
-            ranked = group_scores.sort(-1, descending=True).values
-            margin = min(margin, float((ranked[:, keep - 1] - ranked[:, keep]).min()))
-            chosen = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, group_scores.topk(keep).indices, True)
-            scores = by_group.masked_fill(~chosen[..., None], float("-inf")).view(len(scores), -1)
-        ranked = scores.sort(-1, descending=True).values
-        k = c.num_experts_per_tok
-        margin = min(margin, float((ranked[:, k - 1] - ranked[:, k]).min()))
-    return margin
+        logits = x.reshape(-1, x.shape[-1]).double() @ gate.weight.double().T
+        tied = near_tie_rows(logits, bias, c.num_experts_per_tok, "softmax" if bias is None else "sigmoid",
+                             num_expert_group=getattr(c, "n_group", None) or 1,
+                             topk_group=getattr(c, "topk_group", None) or 1, rel=1e-5)
+        if bool(tied.any()):
+            return True
+    return False
 
 
 def _draw(name: str, gen: torch.Generator) -> tuple[torch.nn.Module, torch.Tensor]:
-    """A random model and prompt whose routing has no choice within 1e-5 of a tie (see ``_routing_margin``)."""
+    """A random model and prompt whose routing has no choice within 1e-5 of a tie (see ``_routing_tie``)."""
     for _ in range(20):
         model = _model(name, seed=int(torch.randint(1 << 30, (), generator=gen)))
         ids = torch.randint(0, COMMON["vocab_size"], (2, 6), generator=gen)
-        if _routing_margin(model, ids) > 1e-5:
+        if not _routing_tie(model, ids):
             return model, ids
     raise AssertionError("20 draws in a row had a routing tie")
 

@@ -393,9 +393,10 @@ def mxfp4_ws(args: argparse.Namespace) -> list[str]:
             text, s, smem = result
             # W4A16: a consumer thread's K step, 64 rows x 128 columns of weights over its warp group's 128
             # threads. W4A8: the transform's (the shortest loop that stores to shared memory), 128 rows x 128
-            # over 128 threads.
+            # over 128 threads, TRANSFORM_STEPS steps an iteration.
             per_weight = (main_loop_instructions(text, shortest_with="GMMA") / 64 if mma == "W4A16"
-                          else main_loop_instructions(text, shortest_with="STS") / 128)
+                          else main_loop_instructions(text, shortest_with="STS")
+                          / (128 * experts_mxfp4_w4a8.TRANSFORM_STEPS))
             print(f"{mma:5s} {gemm:4d} {block_m:7d} {str(has_limit):>5s} {maxnreg:7d} {stages:6d} {smem:6d} "
                   f"{s['regs']:4d} {s['stack']:5d} {s['hgmma']:5d} {per_weight:11.2f}", flush=True)
             if s["stack"] or not s["hgmma"]:  # the register budget is tight: a spill is a bug

@@ -523,13 +523,15 @@ def test_quantize_rows_pass(gather, gen, device):
 @pytest.mark.parametrize("limit", [None, 1.5], ids=["no-clamp", "clamp"])
 @pytest.mark.parametrize("far", [False, True], ids=["exact", "flushed-groups"])
 @pytest.mark.parametrize("M", [mxfp4_w4a8.MIN_TOKENS + 37, 4000], ids=["an-item-a-program", "items-a-program"])
-def test_w4a8_matches_float64(M, far, limit, gen, device):
+@pytest.mark.parametrize("shape", [WS_SHAPE, (6, 384, 128)], ids=["even-steps", "odd-steps"])
+def test_w4a8_matches_float64(shape, M, far, limit, gen, device):
     """At prefill (``w4a8_chosen``) the Gluon kernels multiply e4m3 activations and weights: against the float64
     W4A8 reference (-1 slots, an empty expert, a NaN token); ``far``: a quarter of the groups 12 or more under
     their row's largest exponent, which W4A8 flushes (the reference does the same). At 4,000 tokens the plan has
     more work items than an H200 has SMs (GEMM1 400, GEMM2 200), so the persistent programs run several each and
-    their ring and row-scale buffers carry on from item to item."""
-    E, H, I = WS_SHAPE
+    their ring and row-scale buffers carry on from item to item. ``odd-steps``: 3 and 1 steps of 128 (the transform
+    unpacks two steps between fences, ``TRANSFORM_STEPS``, and an odd last one alone)."""
+    E, H, I = shape
     x, w1, w2, ids = _inputs(gen, M, 3, E, H, I, empty=4, device=device)
     if far:
         def spread(w):

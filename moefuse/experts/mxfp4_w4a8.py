@@ -57,6 +57,10 @@ BLOCK_K = 128  # one activation scale and one int32 of weight exponents per row 
 BLOCK_N = 128  # weight rows a program: GEMM2's output columns, or GEMM1's 64 gate and 64 up rows
 FLUSH_BELOW = -5  # a group whose exponent is more than 11 under its row's largest is flushed (SPEC §6)
 MIN_TOKENS = 512  # W4A8 runs from this many tokens, in tiles of a height in LAUNCH
+# Steps the transform unpacks between two fences (``_transform``'s loop is written for two): each fence (a CTA-wide
+# memory barrier in SASS) and barrier of the warp group then serves two tiles, 1.3-2.2% faster than one a step at
+# 2,560-8,192 tokens (docs/PERF-NOTES.md, sixteenth session). scripts/sass.py counts instructions per weight by it.
+TRANSFORM_STEPS = 2
 
 
 # As mxfp4_ws.LAUNCH: maxnreg is the transform's (the default partition), the producer warp takes PRODUCER_REGS.
@@ -170,6 +174,18 @@ if gluon is not None:
                 done += 1
 
     @gluon.jit
+    def _unpack(w_smem, u_smem, ready, s, phase, d):
+        """Slot ``s``'s words, once its loads have landed (``phase``), unpacked into its e4m3 tile (``d``: each
+        byte's group exponent less its row's base)."""
+        mbarrier.wait(ready.index(s), phase)
+        codes = w_smem.index(s).load(ROW_LAYOUT)
+        lo, hi = gl.inline_asm_elementwise(_E4M3, "=r,=r,r,r,r,r,r", [codes, d],
+                                           dtype=(gl.float8e4nv,) * 2, is_pure=True, pack=4)
+        # Byte i of word w is weight 8w + i (lo) or 8w + 4 + i (hi): into K order.
+        w = gl.join(lo, hi).reshape(_BN, _BK // 8, 4, 2).permute(0, 1, 3, 2).reshape(_BN, _BK)
+        u_smem.index(s).store(w)
+
+    @gluon.jit
     def _transform(w_smem, u_smem, f_smem, f_free, ready, unpacked, s_ptr, stride_sn, tile_expert_ptr,
                    tile_row_start_ptr, expert_offsets_ptr, N, items, k_steps, GEMM1: gl.constexpr,
                    G: gl.constexpr, STAGES: gl.constexpr):
@@ -196,22 +212,29 @@ if gluon is not None:
                 base = gl.expand_dims(gl.maximum(top - 6, 1), 1)
                 mbarrier.wait(f_free.index(done % 2), ((done // 2) & 1) ^ 1)
                 f_smem.index(done % 2).store((gl.maximum(top - 6, 1) << 23).to(gl.float32, bitcast=True))
+                # TRANSFORM_STEPS steps an iteration, one fence for both; an odd last step alone.
+                first = done * k_steps
                 exponents = gl.load(s_ptrs)
-                for i in range(k_steps):
-                    step = done * k_steps + i
-                    s = step % STAGES
-                    d = ((gl.expand_dims(exponents, 1) >> shift) & 0xFF) - base
-                    exponents = gl.load(s_ptrs + gl.minimum(i + 1, k_steps - 1))  # the next step's, meanwhile
-                    mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-                    codes = w_smem.index(s).load(RL)
-                    lo, hi = gl.inline_asm_elementwise(_E4M3, "=r,=r,r,r,r,r,r", [codes, d],
-                                                       dtype=(gl.float8e4nv,) * 2, is_pure=True, pack=4)
-                    # Byte i of word w is weight 8w + i (lo) or 8w + 4 + i (hi): into K order.
-                    w = gl.join(lo, hi).reshape(_BN, _BK // 8, 4, 2).permute(0, 1, 3, 2).reshape(_BN, _BK)
-                    u_smem.index(s).store(w)
-                    fence_async_shared()  # the wgmmas read the tile through the async proxy
-                    # The slot's words were read before this arrival, and the consumers free it only after it.
-                    mbarrier.arrive(unpacked.index(s))
+                later = gl.load(s_ptrs + gl.minimum(1, k_steps - 1))
+                for j in range(k_steps // 2):
+                    d0 = ((gl.expand_dims(exponents, 1) >> shift) & 0xFF) - base
+                    d1 = ((gl.expand_dims(later, 1) >> shift) & 0xFF) - base
+                    exponents = gl.load(s_ptrs + gl.minimum(2 * j + 2, k_steps - 1))
+                    later = gl.load(s_ptrs + gl.minimum(2 * j + 3, k_steps - 1))
+                    s0 = (first + 2 * j) % STAGES
+                    s1 = (first + 2 * j + 1) % STAGES
+                    _unpack(w_smem, u_smem, ready, s0, ((first + 2 * j) // STAGES) & 1, d0)
+                    _unpack(w_smem, u_smem, ready, s1, ((first + 2 * j + 1) // STAGES) & 1, d1)
+                    fence_async_shared()  # the wgmmas read the tiles through the async proxy
+                    # The slots' words were read before these arrivals, and the consumers free them only after.
+                    mbarrier.arrive(unpacked.index(s0))
+                    mbarrier.arrive(unpacked.index(s1))
+                if k_steps % 2:
+                    step = first + k_steps - 1
+                    d0 = ((gl.expand_dims(exponents, 1) >> shift) & 0xFF) - base
+                    _unpack(w_smem, u_smem, ready, step % STAGES, (step // STAGES) & 1, d0)
+                    fence_async_shared()
+                    mbarrier.arrive(unpacked.index(step % STAGES))
                 done += 1
 
     @gluon.jit

@@ -77,7 +77,7 @@ def launch_signature(layer: MoELayer, num_tokens: int) -> tuple:
         num_tokens if num_tokens <= layer.graphs.max_tokens else None,
         slot,
         layer.supports_deferred_finalize,
-        linear.block_shape(num_tokens, c.hidden_size) if num_tokens <= linear.MAX_TOKENS else None,
+        linear.launch_key(num_tokens, c.num_experts, c.hidden_size, dtype, layer.gate.weight.dtype, device),
         gate_kernel.launch_config(num_tokens, c.num_experts, c.num_expert_group),
         dispatch_shape(num_tokens * top_k, c.num_experts + slot, tiles.block_m),
         tiles,

@@ -9,7 +9,8 @@ instructions (NOPs and the out-of-line slow paths after the last EXIT left out),
 REDUX counts, registers and stack bytes (non-zero means spills). The kernel's loops are unrolled and its only
 branches skip the rare slow paths of ``div_rn``/``sqrt_rn``, so the count is close to what one program executes
 (those skipped branch bodies, a few instructions each, are still in it). ``--dump DIR`` writes each config's ttgir
-and SASS there.
+and SASS there. Then the router linear: the decode kernel per model width and batch, and the tensor-core prefill
+kernel at each of its launches (``route.linear.MMA_LAUNCHES``; ``--check`` also fails on a spill there).
 
 ``experts``: every distinct launch of the two grouped GEMMs that the tile table or the heuristic picks for the
 SPEC §4 presets on sm_90 (``configs.pick`` at the table's token buckets), compiled as ``gemm1_swiglu`` / ``gemm2``
@@ -177,6 +178,27 @@ def router(args: argparse.Namespace) -> list[str]:
             print(f"{'':34s} {M:7d} {H:6d} {s['regs']:4d} {s['stack']:5d} {smem:6d}", flush=True)
             if smem > configs.HOPPER_SMEM:
                 problems.append(f"router linear M={M} H={H}: {smem} bytes of shared memory")
+    print(f"\n{'router linear, tensor cores (prefill)':34s} {'tile':>11s} {'regs':>4s} {'stack':>5s} {'smem':>6s} "
+          f"{'HGMMA':>5s}")
+    fn = route_linear._router_logits_mma_kernel
+    for c in route_linear.MMA_LAUNCHES:
+        constexprs = {"stride_xk": 1, "stride_oe": 1, "UPCAST": False, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n,
+                      "BLOCK_K": c.block_k}
+        signature = {"x_ptr": "*bf16", "parts_ptr": "*bf16", "out_ptr": "*fp32", "M": "i32", "E": "i32", "H": "i32",
+                     "stride_xm": "i32", "stride_om": "i32", **{name: "constexpr" for name in constexprs}}
+        # H a multiple of 16, as every model's (and as Triton specializes it at launch): the loads pipeline
+        attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+                 for name in ("x_ptr", "parts_ptr", "out_ptr", "E", "H", "stride_xm", "stride_om")}
+        compiled = triton.compile(triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs,
+                                                            attrs=attrs),
+                                  target=SM90, options={"num_warps": c.warps, "num_stages": c.stages})
+        _, st = sass_stats(compiled.asm["cubin"])
+        smem = compiled.metadata.shared
+        tile = f"{c.block_m}x{c.block_n}x{c.block_k}"
+        print(f"{'':34s} {tile:>11s} {st['regs']:4d} {st['stack']:5d} {smem:6d} {st['hgmma']:5d}", flush=True)
+        if smem > configs.HOPPER_SMEM or st["stack"] or not st["hgmma"]:
+            problems.append(f"router linear {tile}: {smem} bytes of shared memory, {st['stack']} of stack, "
+                            f"{st['hgmma']} wgmma")
     return problems
 
 

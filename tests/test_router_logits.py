@@ -1,6 +1,6 @@
-"""The router linear (``router_logits``): the Triton decode kernel (interpreter on CPU) against float64 on fresh
-random inputs of every float dtype and odd strides, NaN rows, empty shapes, the cuBLAS path past 16 tokens,
-the custom op, and every error path."""
+"""The router linear (``router_logits``): the Triton decode kernel and the tensor-core prefill kernel (interpreter
+on CPU) against float64 on fresh random inputs of every float dtype and odd strides, NaN rows, empty shapes, the
+cuBLAS path between them, the custom op, and every error path."""
 
 from __future__ import annotations
 
@@ -45,6 +45,63 @@ def test_past_the_decode_kernel_the_cublas_path(gen, device):
     w = torch.randn(24, 128, generator=gen).to(device)
     _judge(router_logits(x, w, backend="triton"), x, w)
     torch.testing.assert_close(router_logits(x, w, backend="reference"), router_logits_torch(x, w), rtol=0, atol=0)
+
+
+def test_bf16_split_is_exact(gen, device):
+    """The prefill kernel's three bf16 parts of an fp32 weight add up to it exactly, from 2^-100 to 2^100 (a weight
+    under about 2^-110 would leave a subnormal part), signed zeros; inf stays inf and NaN stays NaN."""
+    w = torch.randn(37, 300, generator=gen) * torch.exp2(torch.randint(-40, 40, (37, 300), generator=gen).float())
+    w[0, :4] = torch.tensor([2.0**-100 * 1.2345, -(2.0**100) * 1.7, -0.0, 0.0])
+    w[1, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    parts = linear.bf16_split(w.to(device)).double().cpu()
+    total = parts[0] + parts[1] + parts[2]
+    finite = w.isfinite()
+    assert torch.equal(total[finite], w.double()[finite])
+    assert total[1, 0] == float("inf") and total[1, 1] == float("-inf") and total[1, 2].isnan()
+    assert (parts[2] != 0).float().mean() > 0.9, "the lo part must carry the last bits"
+
+
+@pytest.mark.parametrize("M, E, H", [(70, 37, 333), (64, 130, 128), (1, 9, 17)])
+def test_tensor_core_kernel_matches_float64(M, E, H, gen, device):
+    """The prefill kernel (called directly at any M; ``router_logits`` takes it from MMA_MIN_TOKENS rows): ragged
+    rows, experts and H against its tiles, a strided x, a NaN row. Its error bound is the fp32 path's (``TOL``)."""
+    x = torch.randn(M, 2 * H, generator=gen).bfloat16().to(device)[:, ::2]
+    x[M // 2, 3] = float("nan")
+    w = (torch.randn(E, H, generator=gen) * 0.02).to(device)
+    out = torch.full((M, E), 7.0, device=device)
+    linear.router_logits_mma(x, w, out)
+    rows = torch.arange(M, device=device) != M // 2
+    _judge(out[rows], x[rows], w)
+    assert out[M // 2].isnan().all()
+
+
+def test_prefill_batches_take_the_tensor_core_kernel(gen, device, monkeypatch):
+    """From MMA_MIN_TOKENS rows of bf16 x and an fp32 weight (the checkpoints' router), the triton backend runs the
+    tensor-core kernel; fp16 x or a bf16 weight keep cuBLAS's fp32 GEMM (the split needs bf16 x and an fp32
+    weight); the reference never does."""
+    M = linear.MMA_MIN_TOKENS
+    calls = []
+    mma = linear.router_logits_mma
+    monkeypatch.setattr(linear, "router_logits_mma", lambda *args: calls.append(1) or mma(*args))
+    x = torch.randn(M, 40, generator=gen).bfloat16().to(device)
+    w = (torch.randn(24, 40, generator=gen) * 0.02).to(device)
+    _judge(router_logits(x, w, backend="triton"), x, w)
+    assert calls == [1]
+    _judge(router_logits(x, w.bfloat16(), backend="triton"), x, w.bfloat16())
+    _judge(router_logits(x.half(), w, backend="triton"), x.half(), w)
+    _judge(router_logits(x[:-1], w, backend="triton"), x[:-1], w)
+    router_logits(x, w, backend="reference")
+    assert calls == [1]
+
+
+def test_tensor_core_launch_follows_the_measured_costs():
+    """The largest tile unless it takes more waves (H200 timings, docs/PERF-NOTES.md): 64 x 64 at 1,024 tokens,
+    64 x 128 at 4,096 tokens of 256 experts (128 programs, one wave), 128 x 128 for 384 experts and at 8,192."""
+    def tile(M, E):
+        return linear.mma_launch(M, E, 132)[:2]
+    assert tile(1024, 256) == (64, 64) and tile(1024, 384) == (64, 64)
+    assert tile(4096, 256) == (64, 128)
+    assert tile(4096, 384) == (128, 128) and tile(8192, 256) == (128, 128)
 
 
 def test_nan_row_stays_in_its_row(gen, device):

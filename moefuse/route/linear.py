@@ -1,4 +1,4 @@
-"""Triton router linear for decode batches: fp32 logits ``x @ weight^T`` read straight from 16-bit ``x``.
+"""Triton router linear: fp32 logits ``x @ weight^T`` read straight from 16-bit ``x``.
 
 At decode the router linear is on the critical path before routing can start, and through cuBLAS it costs two
 launches (the ``x.float()`` copy, then an fp32 GEMV that is not bandwidth-efficient at M = 1). This kernel reads
@@ -9,15 +9,29 @@ Contract of ``_router_logits_kernel``: ``x`` [M, H] with M <= ``MAX_TOKENS``, ``
 [M, E], any strides. One program per expert: it holds all M rows, walks H in ``BLOCK_K`` chunks with
 elementwise fp32 FMAs into a [BLOCK_M, BLOCK_K] accumulator, and reduces it once at the end. Products and sums
 are fp32 (IEEE), as in ``F.linear(x.float(), weight.float())``; only the order of the sum differs.
+
+Prefill batches (``MMA_MIN_TOKENS`` rows or more, bf16 ``x``, fp32 ``weight``): ``_router_logits_mma_kernel``
+runs on the tensor cores instead of cuBLAS's fp32 (SIMT) GEMM on an upcast copy of ``x``. The weight is split
+exactly into three bf16 parts (``bf16_split``: hi + mid + lo == weight), so every product ``x_k * part_k`` is exact
+in fp32. The tensor cores' own fp32 accumulation truncates, which over thousands of products costs an order of
+magnitude in accuracy (cuBLAS's bf16 GEMMs measured 8e-7 against 1e-7 of ``sum |x_k w_k|`` on an H200), so the
+MMAs sum only ``BLOCK_K`` columns' products at a time, and each block's sum is added to the fp32 accumulator by an
+FMA.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-MAX_TOKENS = 16  # larger batches go to cuBLAS's fp32 GEMM, which has the tiles for them
+from .. import _runtime
+
+MAX_TOKENS = 16  # the decode kernel's batches; larger ones go to cuBLAS's fp32 GEMM, which has the tiles for them,
+MMA_MIN_TOKENS = 1024  # or from here on to the tensor-core kernel (bf16 x, fp32 weight): at 512 tokens it and
+# cuBLAS measured about even on an H200 (a program's K loop is serial: 39 µs for H = 4,096, 68 for 7,168, at any M)
 _ELEMS = 8192  # accumulator elements per program: 32 fp32 registers per thread at NUM_WARPS warps
 NUM_WARPS = 8
 
@@ -67,3 +81,126 @@ def block_shape(M: int, H: int) -> tuple[int, int]:
     (one chunk at M = 1 for H <= 8192, so every load of a program is in flight at once)."""
     block_m = triton.next_power_of_2(M)
     return block_m, max(16, min(triton.next_power_of_2(H), _ELEMS // block_m))
+
+
+@triton.jit
+def _bf16_split_kernel(w_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """``out[0..2, i]`` (bf16): hi, mid and lo with hi + mid + lo == w[i] exactly. Each part rounds what the
+    previous ones left, and that remainder is exact whatever the rounding (the difference of two floats within a
+    factor of two); 24 significant bits fit in three parts of 8. A non-finite weight leaves no remainder (inf
+    stays inf, NaN stays NaN)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0)
+    hi = w.to(tl.bfloat16)
+    rest = tl.where(w == hi.to(tl.float32), 0.0, w - hi.to(tl.float32))
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    tl.store(out_ptr + offs, hi, mask=ok)
+    tl.store(out_ptr + n + offs, mid, mask=ok)
+    tl.store(out_ptr + 2 * n + offs, lo, mask=ok)
+
+
+def bf16_split(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 ``weight`` [E, H] as three bf16 parts [3, E, H] whose sum is exactly ``weight``."""
+    w = weight.contiguous()
+    parts = torch.empty(3, *w.shape, dtype=torch.bfloat16, device=w.device)
+    if w.numel():
+        _bf16_split_kernel[(triton.cdiv(w.numel(), 1024),)](w, parts, w.numel(), BLOCK=1024)
+    return parts
+
+
+@triton.jit
+def _operand(ptrs, mask, UPCAST: tl.constexpr):
+    """A bf16 tile; fp32 under the interpreter, whose 16-bit ``tl.dot`` is wrong (the products stay exact)."""
+    tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile.to(tl.float32) if UPCAST else tile
+
+
+# Integers that vary with the token count are not specialised: no new variant per batch size (moefuse.warmup).
+@triton.jit(do_not_specialize=["M"])
+def _router_logits_mma_kernel(
+    x_ptr, parts_ptr, out_ptr, M, E, H, stride_xm, stride_xk, stride_om, stride_oe,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[m, e] = sum_k x[m, k] * (hi + mid + lo)[e, k] for a [BLOCK_M, BLOCK_N] tile; ``parts_ptr``:
+    ``bf16_split``'s [3, E, H], contiguous."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk
+    w_ptrs = parts_ptr + cols[:, None] * H + ks[None, :]
+    part = E * H  # elements between parts
+    precision: tl.constexpr = "ieee" if UPCAST else "tf32"  # 16-bit operands: the option is not used
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = ks[None, :] < H - k0
+        x = _operand(x_ptrs, (rows[:, None] < M) & k_ok, UPCAST)
+        w_ok = (cols[:, None] < E) & k_ok
+        # This block's products, summed by the MMA (lo and mid first, the smallest), then added to acc by an
+        # FMA: an add here would be folded into the MMA's accumulator, which is what this avoids.
+        block = tl.dot(x, tl.trans(_operand(w_ptrs + 2 * part, w_ok, UPCAST)), input_precision=precision)
+        block = tl.dot(x, tl.trans(_operand(w_ptrs + part, w_ok, UPCAST)), block, input_precision=precision)
+        block = tl.dot(x, tl.trans(_operand(w_ptrs, w_ok, UPCAST)), block, input_precision=precision)
+        acc = tl.fma(block, 1.0, acc)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_oe
+    tl.store(out_ptrs, acc, mask=(rows[:, None] < M) & (cols[None, :] < E))
+
+
+class MmaLaunch(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    cost: float  # a program's time relative to the first's (one program an SM: each takes most of the shared memory)
+
+
+# Measured on an H200 (docs/PERF-NOTES.md, sixteenth session): a program's time grows slower than its tile, so
+# the largest tile wins unless it leaves the GPU in more waves.
+MMA_LAUNCHES = (MmaLaunch(64, 64, 64, 4, 4, 1.0), MmaLaunch(64, 128, 64, 4, 3, 1.6),
+                MmaLaunch(128, 128, 64, 8, 3, 2.25))
+
+
+def mma_launch(M: int, E: int, sms: int) -> MmaLaunch:
+    """The launch of fewest waves times a program's cost for [M, E] logits on ``sms`` SMs."""
+    return min(MMA_LAUNCHES, key=lambda c: triton.cdiv(triton.cdiv(M, c.block_m) * triton.cdiv(E, c.block_n), sms)
+               * c.cost)
+
+
+def router_logits_mma(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+    """Write ``x @ weight^T`` (fp32) into ``out`` [M, E]: bf16 ``x``, fp32 ``weight`` (validated by the caller),
+    on the tensor cores (module docstring)."""
+    M, H = x.shape
+    E = weight.shape[0]
+    if M == 0 or E == 0:
+        return
+    if H == 0:
+        out.zero_()
+        return
+    c = mma_launch(M, E, _runtime.sm_count(x.device) if x.is_cuda else 1)  # the interpreter: any
+    _router_logits_mma_kernel[(triton.cdiv(M, c.block_m), triton.cdiv(E, c.block_n))](
+        x, bf16_split(weight), out, M, E, H, *x.stride(), *out.stride(),
+        UPCAST=_runtime.interpreting(), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        num_warps=c.warps, num_stages=c.stages,
+    )
+
+
+def takes_mma(num_tokens: int, x_dtype: torch.dtype, w_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether :func:`router_logits_mma` computes the logits of ``num_tokens`` rows: ``MMA_MIN_TOKENS`` or more,
+    bf16 ``x`` and fp32 ``weight`` (the checkpoints' router), on a GPU or under the interpreter."""
+    return (num_tokens >= MMA_MIN_TOKENS and x_dtype == torch.bfloat16 and w_dtype == torch.float32
+            and (device.type == "cuda" or _runtime.interpreting()))
+
+
+def launch_key(num_tokens: int, E: int, H: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
+               device: torch.device) -> tuple | None:
+    """What decides the router linear's kernel variant at ``num_tokens`` rows (``moefuse.warmup``): the decode
+    kernel's block shape, the tensor-core kernel's launch, or None (cuBLAS)."""
+    if num_tokens <= MAX_TOKENS:
+        return block_shape(num_tokens, H)
+    if takes_mma(num_tokens, x_dtype, w_dtype, device):
+        return mma_launch(num_tokens, E, _runtime.sm_count(device) if device.type == "cuda" else 1)
+    return None

@@ -275,7 +275,9 @@ def router_logits(
         out: optional fp32 [M, E] to write into.
         backend: ``"auto"``, ``"reference"`` or ``"triton"``. With ``"triton"``, batches of at most
             ``moefuse.route.linear.MAX_TOKENS`` (16) tokens run the Triton kernel, which reads 16-bit inputs
-            without an upcast copy; larger batches run cuBLAS's fp32 GEMM on upcast inputs, as the reference does.
+            without an upcast copy; from ``linear.MMA_MIN_TOKENS`` (1,024) tokens of bf16 ``x`` with an fp32
+            ``weight``, a tensor-core kernel on the weight's exact bf16 split (SPEC, router GEMM); other batches
+            run cuBLAS's fp32 GEMM on upcast inputs, as the reference does.
 
     Returns:
         ``out``: fp32 [M, E]. Products and sums are fp32 on every backend; only the summation order differs.
@@ -309,6 +311,9 @@ def _router_logits_impl(x: torch.Tensor, weight: torch.Tensor, backend: str, out
     """Write the logits into ``out`` (arguments already validated)."""
     if backend == "triton" and x.shape[0] <= linear.MAX_TOKENS:
         linear.router_logits_triton(x, weight, out)
+        return
+    if backend == "triton" and linear.takes_mma(x.shape[0], x.dtype, weight.dtype, x.device):
+        linear.router_logits_mma(x, weight, out)
         return
     reference.router_logits_torch(x, weight, out=out)
 

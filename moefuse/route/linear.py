@@ -61,14 +61,10 @@ def _router_logits_kernel(
 
 
 def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-    """Write ``x @ weight^T`` (fp32) into ``out`` [M, E]; M <= MAX_TOKENS (validated by the caller)."""
+    """Write ``x @ weight^T`` (fp32) into ``out`` [M, E]; 0 < M <= MAX_TOKENS, E and H > 0 (the caller validates
+    and gives empty shapes to the reference)."""
     M, H = x.shape
     E = weight.shape[0]
-    if M == 0 or E == 0:
-        return
-    if H == 0:
-        out.zero_()
-        return
     block_m, block_k = block_shape(M, H)
     _router_logits_kernel[(E,)](
         x, weight, out, M, H, *x.stride(), *weight.stride(), *out.stride(),
@@ -164,6 +160,11 @@ MMA_LAUNCHES = (MmaLaunch(64, 64, 64, 4, 4, 1.0), MmaLaunch(64, 128, 64, 4, 3, 1
                 MmaLaunch(128, 128, 64, 8, 3, 2.25))
 
 
+def _sms(device: torch.device) -> int:
+    """The SMs the tensor-core kernel's launch is chosen for (under the interpreter any count does)."""
+    return _runtime.sm_count(device) if device.type == "cuda" else 1
+
+
 def mma_launch(M: int, E: int, sms: int) -> MmaLaunch:
     """The launch of fewest waves times a program's cost for [M, E] logits on ``sms`` SMs."""
     return min(MMA_LAUNCHES, key=lambda c: triton.cdiv(triton.cdiv(M, c.block_m) * triton.cdiv(E, c.block_n), sms)
@@ -171,16 +172,11 @@ def mma_launch(M: int, E: int, sms: int) -> MmaLaunch:
 
 
 def router_logits_mma(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-    """Write ``x @ weight^T`` (fp32) into ``out`` [M, E]: bf16 ``x``, fp32 ``weight`` (validated by the caller),
-    on the tensor cores (module docstring)."""
+    """Write ``x @ weight^T`` (fp32) into ``out`` [M, E]: bf16 ``x``, fp32 ``weight``, M, E and H > 0 (the caller
+    validates and gives empty shapes to the reference), on the tensor cores (module docstring)."""
     M, H = x.shape
     E = weight.shape[0]
-    if M == 0 or E == 0:
-        return
-    if H == 0:
-        out.zero_()
-        return
-    c = mma_launch(M, E, _runtime.sm_count(x.device) if x.is_cuda else 1)  # the interpreter: any
+    c = mma_launch(M, E, _sms(x.device))
     _router_logits_mma_kernel[(triton.cdiv(M, c.block_m), triton.cdiv(E, c.block_n))](
         x, bf16_split(weight), out, M, E, H, *x.stride(), *out.stride(),
         UPCAST=_runtime.interpreting(), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
@@ -202,5 +198,5 @@ def launch_key(num_tokens: int, E: int, H: int, x_dtype: torch.dtype, w_dtype: t
     if num_tokens <= MAX_TOKENS:
         return block_shape(num_tokens, H)
     if takes_mma(num_tokens, x_dtype, w_dtype, device):
-        return mma_launch(num_tokens, E, _runtime.sm_count(device) if device.type == "cuda" else 1)
+        return mma_launch(num_tokens, E, _sms(device))
     return None

@@ -309,12 +309,13 @@ def _validate_logits(x, weight, out, backend) -> str:
 
 def _router_logits_impl(x: torch.Tensor, weight: torch.Tensor, backend: str, out: torch.Tensor) -> None:
     """Write the logits into ``out`` (arguments already validated)."""
-    if backend == "triton" and x.shape[0] <= linear.MAX_TOKENS:
-        linear.router_logits_triton(x, weight, out)
-        return
-    if backend == "triton" and linear.takes_mma(x.shape[0], x.dtype, weight.dtype, x.device):
-        linear.router_logits_mma(x, weight, out)
-        return
+    if backend == "triton" and x.numel() and weight.numel():  # empty shapes: the reference's zeros (or nothing)
+        if x.shape[0] <= linear.MAX_TOKENS:
+            linear.router_logits_triton(x, weight, out)
+            return
+        if linear.takes_mma(x.shape[0], x.dtype, weight.dtype, x.device):
+            linear.router_logits_mma(x, weight, out)
+            return
     reference.router_logits_torch(x, weight, out=out)
 
 

@@ -24,7 +24,7 @@ from moefuse._checks import check_int
 from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
 from moefuse.dispatch import moe_dispatch
-from moefuse.experts import configs, moe_experts, pick_block_m
+from moefuse.experts import configs, fp8_mlp, moe_experts, pick_block_m
 from moefuse.finalize import (
     DeferredFinalizeOutput,
     deferred_finalize_allowed,
@@ -218,8 +218,9 @@ class SharedExpert(nn.Module):
     """An ordinary SwiGLU MLP (``gate_proj``, ``up_proj``, ``down_proj``), not scaled by the routing factor.
 
     With ``quant="fp8"`` the projections are :class:`FP8Projection` s and the module runs as a one-expert fp8 grouped
-    GEMM (SPEC §5) on ``backend``. Their gate and up tensors lie one after the other, so the grouped GEMMs read them
-    as one [2I, H] expert (:meth:`fp8_weights`).
+    GEMM (SPEC §5) on ``backend``, or where ``experts.fp8_mlp.takes`` holds (prefill on Hopper) on cuBLAS's
+    block-scaled GEMMs. Their gate and up tensors lie one after the other, so the GEMMs read them as one [2I, H]
+    expert (:meth:`fp8_weights`).
     """
 
     gate_proj: Any  # nn.Linear, or FP8Projection with quant="fp8"
@@ -249,6 +250,8 @@ class SharedExpert(nn.Module):
         if self.quant is None:
             return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
         gate_up, down = self.fp8_weights()
+        if self.backend != "reference" and fp8_mlp.takes(x.shape[0], x.shape[1], down.shape[2], x.dtype, x.device):
+            return fp8_mlp.fp8_mlp(x, gate_up, down, self.limit)
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
         ids = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device)
         out = routed_experts(x, gate_up, down, ones, ids, swiglu_limit=self.limit, backend=self.backend)
@@ -347,13 +350,14 @@ class MoELayer(nn.Module):
         quant: None, or ``"fp8"``: expert and shared weights in e4m3 with fp32 scales per 128 x 128 block (SPEC
             §5; ``experts.gate_up_proj`` / ``gate_up_proj_scale_inv`` ... and ``shared_experts.*.weight`` /
             ``weight_scale_inv``, as transformers names an FP8 checkpoint's tensors); activations in ``dtype``
-            (bf16 or fp16), quantized on the fly. A shared expert then needs I to be a multiple of 128 and is
-            always run by the grouped GEMMs: as one more slot when it can (every batch size by default), else as
-            a one-expert grouped GEMM (padded tokens). Or ``"mxfp4"``, as DeepSeek-V4 ships: routed experts in
+            (bf16 or fp16), quantized on the fly. A shared expert then needs I to be a multiple of 128; it runs as
+            one more slot of the grouped GEMMs when it can (by default at every batch size, except prefill on
+            Hopper, where cuBLAS's block-scaled GEMMs run it on the side stream: ``experts.fp8_mlp.takes``), else
+            as a one-expert grouped GEMM (padded tokens). Or ``"mxfp4"``, as DeepSeek-V4 ships: routed experts in
             MXFP4 (SPEC §6; ``experts.gate_up_proj`` int8 [E, 2I, H/2], ``gate_up_proj_scale_inv`` ue8m0 [E, 2I,
             H/32] ...; H and I multiples of 32), bf16 activations (W4A16; W4A8 at prefill on Hopper, SPEC §6), and
-            the shared expert in fp8 as above (a one-expert grouped GEMM on the side stream: the formats differ,
-            so no shared slot).
+            the shared expert in fp8 as above (on the side stream, cuBLAS or a one-expert grouped GEMM: the formats
+            differ, so no shared slot).
         hash_vocab_size: make this a hash-routed layer (DeepSeek-V4's first MoE layers): each token's experts are
             ``gate.tid2eid[input_ids]`` (a [vocab, top_k] table loaded from the checkpoint), weighted by the scores
             of those experts (:func:`moefuse.route.reference.hash_gate_torch`); ``forward`` then needs
@@ -491,8 +495,11 @@ class MoELayer(nn.Module):
                 or self.gate.tid2eid is not None or torch.compiler.is_compiling()):
             return None
         limit = self.shared_slot_max_tokens
-        if limit is None and self.quant is not None:
-            limit = sys.maxsize  # no fp8 linear of our own: the grouped GEMMs run the shared expert at every size
+        if limit is None and self.quant is not None:  # the grouped GEMMs, unless cuBLAS takes it (prefill)
+            cublas = self.backend != "reference" and fp8_mlp.takes(num_tokens, c.hidden_size,
+                                                                     c.shared_intermediate_size,
+                                                                     self.activation_dtype, device)
+            limit = 0 if cublas else sys.maxsize
         elif limit is None:
             limit = configs.shared_slot_max_tokens(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k,
                                                    configs.arch_of(device))
@@ -569,7 +576,7 @@ class MoELayer(nn.Module):
         return self._activation_dtype if self.quant is not None else self.experts.gate_up_proj.dtype
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
-        """The shared expert's output [M, H]: its MLP, or with ``quant`` an fp8 one-expert grouped GEMM."""
+        """The shared expert's output [M, H]: its MLP, or with ``quant`` in fp8 (:meth:`SharedExpert.forward`)."""
         assert self.shared_experts is not None, "the layer has no shared expert"
         return self.shared_experts(x)
 

@@ -185,3 +185,39 @@ def test_errors_name_the_argument(gen, device):
         moe_experts(x.float(), w1, w2, plan)
     with pytest.raises(ValueError, match="gate_up_proj"):
         moe_experts(x[:, :32], w1, w2, plan)
+
+
+@pytest.mark.parametrize("M, limit", [(5, None), (18, 0.75)])
+def test_passes_around_cublas_match_the_quantizer(M, limit, gen, device):
+    """The two Triton passes of the fp8 shared expert on cuBLAS (``experts/fp8_mlp.py``): the tokens quantized
+    without a plan into column-major scales, bit for bit as ``quantize_rows`` (an all-zero row, a NaN row); and
+    SwiGLU of an fp32 [M, 2I] (with and without the clamp) quantized the same way, against float64."""
+    from moefuse.experts import fp8_mlp
+    from moefuse.experts.fp8 import quantize_rows_into
+
+    x = (torch.randn(M, 300, generator=gen) * torch.logspace(-2, 2, M)[:, None]).bfloat16()
+    x[1] = 0
+    x[2, 7] = float("nan")
+    q = torch.empty(M, 300, dtype=torch.float8_e4m3fn, device=device)
+    s = fp8_mlp._column_major(M, 3, device)
+    quantize_rows_into(x.to(device), q, s, None, gather=False)
+    want_q, want_s = quantize_rows(x)
+    assert s.stride(0) == 1 and s[2].isnan().all() == want_s[2].isnan().all()
+    keep = torch.arange(M) != 2
+    assert torch.equal(s.cpu()[keep], want_s[keep]) and s[2, 0].isnan()
+    assert torch.equal(q.cpu()[keep].view(torch.uint8), want_q[keep].view(torch.uint8))
+    I = 256
+    gate_up = torch.randn(M, 2 * I, generator=gen) * 2
+    aq = torch.empty(M, I, dtype=torch.float8_e4m3fn, device=device)
+    a_s = fp8_mlp._column_major(M, I // 128, device)
+    fp8_mlp._swiglu_quantize_kernel[(2,)](
+        gate_up.to(device), aq, a_s, M, I, 0.0 if limit is None else limit, gate_up.stride(0), aq.stride(0),
+        *a_s.stride(), HAS_LIMIT=limit is not None, EMULATE_RTNE=device.type == "cpu", BLOCK_R=16)
+    gate, up = gate_up[:, :I].double(), gate_up[:, I:].double()
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    act = torch.nn.functional.silu(gate) * up
+    got = dequantize_rows(aq.cpu(), a_s.cpu(), torch.float64)
+    # e4m3 keeps 3 mantissa bits: each value within half a step (2^-4 of it) of its group's scaled act
+    assert ((got - act).abs() <= act.abs() * 2**-4 + a_s.cpu().repeat_interleave(128, 1) * 2**-9 + 1e-12).all()
+    assert torch.allclose(a_s.cpu().double(), act.view(M, -1, 128).abs().amax(2) / 448, rtol=1e-6)

@@ -281,6 +281,29 @@ def test_no_compiles_after_warmup_for_quantized_layers(quant):
     assert _sweep(layer, sorted(counts)) == []
 
 
+def test_fp8_shared_expert_on_cublas_under_graphs_compile_and_warmup(gen):
+    """The fp8 layer at prefill on Hopper, its shared expert on cuBLAS's block-scaled GEMMs: CUDA-graph replay and
+    torch.compile(fullgraph=True) give the eager output bit for bit, and after warm-up no token count on either side
+    of the switch from the slot compiles a kernel (rows that are and are not multiples of 4 and 16)."""
+    from moefuse.experts import fp8_mlp
+    from moefuse.warmup import warmup
+
+    config = MoEConfig(hidden_size=512, intermediate_size=512, num_experts=4, top_k=2, num_shared_experts=1)
+    tokens = fp8_mlp.MIN_TOKENS + 2
+    if not fp8_mlp.takes(tokens, 512, 512, torch.bfloat16, torch.device("cuda")):
+        pytest.skip("needs an sm_90 GPU and a torch with cuBLAS's block scaling (2.9, CUDA 12.9)")
+    layer = MoELayer(config, quant="fp8", device="cuda").init_random_(int(torch.randint(1 << 30, (), generator=gen)),
+                                                                      std=0.1)
+    x = torch.randn(tokens, 512, generator=gen).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        eager, replayed = _replayed(lambda: layer(x))
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(replayed, eager) and torch.equal(compiled, eager)
+    warmup(layer, tokens + 20, progress=False)
+    assert _sweep(layer, range(fp8_mlp.MIN_TOKENS - 20, tokens + 21)) == []
+
+
 def test_sharded_layer_on_a_nccl_group_of_one(tmp_path, gen):
     """Every parallel mode through NCCL with one rank equals the layer; the fixed-capacity all-to-all has no host
     sync, so a decode step captured in a CUDA graph replays to the same result."""

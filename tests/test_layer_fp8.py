@@ -10,7 +10,7 @@ from hf_blocks import block
 from moefuse import MoEConfig, MoELayer, moe_layer_torch
 from moefuse.formats import BlockFP8
 from moefuse.layer import _expert_mlp
-from moefuse.testing import assert_rel_close
+from moefuse.testing import assert_rel_close, rms_rel_error
 
 # I a multiple of 128 (a shared expert's gate and up blocks are separate); H not one (partial blocks and groups)
 CONFIG = MoEConfig(hidden_size=200, intermediate_size=128, num_experts=6, top_k=2, num_shared_experts=1,
@@ -94,3 +94,61 @@ def test_from_hf_refuses_unsupported_quantized_experts(dtype, match, gen):
     hf.experts.gate_up_proj = torch.nn.Parameter(hf.experts.gate_up_proj.detach().to(dtype), requires_grad=False)
     with pytest.raises(ValueError, match=match):
         MoELayer.from_hf(hf)
+
+
+# H and I multiples of 512: the widths cuBLAS's block-scaled GEMMs take (``fp8_mlp.takes``)
+WIDE = MoEConfig(hidden_size=512, intermediate_size=512, num_experts=4, top_k=2, num_shared_experts=1,
+                 swiglu_limit=0.5)
+
+
+def test_cublas_shared_expert_rule():
+    """cuBLAS runs the fp8 shared expert only on an sm_90 GPU, from MIN_TOKENS tokens, at widths it takes: never on
+    a CPU, so the layer there keeps the slot at every size."""
+    from moefuse.experts import fp8_mlp
+
+    cpu = torch.device("cpu")
+    assert not fp8_mlp.takes(fp8_mlp.MIN_TOKENS, 512, 512, torch.bfloat16, cpu)
+    layer = MoELayer(WIDE, quant="fp8")
+    assert layer.uses_shared_slot(fp8_mlp.MIN_TOKENS * 4, cpu)
+    if torch.cuda.is_available() and fp8_mlp.takes(fp8_mlp.MIN_TOKENS, 512, 512, torch.bfloat16,
+                                                   torch.device("cuda")):
+        cuda = torch.device("cuda")
+        assert not fp8_mlp.takes(fp8_mlp.MIN_TOKENS - 1, 512, 512, torch.bfloat16, cuda)
+        assert not fp8_mlp.takes(fp8_mlp.MIN_TOKENS, 512, 384, torch.bfloat16, cuda)  # I / 128 = 3
+        assert not fp8_mlp.takes(fp8_mlp.MIN_TOKENS, 640, 512, torch.bfloat16, cuda)
+        assert not fp8_mlp.takes(fp8_mlp.MIN_TOKENS, 512, 512, torch.float32, cuda)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS's block-scaled GEMMs need a GPU")
+@pytest.mark.parametrize("extra", [0, 3], ids=["rows-multiple-of-4", "padded-rows"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_shared_expert_on_cublas_matches_float64(extra, dtype, gen):
+    """At prefill on Hopper the fp8 shared expert runs on cuBLAS (the layer then leaves the slot): against float64
+    on the dequantized operands (SPEC §5), with the clamp reached, a NaN row (NaN out) and a zero row (zeros out);
+    and the whole layer against its float64 reference."""
+    from moefuse.experts import fp8_mlp
+
+    tokens = fp8_mlp.MIN_TOKENS + extra
+    cuda = torch.device("cuda")
+    if not fp8_mlp.takes(tokens, WIDE.hidden_size, WIDE.intermediate_size, dtype, cuda):
+        pytest.skip("needs an sm_90 GPU and a torch with cuBLAS's block scaling (2.9, CUDA 12.9)")
+    layer = MoELayer(WIDE, dtype=dtype, quant="fp8", device=cuda).init_random_(
+        int(torch.randint(1 << 30, (), generator=gen)), 0.1)
+    assert not layer.uses_shared_slot(tokens, cuda) and layer.uses_shared_slot(tokens - 4, cuda)
+    x = torch.randn(tokens, WIDE.hidden_size, generator=gen).to(cuda, dtype)
+    x[5] = float("nan")
+    x[7] = 0.0
+    gate_up, down = layer.shared_fp8_weights()
+    with torch.no_grad():
+        got = layer.shared_experts(x)
+        want = _expert_mlp(x, gate_up[0], down[0], WIDE.swiglu_limit, dtype, torch.float64)
+    assert got.shape == x.shape and got.dtype == dtype
+    assert got[5].isnan().all() and torch.equal(got[7], torch.zeros_like(got[7]))
+    finite = torch.ones(tokens, dtype=torch.bool, device=cuda)
+    finite[5] = False
+    assert_rel_close(got[finite].double(), want[finite], 5e-2, "fp8 shared expert on cuBLAS")
+    assert rms_rel_error(got[finite].double(), want[finite]) <= 1e-2
+    x[5] = 1.0
+    with torch.no_grad():
+        out = layer(x)
+    assert_rel_close(out.double(), moe_layer_torch(layer, x, route_dtype=torch.float32), 5e-2, "layer")

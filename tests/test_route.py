@@ -92,7 +92,8 @@ CASES = {
 def test_kernel_matches_float64(case, gen, device):
     """The kernel picks the float64 reference's experts (up to near ties) and its weights within 1e-5."""
     E, opts, dist = CASES[case]
-    M = int(torch.randint(3, 38, (), generator=gen))
+    # Fewer rows for the widest case: under the interpreter its 1,024 experts cost as much as the others together.
+    M = int(torch.randint(3, 38 if E <= 512 else 10, (), generator=gen))
     scores, bias = _inputs(gen, M, E, device=device, **dist)
     _route_and_judge(scores, bias, **opts)
 

@@ -118,19 +118,22 @@ def _load_rows(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, ks, k_ok, stride_am
     return a, tl.load(as_ptr + a_rows * stride_asm + k0 // 128 * stride_asg)
 
 
-@triton.jit(do_not_specialize=["num_rows"])
+@triton.jit(do_not_specialize=["num_rows", "stride_sg"])  # stride_sg: the rows, for column-major scales
 def _quantize_rows_kernel(
     source_ptr, q_ptr, s_ptr, p2e_ptr, expert_offsets_ptr, num_experts, num_rows, K, top_k,
     stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
     GATHER: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """q[p], s[p] = quant(x) per 128 columns for the plan's valid rows p, x = source[permuted_to_expanded[p] //
-    top_k] (``GATHER``) or source[p]."""
+    top_k] (``GATHER``) or source[p]; without a plan (``expert_offsets_ptr`` None), for rows p < num_rows."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the plan comes from dispatch
         tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < tl.minimum(tl.load(expert_offsets_ptr + num_experts), num_rows)
+    if expert_offsets_ptr is None:
+        row_ok = rows < num_rows
+    else:
+        row_ok = rows < tl.minimum(tl.load(expert_offsets_ptr + num_experts), num_rows)
     if GATHER:
         sources = (tl.load(p2e_ptr + rows, mask=row_ok, other=0) // top_k).to(tl.int64)
     else:
@@ -153,16 +156,24 @@ def quantized_rows(plan: DispatchPlan, width: int, device: torch.device) -> tupl
             torch.empty(plan.num_rows, triton.cdiv(width, BLOCK), dtype=torch.float32, device=device))
 
 
-def quantize_rows_into(source: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, plan: DispatchPlan, *,
+def quantize_rows_into(source: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, plan: Optional[DispatchPlan], *,
                        gather: bool, use_pdl: bool = False) -> None:
     """Quantize the plan's valid rows (SPEC §5) into ``q`` [num_rows, W] (e4m3) and ``scales`` [num_rows, W/128]
-    (fp32): of ``source``'s token rows (``gather``: row p from token permuted_to_expanded[p] // top_k) or its
-    rows as they are (the W4A8 kernels' intermediate). Rows past the valid ones are left unwritten."""
+    (fp32, any strides): of ``source``'s token rows (``gather``: row p from token permuted_to_expanded[p] // top_k)
+    or its rows as they are (the W4A8 kernels' intermediate). Rows past the valid ones are left unwritten. Without
+    a plan (``gather`` off), every row of ``q``."""
     block_r = 16
     launch = {"launch_pdl": True} if use_pdl else {}
-    _quantize_rows_kernel[(triton.cdiv(plan.num_rows, block_r),)](
-        source, q, scales, plan.permuted_to_expanded, plan.expert_offsets, plan.num_experts, plan.num_rows,
-        source.shape[1], plan.top_k, source.stride(0), source.stride(1), *q.stride(), *scales.stride(),
+    args: tuple[Optional[torch.Tensor], Optional[torch.Tensor], int, int, int, int]
+    if plan is None:
+        assert not gather, "a gather needs the plan's row order"
+        rows, args = q.shape[0], (None, None, 0, q.shape[0], source.shape[1], 1)
+    else:
+        rows = plan.num_rows
+        args = (plan.permuted_to_expanded, plan.expert_offsets, plan.num_experts, plan.num_rows, source.shape[1],
+                plan.top_k)
+    _quantize_rows_kernel[(triton.cdiv(rows, block_r),)](
+        source, q, scales, *args, source.stride(0), source.stride(1), *q.stride(), *scales.stride(),
         GATHER=gather, EMULATE_RTNE=_runtime.interpreting(), BLOCK_R=block_r, USE_PDL=use_pdl,
         num_warps=4, **launch,
     )

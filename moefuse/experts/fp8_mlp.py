@@ -19,7 +19,6 @@ grouped GEMMs: :func:`takes`).
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -52,12 +51,14 @@ def _swiglu_quantize_kernel(gate_up_ptr, q_ptr, s_ptr, num_rows, I, limit, strid
         tl.store(s_ptr + rows.to(tl.int64) * stride_sm + k0 // 128 * stride_sg, scale, mask=row_ok)
 
 
-@functools.cache
 def _cublas_block_scaling() -> bool:
     """Whether this torch's ``_scaled_mm`` has cuBLAS's DeepSeek block scaling (torch 2.9 on CUDA 12.9 or later)."""
     cuda = torch.version.cuda
     return (cuda is not None and torch.__version__ >= "2.9"
             and tuple(int(part) for part in cuda.split(".")[:2]) >= (12, 9))
+
+
+CUBLAS_BLOCK_SCALING = _cublas_block_scaling()  # a constant: torch.compile traces ``takes`` without a cached call
 
 
 def takes(num_tokens: int, hidden_size: int, width: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -67,7 +68,7 @@ def takes(num_tokens: int, hidden_size: int, width: int, dtype: torch.dtype, dev
     return (device.type == "cuda" and not _runtime.interpreting() and num_tokens >= MIN_TOKENS
             and hidden_size % WIDTH_MULTIPLE == 0 and width % WIDTH_MULTIPLE == 0
             and dtype in (torch.bfloat16, torch.float16) and _runtime.capability(device) == (9, 0)
-            and _cublas_block_scaling())
+            and CUBLAS_BLOCK_SCALING)
 
 
 def _column_major(rows: int, cols: int, device: torch.device) -> torch.Tensor:

@@ -100,6 +100,8 @@ def _fp8_mlp_impl(x: torch.Tensor, gate_up_values: torch.Tensor, gate_up_scales:
     return out if rows == M else out[:M]
 
 
+# Unlike the stage ops, which write into a buffer their wrapper allocated, this one returns cuBLAS's output:
+# ``_scaled_mm``'s ``out=`` variant has not been tried with block scaling on a GPU.
 _fp8_mlp_op = torch.library.custom_op("moefuse::fp8_mlp", _fp8_mlp_impl, mutates_args=())
 
 

@@ -186,6 +186,11 @@ if gluon is not None:
         u_smem.index(s).store(w)
 
     @gluon.jit
+    def _offsets(word, shift, base):
+        """Each byte's group exponent, of a row's exponent ``word`` for one step, less the row's ``base``."""
+        return ((gl.expand_dims(word, 1) >> shift) & 0xFF) - base
+
+    @gluon.jit
     def _transform(w_smem, u_smem, f_smem, f_free, ready, unpacked, s_ptr, stride_sn, tile_expert_ptr,
                    tile_row_start_ptr, expert_offsets_ptr, N, items, k_steps, GEMM1: gl.constexpr,
                    G: gl.constexpr, STAGES: gl.constexpr):
@@ -217,8 +222,8 @@ if gluon is not None:
                 exponents = gl.load(s_ptrs)
                 later = gl.load(s_ptrs + gl.minimum(1, k_steps - 1))
                 for j in range(k_steps // 2):
-                    d0 = ((gl.expand_dims(exponents, 1) >> shift) & 0xFF) - base
-                    d1 = ((gl.expand_dims(later, 1) >> shift) & 0xFF) - base
+                    d0 = _offsets(exponents, shift, base)
+                    d1 = _offsets(later, shift, base)
                     exponents = gl.load(s_ptrs + gl.minimum(2 * j + 2, k_steps - 1))
                     later = gl.load(s_ptrs + gl.minimum(2 * j + 3, k_steps - 1))
                     s0 = (first + 2 * j) % STAGES
@@ -231,8 +236,8 @@ if gluon is not None:
                     mbarrier.arrive(unpacked.index(s1))
                 if k_steps % 2:
                     step = first + k_steps - 1
-                    d0 = ((gl.expand_dims(exponents, 1) >> shift) & 0xFF) - base
-                    _unpack(w_smem, u_smem, ready, step % STAGES, (step // STAGES) & 1, d0)
+                    _unpack(w_smem, u_smem, ready, step % STAGES, (step // STAGES) & 1,
+                            _offsets(exponents, shift, base))
                     fence_async_shared()
                     mbarrier.arrive(unpacked.index(step % STAGES))
                 done += 1

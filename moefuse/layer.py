@@ -250,13 +250,20 @@ class SharedExpert(nn.Module):
         if self.quant is None:
             return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
         gate_up, down = self.fp8_weights()
-        if self.backend != "reference" and fp8_mlp.takes(x.shape[0], x.shape[1], down.shape[2], x.dtype, x.device):
+        if self.runs_on_cublas(x.shape[0], x.dtype, x.device):
             return fp8_mlp.fp8_mlp(x, gate_up, down, self.limit)
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
         ids = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device)
         out = routed_experts(x, gate_up, down, ones, ids, swiglu_limit=self.limit, backend=self.backend)
         assert isinstance(out, torch.Tensor)
         return out
+
+    def runs_on_cublas(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a call on ``num_tokens`` tokens of ``dtype`` on ``device`` runs on cuBLAS's block-scaled GEMMs
+        (fp8 at prefill on Hopper: ``experts.fp8_mlp.takes``) rather than the grouped GEMMs."""
+        hidden_size, width = self.down_proj.weight.shape
+        return (self.quant == "fp8" and self.backend != "reference"
+                and fp8_mlp.takes(num_tokens, hidden_size, width, dtype, device))
 
     def fp8_weights(self) -> tuple[BlockFP8, BlockFP8]:
         """The fp8 projections as a one-expert stack (``[1, 2S, H]``, ``[1, H, S]``) over their own storage."""
@@ -496,10 +503,7 @@ class MoELayer(nn.Module):
             return None
         limit = self.shared_slot_max_tokens
         if limit is None and self.quant is not None:  # the grouped GEMMs, unless cuBLAS takes it (prefill)
-            cublas = self.backend != "reference" and fp8_mlp.takes(num_tokens, c.hidden_size,
-                                                                     c.shared_intermediate_size,
-                                                                     self.activation_dtype, device)
-            limit = 0 if cublas else sys.maxsize
+            limit = 0 if self.shared_experts.runs_on_cublas(num_tokens, self.activation_dtype, device) else sys.maxsize
         elif limit is None:
             limit = configs.shared_slot_max_tokens(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k,
                                                    configs.arch_of(device))

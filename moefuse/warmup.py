@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from moefuse.dispatch.kernel import launch_shape as dispatch_shape
-from moefuse.experts import configs, fp8_mlp, mxfp4_w4a8
+from moefuse.experts import configs, mxfp4_w4a8
 from moefuse.finalize.kernel import finalize_tile
 from moefuse.formats import tile_dtype
 from moefuse.layer import MoELayer
@@ -69,13 +69,13 @@ def launch_signature(layer: MoELayer, num_tokens: int) -> tuple:
     w4a8 = experts_dtype == torch.uint8 and mxfp4_w4a8.chosen(num_tokens, tiles.block_m, c.hidden_size,
                                                               c.intermediate_size)
     shared: object = None  # a quantized shared expert off the slot: cuBLAS, or a one-expert fp8 grouped GEMM
-    if layer.quant is not None and layer.shared_experts is not None and not slot and fp8_mlp.takes(
-            num_tokens, c.hidden_size, c.shared_intermediate_size, dtype, device):
-        shared = "cublas"
-    elif layer.quant is not None and layer.shared_experts is not None and not slot:
-        shared_tiles = configs.pick(num_tokens, 1, c.hidden_size, c.shared_intermediate_size, 1, fp8, arch)
-        shared = (shared_tiles, dispatch_shape(num_tokens, 1, shared_tiles.block_m),
-                  num_tokens >= configs.FP8_PREQUANTIZE_MIN_ROWS)
+    if layer.quant is not None and layer.shared_experts is not None and not slot:
+        if layer.shared_experts.runs_on_cublas(num_tokens, dtype, device):
+            shared = "cublas"
+        else:
+            shared_tiles = configs.pick(num_tokens, 1, c.hidden_size, c.shared_intermediate_size, 1, fp8, arch)
+            shared = (shared_tiles, dispatch_shape(num_tokens, 1, shared_tiles.block_m),
+                      num_tokens >= configs.FP8_PREQUANTIZE_MIN_ROWS)
     return (
         num_tokens if num_tokens <= layer.graphs.max_tokens else None,
         slot,

@@ -76,11 +76,17 @@ def _column_major(rows: int, cols: int, device: torch.device) -> torch.Tensor:
     return torch.empty(cols, rows, dtype=torch.float32, device=device).t()
 
 
+def _padded_rows(num_tokens: int) -> int:
+    """cuBLAS's row count for ``num_tokens``: the next multiple of 4."""
+    return -(-num_tokens // 4) * 4
+
+
 def _fp8_mlp_impl(x: torch.Tensor, gate_up_values: torch.Tensor, gate_up_scales: torch.Tensor,
-                  down_values: torch.Tensor, down_scales: torch.Tensor, swiglu_limit: Optional[float]) -> torch.Tensor:
+                  down_values: torch.Tensor, down_scales: torch.Tensor, swiglu_limit: Optional[float],
+                  out: torch.Tensor) -> None:
     M, H = x.shape
     I = down_values.shape[1]
-    rows = -(-M // 4) * 4
+    rows = out.shape[0]
     xq = torch.empty(rows, H, dtype=torch.float8_e4m3fn, device=x.device)
     xs = _column_major(rows, H // BLOCK, x.device)
     quantize_rows_into(x, xq[:M], xs[:M], None, gather=False)
@@ -96,18 +102,16 @@ def _fp8_mlp_impl(x: torch.Tensor, gate_up_values: torch.Tensor, gate_up_scales:
         gate_up, aq, as_, rows, I, 0.0 if swiglu_limit is None else float(swiglu_limit), gate_up.stride(0),
         aq.stride(0), *as_.stride(), HAS_LIMIT=swiglu_limit is not None, EMULATE_RTNE=_runtime.interpreting(),
         BLOCK_R=block_r, num_warps=4)
-    out = torch._scaled_mm(aq, down_values.t(), scale_a=as_, scale_b=down_scales.contiguous().t(), out_dtype=x.dtype)
-    return out if rows == M else out[:M]
+    torch._scaled_mm(aq, down_values.t(), scale_a=as_, scale_b=down_scales.contiguous().t(), out_dtype=x.dtype,
+                     out=out)
 
 
-# Unlike the stage ops, which write into a buffer their wrapper allocated, this one returns cuBLAS's output:
-# ``_scaled_mm``'s ``out=`` variant has not been tried with block scaling on a GPU.
-_fp8_mlp_op = torch.library.custom_op("moefuse::fp8_mlp", _fp8_mlp_impl, mutates_args=())
+_fp8_mlp_op = torch.library.custom_op("moefuse::fp8_mlp", _fp8_mlp_impl, mutates_args=("out",))
 
 
 @_fp8_mlp_op.register_fake
-def _(x, gate_up_values, gate_up_scales, down_values, down_scales, swiglu_limit) -> torch.Tensor:
-    return x.new_empty(x.shape[0], down_values.shape[0])
+def _(x, gate_up_values, gate_up_scales, down_values, down_scales, swiglu_limit, out) -> None:
+    return None
 
 
 def fp8_mlp(x: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, swiglu_limit: Optional[float] = None
@@ -115,5 +119,7 @@ def fp8_mlp(x: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, swiglu_limit: Op
     """``down(SiLU(gate(x)) * up(x))`` for ``x`` [M, H] (bf16 or fp16) and one expert's ``gate_up`` [1, 2I, H] and
     ``down`` [1, H, I] (SPEC §5's numerics), through cuBLAS; call only where :func:`takes` holds (the layer's shared
     expert checks it). Returns [M, H] in x's dtype."""
+    out = x.new_empty(_padded_rows(x.shape[0]), down.values.shape[1])  # rows past M: cuBLAS's padding, dropped
     op = _fp8_mlp_impl if _runtime.direct_call() else torch.ops.moefuse.fp8_mlp
-    return op(x, gate_up.values[0], gate_up.scales[0], down.values[0], down.scales[0], swiglu_limit)
+    op(x, gate_up.values[0], gate_up.scales[0], down.values[0], down.scales[0], swiglu_limit, out)
+    return out[:x.shape[0]]

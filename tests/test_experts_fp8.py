@@ -198,6 +198,7 @@ def test_passes_around_cublas_match_the_quantizer(M, limit, gen, device):
     x = (torch.randn(M, 300, generator=gen) * torch.logspace(-2, 2, M)[:, None]).bfloat16()
     x[1] = 0
     x[2, 7] = float("nan")
+    x[3, 5] = -x[3].abs().max() * 1e-6  # quantizes below e4m3's smallest subnormal: -0.0, sign kept
     q = torch.empty(M, 300, dtype=torch.float8_e4m3fn, device=device)
     s = fp8_mlp._column_major(M, 3, device)
     quantize_rows_into(x.to(device), q, s, None, gather=False)
@@ -206,6 +207,7 @@ def test_passes_around_cublas_match_the_quantizer(M, limit, gen, device):
     keep = torch.arange(M) != 2
     assert torch.equal(s.cpu()[keep], want_s[keep]) and s[2, 0].isnan()
     assert torch.equal(q.cpu()[keep].view(torch.uint8), want_q[keep].view(torch.uint8))
+    assert q[3, 5].view(torch.uint8).item() == 0x80
     I = 256
     gate_up = torch.randn(M, 2 * I, generator=gen) * 2
     aq = torch.empty(M, I, dtype=torch.float8_e4m3fn, device=device)

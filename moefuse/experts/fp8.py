@@ -57,6 +57,7 @@ def _to_e4m3(y, EMULATE_RTNE: tl.constexpr):
         normal = (bits & 0x7FFFFFFF) >= 0x3C800000  # |y| >= 2^-6: keep 3 of the 23 mantissa bits
         kept = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
         sub = ((y * 512.0 + 12582912.0) - 12582912.0) * 0.001953125  # subnormals: multiples of 2^-9
+        sub = tl.where(sub == 0.0, y * 0.0, sub)  # an underflow keeps y's sign (-0.0), as the cast does
         y = tl.where(y != y, y, tl.where(normal, kept, sub))
     return y.to(tl.float8e4nv)
 

@@ -24,7 +24,7 @@ from moefuse.finalize import (
     moe_finalize_fuse_shared,
     moe_finalize_fuse_shared_torch,
 )
-from moefuse.hf import patch, register_experts_implementation, unpatch
+from moefuse.hf import from_hf, patch, register_experts_implementation, unpatch
 from moefuse.layer import MoELayer, moe_layer_torch
 from moefuse.route import moe_fused_gate, moe_fused_gate_torch, router_logits, router_logits_torch
 from moefuse.warmup import WarmupReport, warmup
@@ -40,6 +40,7 @@ __all__ = [
     "deferred_finalize_context",
     "deferred_finalize_enabled",
     "finalize_deferred_output",
+    "from_hf",
     "moe_dispatch",
     "moe_dispatch_torch",
     "moe_experts",

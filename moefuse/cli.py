@@ -22,6 +22,10 @@ from moefuse.config import PRESETS, preset
 from moefuse.testing import rel_error, rms_rel_error
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# --activation-quant's words -> MoELayer(activation_quant=...)
+ACTIVATION_QUANTS: dict[str, str | None] = {"default": "default", "none": None, "fp8": "fp8"}
+ACTIVATION_QUANT_HELP = ("the routed experts' activations: the weight format's default (unquantized; fp8 for fp8 "
+                         "experts), none, or fp8 (per token and 128 columns: W8A8, and W4A8 with --quant mxfp4)")
 
 
 def progress(message: str) -> None:
@@ -59,9 +63,8 @@ def _positive_int(text: str) -> int:
 
 def run_layer(args: argparse.Namespace) -> int:
     from moefuse.dispatch import moe_dispatch
-    from moefuse.experts import moe_experts, pick_block_m
+    from moefuse.experts import moe_experts, plan_block_m
     from moefuse.finalize import moe_finalize_fuse_shared
-    from moefuse.formats import tile_dtype
     from moefuse.layer import MoELayer, moe_layer_torch
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -72,7 +75,13 @@ def run_layer(args: argparse.Namespace) -> int:
     backend = args.backend
     progress(f"building {args.preset} layer on {device} (H={config.hidden_size}, I={config.intermediate_size}, "
              f"E={config.num_experts}, top-{config.top_k}, {str(dtype).removeprefix('torch.')}, backend={backend})")
-    layer = MoELayer(config, dtype=dtype, device=device, backend=backend, quant=args.quant).init_random_(args.seed)
+    try:
+        layer = MoELayer(config, dtype=dtype, device=device, backend=backend, quant=args.quant,
+                         activation_quant=ACTIVATION_QUANTS[args.activation_quant]).init_random_(args.seed)
+    except ValueError as error:  # a combination without kernels (e.g. --activation-quant none --quant fp8)
+        print(f"moefuse: {error}", file=sys.stderr)
+        return 2
+    aq = layer.activation_quant
     gen = torch.Generator(device).manual_seed(args.seed + 1)
     x = torch.randn(args.tokens, config.hidden_size, generator=gen, device=device, dtype=dtype)
 
@@ -90,10 +99,10 @@ def run_layer(args: argparse.Namespace) -> int:
             c = config
             weights, ids = layer.gate(x)
             gate_up, down = layer.experts.weights()
-            block_m = pick_block_m(x.shape[0], c.num_experts, c.hidden_size, c.intermediate_size, c.top_k,
-                                   tile_dtype(gate_up, dtype))
+            block_m = plan_block_m(x.shape[0], gate_up, c.top_k, dtype, aq)
             plan = moe_dispatch(ids, c.num_experts, block_m, backend=backend)
-            gemm2_out = moe_experts(x, gate_up, down, plan, swiglu_limit=c.swiglu_limit, backend=backend)
+            gemm2_out = moe_experts(x, gate_up, down, plan, swiglu_limit=c.swiglu_limit, activation_quant=aq,
+                                    backend=backend)
             shared = layer._shared(x) if layer.shared_experts is not None else None
 
             def plain_layer() -> torch.Tensor:
@@ -104,7 +113,7 @@ def run_layer(args: argparse.Namespace) -> int:
                 "router (linear + fused gate)": lambda: layer.gate(x),
                 "dispatch": lambda: moe_dispatch(ids, c.num_experts, plan.block_m, backend=backend),
                 "experts (GEMM1 + SwiGLU + GEMM2)": lambda: moe_experts(
-                    x, gate_up, down, plan, swiglu_limit=c.swiglu_limit, backend=backend),
+                    x, gate_up, down, plan, swiglu_limit=c.swiglu_limit, activation_quant=aq, backend=backend),
                 "finalize + shared add": lambda: moe_finalize_fuse_shared(
                     gemm2_out, plan.expanded_to_permuted, weights, shared, c.top_k, backend=backend),
                 "layer, deferred finalize": lambda: layer(x),
@@ -121,6 +130,8 @@ def run_layer(args: argparse.Namespace) -> int:
     scaled = f", scaled down to H={config.hidden_size}, I={config.intermediate_size}"
     size = "" if config == preset(args.preset) else scaled
     quant = f", {args.quant} experts" if args.quant else ""
+    if aq != ("fp8" if args.quant == "fp8" else None):  # not the format's default: say so
+        quant += f", {aq} activations"
     title = f"{args.preset}{size}{quant}: {args.tokens} tokens on {where}, backend {backend}"
     columns = [("stage", "stage"), ("us", "time (µs)"), ("how", "timed by")]
     print(format_table(rows, columns, title) if rows else f"### {title}")
@@ -148,7 +159,12 @@ def run_warmup(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype or "bf16"]
     weights = f", {args.quant} experts" if args.quant else ""
     progress(f"building {args.preset} layer ({str(dtype).removeprefix('torch.')}{weights})")
-    layer = MoELayer(preset(args.preset), dtype=dtype, device="cuda", quant=args.quant).init_random_(0)
+    try:
+        layer = MoELayer(preset(args.preset), dtype=dtype, device="cuda", quant=args.quant,
+                         activation_quant=ACTIVATION_QUANTS[args.activation_quant]).init_random_(0)
+    except ValueError as error:
+        print(f"moefuse warmup: {error}", file=sys.stderr)
+        return 2
     report = warmup(layer, args.max_tokens)
     print(report)
     return 0
@@ -172,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="activations (and unquantized weights); default: bf16 on GPU or with --quant, else fp32")
         p.add_argument("--quant", default=None, choices=["fp8", "mxfp4"],
                        help="expert weights in fp8 block-scale (SPEC §5) or MXFP4 (SPEC §6)")
+        p.add_argument("--activation-quant", default="default", choices=sorted(ACTIVATION_QUANTS),
+                       help=ACTIVATION_QUANT_HELP)
         p.add_argument("--device", default=None, help="default: cuda when present, else cpu")
         p.add_argument("--full-size", action="store_true", help="on CPU, use the real widths too (slow)")
         p.add_argument("--seed", type=int, default=0)
@@ -182,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     warm.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16")
     warm.add_argument("--quant", default=None, choices=["fp8", "mxfp4"],
                       help="expert weights in fp8 block-scale or MXFP4, as the deployment runs them")
+    warm.add_argument("--activation-quant", default="default", choices=sorted(ACTIVATION_QUANTS),
+                      help=ACTIVATION_QUANT_HELP)
     bench = sub.add_parser("bench", help="GPU benchmarks: tables, results file and plot")
     bench.add_argument("stages", nargs="*", default=["router", "finalize", "experts", "layer", "quant", "host"])
     bench.add_argument("--quick", action="store_true", help="fewer sizes")

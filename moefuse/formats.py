@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Optional, cast
 
 import torch
 from typing_extensions import Self
@@ -42,6 +42,9 @@ class QuantizedWeight:
     tile_dtype: ClassVar[torch.dtype]  # keys the experts' tile choice (``configs.pick``)
     row_step: ClassVar[int]  # where rows (N) may be cut without splitting a scale
     col_step: ClassVar[int]  # where columns (K) may be cut likewise
+    # The activation precisions the experts take with this format (``moe_experts(activation_quant=...)``), its
+    # default first: None, activations as given (hidden's dtype); "fp8", e4m3 per token and 128 columns (SPEC §5).
+    activation_quants: ClassVar[tuple[Optional[str], ...]]
 
     if TYPE_CHECKING:  # what every format (a dataclass of these two fields) provides
 
@@ -114,6 +117,7 @@ class BlockFP8(QuantizedWeight):
     tile_dtype: ClassVar[torch.dtype] = torch.float8_e4m3fn  # the GEMMs' operands: keys the tile choice
     row_step: ClassVar[int] = BLOCK
     col_step: ClassVar[int] = BLOCK
+    activation_quants: ClassVar[tuple[Optional[str], ...]] = ("fp8",)  # W8A8 only
 
     def __post_init__(self) -> None:
         values = _checks.check_tensor("values", self.values, dtypes=(torch.float8_e4m3fn,), ndim=3)
@@ -191,6 +195,8 @@ class MXFP4(QuantizedWeight):
     tile_dtype: ClassVar[torch.dtype] = torch.uint8  # packed e2m1: the heuristic's MXFP4 tiles (configs.heuristic)
     row_step: ClassVar[int] = 1  # one scale per row
     col_step: ClassVar[int] = MX_GROUP
+    # W4A16 by default, at every batch size (docs/CHOICES.md); "fp8" opts in to W4A8 (SPEC §6)
+    activation_quants: ClassVar[tuple[Optional[str], ...]] = (None, "fp8")
 
     def __post_init__(self) -> None:
         values = _checks.check_tensor("values", self.values, dtypes=(torch.int8, torch.uint8), ndim=3)
@@ -252,6 +258,25 @@ def tile_dtype(weight: ExpertWeight, activation_dtype: torch.dtype) -> torch.dty
     """The dtype that keys the experts' tile choice (``configs.pick``): a format's operand type, or the
     activations' for a plain tensor."""
     return activation_dtype if isinstance(weight, torch.Tensor) else weight.tile_dtype
+
+
+ACTIVATION_QUANTS = ("default", None, "fp8")  # what ``activation_quant`` may say
+
+
+def resolve_activation_quant(weight: ExpertWeight, activation_quant: object) -> Optional[str]:
+    """The activation precision the experts run with on ``weight``: None (activations as given) or "fp8" (e4m3
+    per token and 128 columns, SPEC §5). ``"default"`` is the format's own (plain tensors and MXFP4: None; BlockFP8:
+    "fp8"); a precision the format has no kernels for is a ValueError naming ``activation_quant``."""
+    if activation_quant not in ACTIVATION_QUANTS:
+        raise ValueError(f"activation_quant must be one of {ACTIVATION_QUANTS}, got {activation_quant!r}")
+    takes = (None,) if isinstance(weight, torch.Tensor) else weight.activation_quants
+    if activation_quant == "default":
+        return takes[0]
+    if activation_quant not in takes:
+        name = "plain tensors" if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"activation_quant={activation_quant!r} is not available for {name} weights; they take "
+                         f"{takes}")
+    return cast(Optional[str], activation_quant)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@ Three ways in, from lightest to fullest:
 - ``register_experts_implementation()`` adds ``"moefuse"`` to transformers' experts interface, so
   ``from_pretrained(..., experts_implementation="moefuse")`` or ``model.set_experts_implementation("moefuse")``
   runs every experts module through moefuse's dispatch, grouped GEMMs and finalize (routing stays transformers').
-- ``MoELayer.from_hf(block)`` builds a layer that shares the block's tensors (no copy).
+- ``moefuse.from_hf(block)`` builds a layer that shares the block's tensors (no copy).
 - ``patch(model)`` swaps every supported block for such a layer, so routing and the deferred finalize with the
   shared expert run fused too; ``unpatch(model)`` puts the original blocks back.
 
@@ -24,7 +24,7 @@ from torch import nn
 from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
 from moefuse.formats import MX_GROUP, MXFP4, BlockFP8, ue8m0_of
-from moefuse.layer import MoELayer, Quant, routed_experts, stack_gate_up
+from moefuse.layer import MoELayer, Quant, SharedQuant, routed_experts, stack_gate_up
 
 # Block class name -> scoring function of its router ("config" = read the router's activation).
 SUPPORTED_BLOCKS: dict[str, str] = {
@@ -46,7 +46,7 @@ def unsupported_reason(block: HFModule) -> str | None:
         return f"{type(block).__name__} is not a supported MoE block"
     if kind == "config" and type(block.gate.score_fn).__name__ not in _ACTIVATION_SCORING:
         return f"router activation {type(block.gate.score_fn).__name__}"
-    reason = _fp8_reason(block)
+    reason = _experts_reason(block.experts) or _shared_reason(block)
     if reason is not None:
         return reason
     act = getattr(block.experts, "act_fn", None)
@@ -62,17 +62,23 @@ def quant_of(block: HFModule) -> Quant:
     return "fp8" if dtype == torch.float8_e4m3fn else "mxfp4" if dtype == torch.int8 else None
 
 
-def _fp8_reason(block: HFModule) -> str | None:
-    """Why a block's quantized experts cannot run here, or None (not quantized, or fp8 block-scale or MXFP4 as
-    shipped)."""
-    experts = block.experts
+def shared_quant_of(block: HFModule) -> SharedQuant:
+    """The format of a block's shared expert, read off the module itself: ``"fp8"`` for transformers' FP8Linear
+    projections (e4m3 weights, 128 x 128 block scales), None for plain ``nn.Linear`` ones (a checkpoint quantized
+    with the shared expert in ``modules_to_not_convert``) and for a block without one."""
+    shared = getattr(block, "shared_experts", None)
+    return "fp8" if shared is not None and shared.gate_proj.weight.dtype == torch.float8_e4m3fn else None
+
+
+def _experts_reason(experts: HFModule) -> str | None:
+    """Why a block's quantized routed experts cannot run here, or None (not quantized, or fp8 block-scale or MXFP4
+    as shipped)."""
     weight = experts.gate_up_proj
     if weight.element_size() != 1:
         return None
     name = type(experts).__name__
-    shared = getattr(block, "shared_experts", None)
     if weight.dtype == torch.int8:
-        return _mxfp4_reason(experts, shared)
+        return _mxfp4_reason(experts)
     if weight.dtype != torch.float8_e4m3fn:
         return f"quantized experts {name} in {weight.dtype}"
     block_size = getattr(experts, "block_size", None)
@@ -82,15 +88,44 @@ def _fp8_reason(block: HFModule) -> str | None:
         return f"fp8 experts {name} with static activation scales (only dynamic)"
     if not hasattr(experts, "gate_up_proj_scale_inv"):
         return f"fp8 experts {name} without gate_up_proj_scale_inv"
-    shared = getattr(block, "shared_experts", None)
-    if shared is not None and shared.gate_proj.weight.dtype != torch.float8_e4m3fn:
-        return "fp8 routed experts with a shared expert that is not fp8"
-    if shared is not None and experts.gate_up_proj.shape[1] // 2 % 128:
-        return "fp8 experts whose width I is not a multiple of 128 with a shared expert"
     return None
 
 
-def _mxfp4_reason(experts: HFModule, shared: HFModule | None) -> str | None:
+def _shared_reason(block: HFModule) -> str | None:
+    """Why a block's shared expert cannot run here, or None: three plain ``nn.Linear`` s (run as they are), or three
+    FP8Linear s without biases, with 128 x 128 block scales and dynamic activation scales, whose width is a multiple
+    of 128 (their gate and up blocks are separate in a checkpoint, so the one-expert fp8 GEMM could not read
+    [gate; up] as one)."""
+    shared = getattr(block, "shared_experts", None)
+    if shared is None:
+        return None
+    projs = [getattr(shared, name) for name in ("gate_proj", "up_proj", "down_proj")]
+    dtypes = {proj.weight.dtype for proj in projs}
+    if len(dtypes) > 1:
+        return f"shared expert projections in different formats ({sorted(map(str, dtypes))})"
+    dtype = dtypes.pop()
+    if dtype.is_floating_point and dtype.itemsize > 1:  # unquantized: the layer calls the modules themselves
+        return None
+    name = type(projs[0]).__name__
+    if dtype != torch.float8_e4m3fn:
+        return f"quantized shared expert {name} in {dtype}"
+    if any(getattr(proj, "bias", None) is not None for proj in projs):  # the fp8 GEMMs add none
+        return f"fp8 shared expert {name} with biases"
+    block_size = getattr(projs[0], "block_size", None)
+    if block_size is None or tuple(block_size) != (128, 128):
+        return f"fp8 shared expert {name} with block size {block_size} (only 128 x 128 block scales)"
+    if any(getattr(proj, "activation_scheme", "dynamic") != "dynamic" for proj in projs):
+        return f"fp8 shared expert {name} with static activation scales (only dynamic)"
+    if not all(hasattr(proj, "weight_scale_inv") for proj in projs):
+        return f"fp8 shared expert {name} without weight_scale_inv"
+    width = shared.gate_proj.weight.shape[0]
+    if width % 128:
+        return (f"fp8 shared expert whose width {width} is not a multiple of 128 (its gate and up blocks are "
+                "separate in a checkpoint)")
+    return None
+
+
+def _mxfp4_reason(experts: HFModule) -> str | None:
     """Why transformers' FP4 experts cannot run here, or None."""
     name = type(experts).__name__
     for proj in ("gate_up_proj", "down_proj"):
@@ -99,10 +134,6 @@ def _mxfp4_reason(experts: HFModule, shared: HFModule | None) -> str | None:
             return f"FP4 experts {name} whose {proj} has no scale per 32 K values of a row"
         if scales.dtype not in (torch.float8_e8m0fnu, torch.uint8, torch.float32):
             return f"FP4 experts {name} with {scales.dtype} scales"
-    if shared is not None and shared.gate_proj.weight.dtype != torch.float8_e4m3fn:
-        return "FP4 routed experts with a shared expert that is not fp8 block-scale"
-    if shared is not None and experts.down_proj.shape[2] * 2 % 128:
-        return "FP4 experts whose width I is not a multiple of 128 with a shared expert"
     return None
 
 
@@ -145,25 +176,34 @@ def config_from_hf(block: HFModule) -> MoEConfig:
     )
 
 
-def layer_from_hf(block: HFModule, *, backend: Backend = "auto", activation_dtype: torch.dtype = torch.bfloat16
-                  ) -> MoELayer:
+def from_hf(block: HFModule, *, backend: Backend = "auto", activation_dtype: torch.dtype | None = None,
+                  activation_quant: str | None = "default") -> MoELayer:
     """A MoELayer computing ``block``'s function with ``block``'s own tensors (shared, not copied).
 
-    A block with transformers' FP8 experts becomes a ``quant="fp8"`` layer taking ``activation_dtype`` hidden
-    states; its routed expert values and fp32 scales are shared, ue8m0 scales converted to fp32, and its fp8 shared
-    expert's gate and up tensors re-homed into one (see ``_stack_fp8_gate_up``). One with its FP4 experts becomes
-    a ``quant="mxfp4"`` layer (bf16 activations): packed values and ue8m0 scales shared, fp32 power-of-two
-    scales converted to ue8m0 once; its scale exponents are checked (:meth:`MoELayer.check_weights`).
+    The routed and the shared expert's formats are read off the block's own modules (:func:`quant_of`,
+    :func:`shared_quant_of`), each as it is: a checkpoint may keep the shared expert unquantized
+    (``modules_to_not_convert``) beside fp8 or FP4 routed experts, or quantize the shared expert alone. A block with
+    transformers' FP8 experts becomes a ``quant="fp8"`` layer: its routed expert values and fp32 scales are shared,
+    ue8m0 scales converted to fp32. One with its FP4 experts becomes a ``quant="mxfp4"`` layer (bf16 activations):
+    packed values and ue8m0 scales shared, fp32 power-of-two scales converted to ue8m0 once; its scale exponents
+    are checked (:meth:`MoELayer.check_weights`). An fp8 shared expert's gate and up tensors are re-homed into one
+    (see ``_stack_fp8_gate_up``); a plain one's ``nn.Linear`` s are taken as they are.
+
+    ``activation_dtype``: of the hidden states, with quantized routed experts; None: the shared expert's dtype
+    where it is unquantized (it must match), else bf16. With unquantized routed experts it is theirs.
+    ``activation_quant``: the routed experts' activations (``MoELayer``'s argument: ``"fp8"`` runs FP4 experts
+    W4A8; ``"default"`` runs each format as it defaults).
     """
     config = config_from_hf(block)
     shared = getattr(block, "shared_experts", None)
     if shared is not None and shared.gate_proj.weight.shape[0] % config.intermediate_size:
         raise ValueError("block: shared expert width is not a multiple of the routed expert width")
-    quant = quant_of(block)
+    quant, shared_quant = quant_of(block), shared_quant_of(block)
     table = block.gate.tid2eid if getattr(block, "is_hash", False) else None
     vocab = None if table is None else table.shape[0]
-    dtype = block.experts.gate_up_proj.dtype if quant is None else activation_dtype
-    layer = MoELayer(config, dtype=dtype, device="meta", backend=backend, quant=quant, hash_vocab_size=vocab)
+    dtype = block.experts.gate_up_proj.dtype if quant is None else _activation_dtype(shared, activation_dtype)
+    layer = MoELayer(config, dtype=dtype, device="meta", backend=backend, quant=quant, shared_quant=shared_quant,
+                     activation_quant=activation_quant, hash_vocab_size=vocab)
     layer.gate.tid2eid = table
     layer.gate.weight = block.gate.weight
     layer.gate.e_score_correction_bias = getattr(block.gate, "e_score_correction_bias", None)
@@ -176,13 +216,23 @@ def layer_from_hf(block: HFModule, *, backend: Backend = "auto", activation_dtyp
         else:  # ue8m0 as the layer keeps it (a view when the checkpoint's are ue8m0 already)
             scales = ue8m0_of(scale_inv).view(torch.float8_e8m0fnu)
         setattr(layer.experts, f"{name}_scale_inv", nn.Parameter(scales, requires_grad=False))
-    if quant is not None and shared is not None:
+    if shared_quant == "fp8":
         _stack_fp8_gate_up(shared)
     if shared is not None:
         for name in ("gate_proj", "up_proj", "down_proj"):
             setattr(layer.shared_experts, name, getattr(shared, name))
     layer.check_weights()
     return layer
+
+
+def _activation_dtype(shared: HFModule | None, given: torch.dtype | None) -> torch.dtype:
+    """The hidden states' dtype of a layer with quantized routed experts: ``given``, or an unquantized shared
+    expert's (which computes in it: a mismatch is refused here rather than by its first matmul), or bf16."""
+    plain = None if shared is None or shared.gate_proj.weight.element_size() == 1 else shared.gate_proj.weight.dtype
+    if given is not None and plain is not None and given != plain:
+        raise ValueError(f"activation_dtype {given} differs from the unquantized shared expert's dtype {plain}: "
+                         "cast the block's shared expert to it, or pass its dtype")
+    return given or plain or torch.bfloat16
 
 
 def _stack_fp8_gate_up(shared: HFModule) -> None:
@@ -209,15 +259,20 @@ def _looks_like_moe(module: nn.Module) -> bool:
     return hasattr(module, "experts") and hasattr(module, "gate")
 
 
-def patch(model: nn.Module, *, backend: Backend = "auto", warmup_tokens: int | None = None) -> PatchReport:
+def patch(model: nn.Module, *, backend: Backend = "auto", warmup_tokens: int | None = None,
+          activation_quant: str | None = "default") -> PatchReport:
     """Replace every supported sparse-MoE block of ``model`` by a MoELayer sharing its tensors; returns a report.
 
     Unsupported blocks are left alone and listed in ``report.skipped``. Patching twice is harmless (patched
-    layers are not MoE blocks any more). ``unpatch`` restores the original modules exactly. With
-    ``warmup_tokens``, :func:`moefuse.warmup` then compiles every kernel variant up to that many tokens (and
+    layers are not MoE blocks any more). ``unpatch`` restores the original modules exactly. Each block's routed
+    and shared expert formats are read off it (:func:`from_hf`). ``activation_quant`` goes to every layer
+    (``MoELayer``'s argument, e.g. ``"fp8"`` for W4A8 FP4 experts); a block it does not apply to (``"fp8"`` on
+    unquantized experts, None on fp8 ones) is a ValueError naming the block, raised before anything is replaced.
+    With ``warmup_tokens``, :func:`moefuse.warmup` then compiles every kernel variant up to that many tokens (and
     captures the decode graphs), so no request waits for a compile; its report is ``report.warmup``.
     """
     report = PatchReport()
+    layers: dict[str, MoELayer] = {}
     for name, module in list(model.named_modules()):
         if isinstance(module, MoELayer) or not _looks_like_moe(module):
             continue
@@ -225,8 +280,12 @@ def patch(model: nn.Module, *, backend: Backend = "auto", warmup_tokens: int | N
         if reason is not None:
             report.skipped[name] = reason
             continue
-        layer = layer_from_hf(module, backend=backend)
-        object.__setattr__(layer, _ORIGINAL, module)  # not a submodule: its tensors are the layer's already
+        try:
+            layers[name] = from_hf(module, backend=backend, activation_quant=activation_quant)
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from error
+    for name, layer in layers.items():  # all built: a refusal above leaves the model as it was
+        object.__setattr__(layer, _ORIGINAL, model.get_submodule(name))  # not a submodule: its tensors are the layer's
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, layer)
         report.patched.append(name)

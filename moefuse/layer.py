@@ -2,7 +2,7 @@
 
 Module and parameter names follow Hugging Face's DeepSeek-V3 / GLM / Qwen3-MoE blocks (``gate.weight``,
 ``gate.e_score_correction_bias``, ``experts.gate_up_proj``, ``experts.down_proj``, ``shared_experts.*``), so a
-checkpoint's tensors load as they are and ``MoELayer.from_hf`` can share a transformers block's tensors.
+checkpoint's tensors load as they are and ``moefuse.from_hf`` can share a transformers block's tensors.
 
 On CUDA the shared expert runs on a side stream while the routed experts run on the current one; with deferred
 finalize (SPEC §3, on by default) the experts runner skips its own combine and one kernel does combine + shared add.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Literal, cast
+from typing import Any, Literal, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,8 @@ from moefuse._checks import check_int
 from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
 from moefuse.dispatch import moe_dispatch
-from moefuse.experts import configs, fp8_mlp, moe_experts, pick_block_m
+from moefuse.experts import configs, fp8_mlp, moe_experts, plan_block_m
+from moefuse.experts.reference import w4a8_weight
 from moefuse.finalize import (
     DeferredFinalizeOutput,
     deferred_finalize_allowed,
@@ -41,6 +42,7 @@ from moefuse.formats import (
     QuantizedWeight,
     dequantize_rows,
     quantize_rows,
+    resolve_activation_quant,
     tile_dtype,
 )
 from moefuse.graphs import DecodeGraphs, state_key
@@ -111,16 +113,26 @@ class MoERouter(nn.Module):
         )
 
 
+# The activations' precision in the routed experts (``moe_experts(activation_quant=...)``): "default" is the weight
+# format's own (plain tensors and MXFP4: None; BlockFP8: "fp8"), None leaves them in their dtype, "fp8" quantizes
+# them per token and 128 columns (SPEC §5). A str, as the op takes it (callers pass what a command line parsed);
+# ``formats.resolve_activation_quant`` refuses anything else.
+ActivationQuant = Optional[str]
+
+
 def routed_experts(x: torch.Tensor, gate_up_proj: ExpertWeight, down_proj: ExpertWeight, weights: torch.Tensor,
                    ids: torch.Tensor, *, swiglu_limit: float | None = None, defer: bool = False,
-                   backend: Backend = "auto") -> torch.Tensor | DeferredFinalizeOutput:
+                   activation_quant: ActivationQuant = "default", backend: Backend = "auto"
+                   ) -> torch.Tensor | DeferredFinalizeOutput:
     """Dispatch + grouped GEMM1/SwiGLU/GEMM2 for tokens ``x`` [M, H] routed by ``ids`` int32 [M, K] with ``weights``
-    [M, K] (fp32 or bf16); then the combine into [M, H], or with ``defer`` the pieces for a fused finalize."""
-    num_experts, two_i, hidden = gate_up_proj.shape
+    [M, K] (fp32 or bf16); then the combine into [M, H], or with ``defer`` the pieces for a fused finalize.
+    ``activation_quant`` as :func:`moefuse.moe_experts` takes it (the plan's tile height follows it)."""
+    num_experts = gate_up_proj.shape[0]
     top_k = ids.shape[1]
-    block_m = pick_block_m(x.shape[0], num_experts, hidden, two_i // 2, top_k, tile_dtype(gate_up_proj, x.dtype))
+    block_m = plan_block_m(x.shape[0], gate_up_proj, top_k, x.dtype, activation_quant)
     plan = moe_dispatch(ids, num_experts, block_m, backend=backend)
-    gemm2_out = moe_experts(x, gate_up_proj, down_proj, plan, swiglu_limit=swiglu_limit, backend=backend)
+    gemm2_out = moe_experts(x, gate_up_proj, down_proj, plan, swiglu_limit=swiglu_limit,
+                            activation_quant=activation_quant, backend=backend)
     deferred = DeferredFinalizeOutput(gemm2_out, weights, plan.expanded_to_permuted, top_k)
     return deferred if defer else finalize_deferred_output(deferred, None, backend=backend)
 
@@ -138,7 +150,8 @@ class MoEExperts(nn.Module):
     down_proj_scale_inv: torch.Tensor
 
     def __init__(self, config: MoEConfig, *, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str | None = None, backend: Backend = "auto", quant: Quant = None):
+                 device: torch.device | str | None = None, backend: Backend = "auto", quant: Quant = None,
+                 activation_quant: ActivationQuant = "default"):
         super().__init__()
         self.config = config
         self.backend = backend
@@ -150,6 +163,9 @@ class MoEExperts(nn.Module):
         else:
             self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H, dtype=dtype, device=device))
             self.down_proj = nn.Parameter(torch.empty(E, H, I, dtype=dtype, device=device))
+        # Resolved once, against the format (which never changes): a combination it has no kernels for (BlockFP8
+        # without fp8 activations, plain tensors with them) is refused here, not at the first call.
+        self.activation_quant: str | None = resolve_activation_quant(self.weights()[0], activation_quant)
 
     def weights(self) -> tuple[ExpertWeight, ExpertWeight]:
         """``(gate_up_proj, down_proj)`` as the experts op takes them: tensors, :class:`BlockFP8` s or
@@ -165,7 +181,7 @@ class MoEExperts(nn.Module):
         if defer is None:
             defer = deferred_finalize_enabled()
         return routed_experts(x, *self.weights(), weights, ids, swiglu_limit=self.config.swiglu_limit, defer=defer,
-                              backend=self.backend)
+                              activation_quant=self.activation_quant, backend=self.backend)
 
 
 def expert_weights(module: Any, quant: Quant) -> tuple[ExpertWeight, ExpertWeight]:
@@ -188,6 +204,15 @@ def quantized_params(quant: Quant, E: int, N: int, K: int, device: torch.device 
 
 Quant = Literal[None, "fp8", "mxfp4"]
 QUANTS: tuple[str | None, ...] = (None, "fp8", "mxfp4")
+# The shared expert's format: None (the activations' dtype) or fp8 block-scale. Never MXFP4: no checkpoint ships one.
+SharedQuant = Literal[None, "fp8"]
+SHARED_QUANTS: tuple[str | None, ...] = (None, "fp8")
+
+
+def default_shared_quant(quant: Quant) -> SharedQuant:
+    """The shared expert's format a routed format implies where none is given: fp8 block-scale beside fp8 or MXFP4
+    routed experts (as DeepSeek-V3 and DeepSeek-V4 ship them), else unquantized."""
+    return None if quant is None else "fp8"
 
 
 def _fp8_params(E: int, N: int, K: int, device: torch.device | str | None) -> tuple[nn.Parameter, nn.Parameter]:
@@ -228,8 +253,8 @@ class SharedExpert(nn.Module):
     down_proj: Any
 
     def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None, *,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None, quant: Quant = None,
-                 backend: Backend = "auto"):
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
+                 quant: SharedQuant = None, backend: Backend = "auto"):
         super().__init__()
         self.limit = swiglu_limit
         self.quant = quant
@@ -348,23 +373,52 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
+def _check_formats(config: MoEConfig, dtype: torch.dtype, quant: Quant, shared_quant: SharedQuant) -> None:
+    """Refuse (TypeError for the activations' dtype, else ValueError) what the routed and shared formats cannot run,
+    naming the argument."""
+    shared = config.num_shared_experts > 0
+    for name, fmt in (("quant", quant), ("shared_quant", shared_quant if shared else None)):
+        if fmt is None:
+            continue
+        allowed = (torch.bfloat16,) if fmt == "mxfp4" else (torch.bfloat16, torch.float16)
+        if dtype not in allowed:
+            raise TypeError(f"{name}={fmt!r} takes activations (dtype) in {allowed}, got {dtype}")
+    if quant == "mxfp4" and (config.hidden_size % MX_GROUP or config.intermediate_size % MX_GROUP):
+        raise ValueError(f"quant='mxfp4' needs H and I multiples of {MX_GROUP} (one scale per 32), got {config}")
+    if shared and shared_quant == "fp8" and config.shared_intermediate_size % BLOCK:
+        raise ValueError(f"an fp8 shared expert (shared_quant='fp8', the default with quant='fp8' or 'mxfp4') needs "
+                         f"a width (I · num_shared_experts) that is a multiple of {BLOCK}: its gate and up blocks are "
+                         f"separate in a checkpoint, so the one-expert GEMM cannot read them as one [2I, H] weight; "
+                         f"pass shared_quant=None for a shared expert in {dtype}; got {config} with quant={quant!r}")
+
+
 class MoELayer(nn.Module):
     """A whole MoE block: ``out = Σ_k w_k · expert_{id_k}(x) + shared(x)`` for every token.
 
     Args:
         config: shapes and routing options (``moefuse.config.PRESETS`` has the SPEC §4 models).
         dtype: dtype of the expert and shared weights and of the activations (bf16, fp16 or fp32).
-        quant: None, or ``"fp8"``: expert and shared weights in e4m3 with fp32 scales per 128 x 128 block (SPEC
-            §5; ``experts.gate_up_proj`` / ``gate_up_proj_scale_inv`` ... and ``shared_experts.*.weight`` /
-            ``weight_scale_inv``, as transformers names an FP8 checkpoint's tensors); activations in ``dtype``
-            (bf16 or fp16), quantized on the fly. A shared expert then needs I to be a multiple of 128; it runs as
-            one more slot of the grouped GEMMs when it can (by default at every batch size, except prefill on
-            Hopper, where cuBLAS's block-scaled GEMMs run it on the side stream: ``experts.fp8_mlp.takes``), else
-            as a one-expert grouped GEMM (padded tokens). Or ``"mxfp4"``, as DeepSeek-V4 ships: routed experts in
-            MXFP4 (SPEC §6; ``experts.gate_up_proj`` int8 [E, 2I, H/2], ``gate_up_proj_scale_inv`` ue8m0 [E, 2I,
-            H/32] ...; H and I multiples of 32), bf16 activations (W4A16; W4A8 at prefill on Hopper, SPEC §6), and
-            the shared expert in fp8 as above (on the side stream, cuBLAS or a one-expert grouped GEMM: the formats
-            differ, so no shared slot).
+        quant: the routed experts' format. None (weights in ``dtype``), or ``"fp8"``: e4m3 with fp32 scales per
+            128 x 128 block (SPEC §5; ``experts.gate_up_proj`` / ``gate_up_proj_scale_inv`` ..., as transformers
+            names an FP8 checkpoint's tensors), activations in ``dtype`` (bf16 or fp16) quantized on the fly. Or
+            ``"mxfp4"``, as DeepSeek-V4 ships: MXFP4 (SPEC §6; ``experts.gate_up_proj`` int8 [E, 2I, H/2],
+            ``gate_up_proj_scale_inv`` ue8m0 [E, 2I, H/32] ...; H and I multiples of 32), bf16 activations.
+        shared_quant: the shared expert's format: None (``shared_experts.*.weight`` in ``dtype``, run by
+            ``torch.nn.Linear``), or ``"fp8"`` (block-scale as above, ``shared_experts.*.weight_scale_inv`` too;
+            one shared expert whose width is a multiple of 128, as its gate and up blocks are separate in a
+            checkpoint; run as a one-expert fp8 grouped GEMM, or at prefill on Hopper on cuBLAS's block-scaled
+            GEMMs: ``experts.fp8_mlp.takes``). ``"default"``: what ``quant`` implies (``default_shared_quant``:
+            fp8 beside fp8 or MXFP4 routed experts, as DeepSeek-V3 and V4 ship; None beside unquantized ones).
+            Any routed format goes with either; only where both are the same (None and None, fp8 and fp8) can
+            the shared expert run as a slot of the routed GEMMs (``shared_slot_max_tokens``; for fp8, by default
+            at every batch size cuBLAS does not take), else it runs on the side stream.
+        activation_quant: the routed experts' activations (:func:`moefuse.moe_experts`), the same at every batch
+            size, so a token's output never depends on its batch: ``"default"``, the format's own (None for
+            unquantized and MXFP4 experts: W4A16; ``"fp8"`` for fp8 ones: W8A8); None (unquantized; refused with
+            ``quant="fp8"``); or ``"fp8"``, per token and 128 columns (refused with ``quant=None``; with
+            ``quant="mxfp4"`` W4A8: its Triton kernels run on Hopper with H and I multiples of 128, the reference
+            backend anywhere). Resolved and checked here (:attr:`activation_quant` holds None or ``"fp8"``). An
+            fp8 shared expert is W8A8 whatever this says.
         hash_vocab_size: make this a hash-routed layer (DeepSeek-V4's first MoE layers): each token's experts are
             ``gate.tid2eid[input_ids]`` (a [vocab, top_k] table loaded from the checkpoint), weighted by the scores
             of those experts (:func:`moefuse.route.reference.hash_gate_torch`); ``forward`` then needs
@@ -387,37 +441,36 @@ class MoELayer(nn.Module):
 
     ``forward`` takes hidden states [..., H] in ``dtype`` and returns the same shape. A fixed-size decode step
     does no host synchronisation and can be captured in a CUDA graph. With one shared expert as wide as a routed
-    one (every SPEC §4 model that has one), its weights are allocated as expert E of the routed tensors, and
-    ``shared_experts.*`` and ``experts.*`` are views into them: a state dict loads into both as usual.
+    one (every SPEC §4 model that has one) and of the routed experts' format, its weights are allocated as expert E
+    of the routed tensors, and ``shared_experts.*`` and ``experts.*`` are views into them: a state dict loads into
+    both as usual.
     """
 
     def __init__(self, config: MoEConfig, *, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str | None = None, backend: Backend = "auto",
                  shared_slot_max_tokens: int | None = None, graph_max_tokens: int = GRAPH_MAX_TOKENS,
-                 quant: Quant = None, hash_vocab_size: int | None = None):
+                 quant: Quant = None, hash_vocab_size: int | None = None,
+                 shared_quant: SharedQuant | Literal["default"] = "default",
+                 activation_quant: ActivationQuant = "default"):
         super().__init__()
         if quant not in QUANTS:
             raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
-        if quant is not None:
-            allowed = (torch.bfloat16, torch.float16) if quant == "fp8" else (torch.bfloat16,)
-            if dtype not in allowed:
-                raise TypeError(f"quant={quant!r} takes activations (dtype) in {allowed}, got {dtype}")
-            if config.num_shared_experts > 1 or (config.num_shared_experts and config.intermediate_size % BLOCK):
-                raise ValueError(f"quant={quant!r} needs no shared expert, or one whose width I is a multiple of 128 "
-                                 f"(its fp8 gate and up blocks are separate in a checkpoint), got {config}")
-        if quant == "mxfp4" and (config.hidden_size % MX_GROUP or config.intermediate_size % MX_GROUP):
-            raise ValueError(f"quant='mxfp4' needs H and I multiples of {MX_GROUP} (one scale per 32), got {config}")
+        if shared_quant == "default":
+            shared_quant = default_shared_quant(quant)
+        elif shared_quant not in SHARED_QUANTS:
+            raise ValueError(f"shared_quant must be 'default' or one of {SHARED_QUANTS}, got {shared_quant!r}")
+        _check_formats(config, dtype, quant, shared_quant)
         self.config = config
         self.backend = backend
         self.quant = quant
+        self.shared_quant: SharedQuant = shared_quant if config.num_shared_experts else None
         self._activation_dtype = dtype
         self.gate = MoERouter(config, device=device, backend=backend, hash_vocab_size=hash_vocab_size)
-        # With one shared expert as wide as a routed one (and of the same format), its weights are allocated right
+        # With one shared expert as wide as a routed one and of the same format, its weights are allocated right
         # behind the routed experts' (expert E of the same tensors), so the grouped GEMMs can run it as one more slot.
-        stack = config.num_shared_experts == 1 and quant != "mxfp4"
-        shared_quant: Quant = "fp8" if quant == "mxfp4" else quant
+        stack = config.num_shared_experts == 1 and shared_quant == quant
         self.experts = MoEExperts(config, dtype=dtype, device="meta" if stack else device, backend=backend,
-                                  quant=quant)
+                                  quant=quant, activation_quant=activation_quant)
         self.shared_experts = (
             SharedExpert(config.hidden_size, config.shared_intermediate_size, config.swiglu_limit,
                          dtype=dtype, device="meta" if stack else device, quant=shared_quant, backend=backend)
@@ -459,10 +512,11 @@ class MoELayer(nn.Module):
         """``(gate_up_proj [E+1, 2I, H], down_proj [E+1, H, I])``: the routed experts with the shared expert as
         expert E, viewed over the same storage, when the shared weights still sit right behind the routed ones
         (as this layer allocates them; not after ``from_hf``, or once a parameter was replaced); else None.
-        ``BlockFP8`` s (values and scales each stacked so) with ``quant="fp8"``."""
+        ``BlockFP8`` s (values and scales each stacked so) with ``quant="fp8"``. None where the routed and shared
+        formats differ."""
         shared, experts = self.shared_experts, self.experts
-        if shared is None or experts.gate_up_proj.device.type == "meta" or self.quant == "mxfp4":
-            return None
+        if shared is None or experts.gate_up_proj.device.type == "meta" or self.shared_quant != self.quant:
+            return None  # stacked only where both are one format (never MXFP4: no shared expert is)
         parts = [("gate_up_proj", "down_proj", "weight")]
         if self.quant == "fp8":
             parts.append(("gate_up_proj_scale_inv", "down_proj_scale_inv", "weight_scale_inv"))
@@ -484,7 +538,7 @@ class MoELayer(nn.Module):
         tensors no longer lie one after the other as the grouped GEMMs read them: put them together again."""
         module = super()._apply(fn, recurse)
         shared = self.shared_experts
-        if self.quant is not None and shared is not None and self.shared_slot_weights() is None:
+        if self.shared_quant == "fp8" and shared is not None and self.shared_slot_weights() is None:
             stack_gate_up(shared)
         return module
 
@@ -498,8 +552,9 @@ class MoELayer(nn.Module):
         """The stacked weights a call runs the shared expert as a slot with (:meth:`shared_slot_weights`), or None
         when it does not (see :meth:`uses_shared_slot`)."""
         c = self.config
-        if (self.shared_experts is None or not c.renormalize or num_token_non_padded is not None
-                or self.gate.tid2eid is not None or torch.compiler.is_compiling()):
+        if (self.shared_experts is None or self.shared_quant != self.quant or not c.renormalize
+                or num_token_non_padded is not None or self.gate.tid2eid is not None
+                or torch.compiler.is_compiling()):
             return None
         limit = self.shared_slot_max_tokens
         if limit is None and self.quant is not None:  # the grouped GEMMs, unless cuBLAS takes it (prefill)
@@ -524,24 +579,30 @@ class MoELayer(nn.Module):
                              dtype, configs.arch_of(x.device))
         with configs.override(tiles):
             routed = routed_experts(x, gate_up_proj, down_proj, weights, ids, swiglu_limit=c.swiglu_limit,
-                                    defer=True, backend=self.backend)
+                                    defer=True, activation_quant=self.activation_quant,
+                                    backend=self.backend)
         return finalize_deferred_output(cast(DeferredFinalizeOutput, routed), None, backend=self.backend)
 
     def init_random_(self, seed: int = 0, std: float = 0.02) -> MoELayer:
-        """Random weights, in place (:func:`init_random_`); returns the layer. With ``quant``, N(0, std²) weights
-        drawn one expert at a time in ``dtype`` and quantized to the layer's formats (``BlockFP8.quantize``,
-        ``MXFP4.quantize``)."""
+        """Random weights, in place (:func:`init_random_`); returns the layer. Quantized weights (``quant``,
+        ``shared_quant``): N(0, std²) drawn one expert at a time in ``dtype`` and quantized to their format
+        (``BlockFP8.quantize``, ``MXFP4.quantize``)."""
         init_random_(self, seed, std)
-        if self.quant is not None:
+        if self.quant is not None or self.shared_quant == "fp8":
             self._init_quantized_(seed, std)
         return self
 
     @torch.no_grad()
     def _init_quantized_(self, seed: int, std: float) -> None:
-        stacked = self.shared_slot_weights()
-        weights = cast(list[QuantizedWeight], list(stacked if stacked is not None else self.experts.weights()))
-        if self.shared_experts is not None and stacked is None:
-            weights += self.shared_fp8_weights()
+        stacked = self.shared_slot_weights()  # one format: both quantized here
+        weights: list[QuantizedWeight] = []
+        if stacked is not None:
+            weights += cast(tuple[QuantizedWeight, QuantizedWeight], stacked)
+        else:  # routed first, then shared: the draws of layers built before shared_quant existed
+            if self.quant is not None:
+                weights += cast(tuple[QuantizedWeight, QuantizedWeight], self.experts.weights())
+            if self.shared_quant == "fp8":
+                weights += self.shared_fp8_weights()
         gen = torch.Generator(weights[0].device).manual_seed(seed + 1)
         for weight in weights:
             for expert in range(weight.shape[0]):
@@ -567,6 +628,8 @@ class MoELayer(nn.Module):
         """An fp8 shared expert as a one-expert stack (``[1, 2S, H]``, ``[1, H, S]``) over its own storage: expert E
         of the stacked tensors, or its own gate and up tensors where they lie one after the other (as
         :class:`SharedExpert` and ``from_hf`` put them)."""
+        if self.shared_quant != "fp8":
+            raise ValueError(f"the layer's shared expert is not fp8 (shared_quant={self.shared_quant!r})")
         stacked = self.shared_slot_weights()
         if stacked is not None:
             E = self.config.num_experts
@@ -575,12 +638,18 @@ class MoELayer(nn.Module):
         return self.shared_experts.fp8_weights()
 
     @property
+    def activation_quant(self) -> str | None:
+        """The routed experts' activation precision, resolved at construction: None or ``"fp8"``."""
+        return self.experts.activation_quant
+
+    @property
     def activation_dtype(self) -> torch.dtype:
-        """The dtype hidden states must have: the weights' own, or the one given at construction with ``quant``."""
+        """The dtype hidden states must have: the routed weights' own, or the one given at construction with
+        ``quant``."""
         return self._activation_dtype if self.quant is not None else self.experts.gate_up_proj.dtype
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
-        """The shared expert's output [M, H]: its MLP, or with ``quant`` in fp8 (:meth:`SharedExpert.forward`)."""
+        """The shared expert's output [M, H]: its MLP, in ``dtype`` or in fp8 (:meth:`SharedExpert.forward`)."""
         assert self.shared_experts is not None, "the layer has no shared expert"
         return self.shared_experts(x)
 
@@ -629,7 +698,7 @@ class MoELayer(nn.Module):
                                 f"{input_ids.device}")
             return self._forward_tokens(x, num_token_non_padded, input_ids).reshape(shape)
         if num_token_non_padded is None and self.backend != "reference" and self.graphs.applies(x):
-            key = (state_key(self), x.device, self.backend, self.shared_slot_max_tokens,
+            key = (state_key(self), x.device, self.backend, self.shared_slot_max_tokens, self.activation_quant,
                    self.supports_deferred_finalize, torch.is_inference_mode_enabled())
             return self.graphs.run(self._forward_tokens, x, key).reshape(shape)
         return self._forward_tokens(x, num_token_non_padded).reshape(shape)
@@ -663,15 +732,6 @@ class MoELayer(nn.Module):
         if isinstance(routed, DeferredFinalizeOutput):
             return finalize_deferred_output(routed, shared, backend=self.backend)
         return routed if shared is None else routed + shared
-
-    @classmethod
-    def from_hf(cls, module: nn.Module, *, backend: Backend = "auto",
-                activation_dtype: torch.dtype = torch.bfloat16) -> MoELayer:
-        """A layer sharing (not copying) the tensors of a transformers sparse-MoE block; see ``moefuse.hf``.
-        ``activation_dtype``: of the hidden states, for a block with fp8 experts."""
-        from moefuse.hf import layer_from_hf
-
-        return layer_from_hf(module, backend=backend, activation_dtype=activation_dtype)
 
 
 @torch.no_grad()
@@ -709,10 +769,11 @@ def moe_layer_torch(layer: MoELayer, hidden_states: torch.Tensor, num_token_non_
         if not 0 <= expert < c.num_experts:
             continue
         token, slot = (ids == expert).nonzero(as_tuple=True)
-        y = _expert_mlp(x[token], gate_up[expert], down[expert], c.swiglu_limit, layer.activation_dtype, dtype)
+        y = _expert_mlp(x[token], gate_up[expert], down[expert], c.swiglu_limit, layer.activation_dtype, dtype,
+                        layer.activation_quant)
         out.index_add_(0, token, y * weights[token, slot].to(dtype)[:, None])
     if layer.shared_experts is not None:
-        if layer.quant is not None:
+        if layer.shared_quant == "fp8":
             gate_up_s, down_s = layer.shared_fp8_weights()
             out += _expert_mlp(x, gate_up_s[0], down_s[0], c.swiglu_limit, layer.activation_dtype, dtype)
         else:
@@ -723,11 +784,17 @@ def moe_layer_torch(layer: MoELayer, hidden_states: torch.Tensor, num_token_non_
 
 
 def _expert_mlp(x: torch.Tensor, gate_up: ExpertWeight, down: ExpertWeight, limit: float | None,
-                activation_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
-    """One expert's SwiGLU MLP on rows ``x``, computed in ``dtype``; with fp8 weights the activations are quantized
-    as the kernels do (SPEC §5), from ``activation_dtype`` and from the fp32 intermediate; MXFP4 weights are
-    unpacked exactly (SPEC §6)."""
-    fp8 = isinstance(gate_up, BlockFP8)
+                activation_dtype: torch.dtype, dtype: torch.dtype, activation_quant: str | None = "default"
+                ) -> torch.Tensor:
+    """One expert's SwiGLU MLP on rows ``x``, computed in ``dtype``, with the numerics the experts op computes for
+    ``activation_quant`` (:func:`moefuse.formats.resolve_activation_quant`) on these weights. With fp8 activations
+    they are quantized as the kernels do (SPEC §5), from ``activation_dtype``, and so is the intermediate: from fp32
+    for fp8 weights (W8A8), from ``activation_dtype`` for MXFP4 ones (W4A8: the kernels store it so first; their
+    weights as ``experts.reference.w4a8_weight`` keeps them, SPEC §6). MXFP4 weights are unpacked exactly."""
+    fp8 = resolve_activation_quant(gate_up, activation_quant) == "fp8"
+    w4a8 = fp8 and isinstance(gate_up, MXFP4)
+    if w4a8:
+        gate_up, down = w4a8_weight(cast(MXFP4, gate_up)), w4a8_weight(cast(MXFP4, down))
     if fp8:
         x = dequantize_rows(*quantize_rows(x.to(activation_dtype)), dtype)
     if isinstance(gate_up, QuantizedWeight):  # down is of the same format
@@ -738,5 +805,5 @@ def _expert_mlp(x: torch.Tensor, gate_up: ExpertWeight, down: ExpertWeight, limi
     width = h.shape[1] // 2
     act = _swiglu(h[:, :width], h[:, width:], limit)
     if fp8:
-        act = dequantize_rows(*quantize_rows(act.float()), dtype)
+        act = dequantize_rows(*quantize_rows((act.to(activation_dtype) if w4a8 else act).float()), dtype)
     return act @ w2.T

@@ -39,12 +39,15 @@ from torch import nn
 from moefuse._runtime import Backend, checks_enabled
 from moefuse.config import MoEConfig
 from moefuse.finalize import DeferredFinalizeOutput, finalize_deferred_output
-from moefuse.formats import BLOCK, MX_GROUP, ExpertWeight, QuantizedWeight
+from moefuse.formats import BLOCK, MX_GROUP, ExpertWeight, QuantizedWeight, resolve_activation_quant
 from moefuse.layer import (
+    ActivationQuant,
     MoELayer,
     MoERouter,
     Quant,
     SharedExpert,
+    SharedQuant,
+    default_shared_quant,
     expert_weights,
     init_random_,
     quantized_params,
@@ -65,13 +68,16 @@ class ShardedMoELayer(nn.Module):
     """This rank's shard of a MoE block; ``forward`` returns the same as the full layer (see the module docstring).
 
     Build it with :meth:`from_layer`. Parameter names follow :class:`moefuse.MoELayer` (``gate.*``, ``experts.*``,
-    ``shared_experts.*``), holding this rank's slices.
+    ``shared_experts.*``), holding this rank's slices; ``quant``, ``shared_quant`` and ``activation_quant`` mean
+    what they mean there (``from_layer`` takes the layer's).
     """
 
     def __init__(self, config: MoEConfig, mode: Mode, group: dist.ProcessGroup | None = None, *,
                  shared: Literal["tp", "rank0"] = "tp", capacity: int | None = None, scatter_output: bool = False,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
-                 backend: Backend = "auto", quant: Quant = None):
+                 backend: Backend = "auto", quant: Quant = None,
+                 shared_quant: SharedQuant | Literal["default"] = "default",
+                 activation_quant: ActivationQuant = "default"):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -93,9 +99,11 @@ class ShardedMoELayer(nn.Module):
         if mode == "tp" and (I // world) % step:
             raise ValueError(f"mode='tp' with quant={quant!r}: each rank's {I // world} intermediate columns must be "
                              f"a multiple of {step}")
-        if split_shared and quant is not None and (S // world) % BLOCK:
-            raise ValueError(f"shared='tp' with quant={quant!r}: each rank's {S // world} shared intermediate columns "
-                             f"must be a multiple of {BLOCK} (fp8 blocks); use shared='rank0'")
+        if shared_quant == "default":
+            shared_quant = default_shared_quant(quant)
+        if split_shared and shared_quant == "fp8" and (S // world) % BLOCK:
+            raise ValueError(f"shared='tp' with an fp8 shared expert: each rank's {S // world} shared intermediate "
+                             f"columns must be a multiple of {BLOCK} (fp8 blocks); use shared='rank0'")
         if capacity is not None and (mode != "ep-a2a" or isinstance(capacity, bool) or not isinstance(capacity, int)
                                      or capacity < 1):
             raise ValueError(f"capacity must be None, or an int >= 1 with mode='ep-a2a', got {capacity!r}")
@@ -103,7 +111,7 @@ class ShardedMoELayer(nn.Module):
             raise ValueError("scatter_output applies to the token-replicated modes ('ep', 'tp')")
         self.config, self.mode, self.group, self.rank, self.world = config, mode, group, rank, world
         self.shared_mode, self.capacity, self.scatter_output, self.backend = shared, capacity, scatter_output, backend
-        self.quant = quant
+        self.quant, self.shared_quant = quant, shared_quant
         self.num_local_experts = E // world if mode != "tp" else E
         width = I // world if mode == "tp" else I
         self.gate = MoERouter(config, device=device, backend=backend)
@@ -116,10 +124,12 @@ class ShardedMoELayer(nn.Module):
             self.experts.gate_up_proj, self.experts.gate_up_proj_scale_inv = quantized_params(
                 quant, local, 2 * width, H, device)
             self.experts.down_proj, self.experts.down_proj_scale_inv = quantized_params(quant, local, H, width, device)
+        # Resolved against the routed format, as MoELayer does: a combination without kernels is refused here.
+        self.activation_quant = resolve_activation_quant(expert_weights(self.experts, quant)[0], activation_quant)
         runs_shared = S > 0 and (split_shared or mode == "ep-a2a" or rank == 0)
         shared_width = S // world if split_shared else S
         self.shared_experts = (SharedExpert(config.hidden_size, shared_width, config.swiglu_limit, dtype=dtype,
-                                            device=device, quant=None if quant is None else "fp8", backend=backend)
+                                            device=device, quant=shared_quant, backend=backend)
                                if runs_shared else None)
 
     def init_random_(self, seed: int = 0, std: float = 0.02) -> ShardedMoELayer:
@@ -136,8 +146,9 @@ class ShardedMoELayer(nn.Module):
             raise TypeError(f"layer must be a moefuse.MoELayer, got {type(layer).__name__}")
         device = layer.experts.gate_up_proj.device if device is None else device
         kwargs.setdefault("backend", layer.backend)
+        kwargs.setdefault("activation_quant", layer.activation_quant)
         sharded = cls(layer.config, mode, group, dtype=layer.activation_dtype, device=device, quant=layer.quant,
-                      **kwargs)
+                      shared_quant=layer.shared_quant, **kwargs)
         c, r, W = layer.config, sharded.rank, sharded.world
         sharded.gate.weight.copy_(layer.gate.weight)
         bias = sharded.gate.e_score_correction_bias
@@ -158,7 +169,7 @@ class ShardedMoELayer(nn.Module):
             assert src is not None  # the same config
             S = c.shared_intermediate_size
             rows = _slice(S, r, W) if sharded.shared_mode == "tp" and mode != "ep-a2a" else slice(0, S)
-            if layer.quant is None:
+            if layer.shared_quant is None:
                 gate_up = torch.cat([src.gate_proj.weight, src.up_proj.weight])[None]
                 shard_up = cast(torch.Tensor, _gate_up_cols(gate_up, S, rows))
                 shard_down = cast(torch.Tensor, _cut(src.down_proj.weight[None], 2, rows))
@@ -248,7 +259,8 @@ class ShardedMoELayer(nn.Module):
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> DeferredFinalizeOutput:
         out = routed_experts(x, *expert_weights(self.experts, self.quant), weights, ids,
-                             swiglu_limit=self.config.swiglu_limit, defer=True, backend=self.backend)
+                             swiglu_limit=self.config.swiglu_limit, defer=True,
+                             activation_quant=self.activation_quant, backend=self.backend)
         assert isinstance(out, DeferredFinalizeOutput)
         return out
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from moefuse.dispatch.kernel import launch_shape as dispatch_shape
-from moefuse.experts import configs, mxfp4_w4a8
+from moefuse.experts import configs, plan_block_m
 from moefuse.finalize.kernel import finalize_tile
 from moefuse.formats import tile_dtype
 from moefuse.layer import MoELayer
@@ -61,15 +61,21 @@ def launch_signature(layer: MoELayer, num_tokens: int) -> tuple:
     slot = layer.uses_shared_slot(num_tokens, device)
     top_k = c.top_k + slot
     arch = configs.arch_of(device)
-    experts_dtype = tile_dtype(layer.experts.weights()[0], dtype)
-    tiles = configs.pick(num_tokens, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, experts_dtype, arch)
+    gate_up = layer.experts.weights()[0]
+    experts_dtype = tile_dtype(gate_up, dtype)
+    # The plan's tile height as the layer's routed_experts picks it (MXFP4 with fp8 activations: the W4A8
+    # kernels' 128 rows at every size), and the tiles the experts op then picks for it.
+    block_m = plan_block_m(num_tokens, gate_up, c.top_k, dtype, layer.activation_quant, arch)
+    tiles = configs.pick(num_tokens, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, experts_dtype, arch,
+                         block_m=block_m)
     fp8 = torch.float8_e4m3fn
-    # fp8: whether GEMM1 quantizes its activations itself or reads them from the quantization pass; MXFP4: W4A8.
+    # fp8: whether GEMM1 quantizes its activations itself or reads them from the quantization pass; MXFP4: W4A8
+    # (the layer's choice, the same at every size, but a layer of another choice launches other kernels).
     prequantized = experts_dtype == fp8 and num_tokens * top_k >= configs.FP8_PREQUANTIZE_MIN_ROWS
-    w4a8 = experts_dtype == torch.uint8 and mxfp4_w4a8.chosen(num_tokens, tiles.block_m, c.hidden_size,
-                                                              c.intermediate_size)
-    shared: object = None  # a quantized shared expert off the slot: cuBLAS, or a one-expert fp8 grouped GEMM
-    if layer.quant is not None and layer.shared_experts is not None and not slot:
+    w4a8 = experts_dtype == torch.uint8 and layer.activation_quant == "fp8"
+    shared: object = None  # an fp8 shared expert off the slot: cuBLAS, or a one-expert fp8 grouped GEMM (an
+    # unquantized one runs on cuBLAS through nn.Linear: primed by _prime_cublas)
+    if layer.shared_quant == "fp8" and layer.shared_experts is not None and not slot:
         if layer.shared_experts.runs_on_cublas(num_tokens, dtype, device):
             shared = "cublas"
         else:
@@ -166,7 +172,8 @@ def warmup(module: nn.Module, max_tokens: int = 4096, *, progress: bool = True) 
         layer.check_weights()  # what the forward does not check (MXFP4 exponents): before any request
         weight = layer.experts.gate_up_proj
         shape = (layer.config, weight.dtype, weight.device, layer.graphs.max_tokens, layer.shared_slot_max_tokens,
-                 layer.shared_slot_weights() is not None)
+                 layer.shared_slot_weights() is not None, layer.shared_quant, layer.activation_quant,
+                 layer.activation_dtype)
         first_of_shape = shape not in done
         if first_of_shape:
             done[shape] = token_counts(layer, max_tokens)

@@ -3,7 +3,7 @@
 Shapes are chosen to hit the edges: widths that are not multiples of any tile, -1 slots, empty experts, a
 strided hidden state, 128-row tiles with short tails, the shared expert as a slot, and the layer's own graphs;
 then the quantized experts (SPEC §5, §6): fp8 block-scale, MXFP4 on the Triton kernels (widths not multiples of 128) and
-on the warp-specialized Gluon kernels at every tile height they launch (sm_90; W4A8 from 512 tokens), and the fp8
+on the warp-specialized Gluon kernels at every tile height they launch (sm_90; W4A8 on 128-row tiles), and the fp8
 and MXFP4 layers with their fp8 shared experts.
 
     compute-sanitizer --tool memcheck python scripts/sanitize.py
@@ -85,9 +85,10 @@ def quantized() -> None:
             x = torch.randn(m, H + 3, device=dev, dtype=bf16)[:, 1:1 + H]  # strided rows
             ids = _ids(m, E, K)
             for gate_up, down in formats:
-                # The Gluon kernels (whole 128-deep steps, sm_90) at every height they launch, W4A8 from 512 tokens.
+                # The Gluon kernels (whole 128-deep steps, sm_90) at every height they launch; W4A8 on 128 rows.
                 if isinstance(gate_up, MXFP4) and mxfp4_ws.widths_fit(H, I) and m >= 40:
-                    heights = sorted(mxfp4_ws.LAUNCH) if m < 512 else [128]
+                    heights = sorted(mxfp4_ws.LAUNCH)
+                    moe_experts(x, gate_up, down, moe_dispatch(ids, E, 128), swiglu_limit=7.0, activation_quant="fp8")
                 else:
                     heights = [configs.pick_block_m(m, E, H, I, K, tile_dtype(gate_up, bf16))]
                 for block_m in heights:
@@ -96,10 +97,12 @@ def quantized() -> None:
     for quant, H, I in layers:
         config = MoEConfig(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, num_shared_experts=1,
                            routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", swiglu_limit=0.5)
-        layer = MoELayer(config, quant=quant, device=dev).init_random_(seed=1, std=0.1)
-        with torch.no_grad():
-            for n in (1, 7, 300):
-                layer(torch.randn(n, H, device=dev, dtype=bf16))
+        for activation_quant in ("default", "fp8") if quant == "mxfp4" else ("default",):
+            layer = MoELayer(config, quant=quant, device=dev, activation_quant=activation_quant)
+            layer.init_random_(seed=1, std=0.1)
+            with torch.no_grad():
+                for n in (1, 7, 300):
+                    layer(torch.randn(n, H, device=dev, dtype=bf16))
 
 
 if __name__ == "__main__":

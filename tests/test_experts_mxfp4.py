@@ -427,9 +427,10 @@ def triton_kernels_only(monkeypatch):
     monkeypatch.setattr(mxfp4_ws, "ws_eligible", lambda *args: False)
 
 
-def _run(x, w1, w2, plan, limit):
+def _run(x, w1, w2, plan, limit, activation_quant=None):
     out = torch.full((plan.num_rows, x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
-    return moe_experts(x, w1, w2, plan, swiglu_limit=limit, out=out, backend="triton")
+    return moe_experts(x, w1, w2, plan, swiglu_limit=limit, out=out, activation_quant=activation_quant,
+                       backend="triton")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -522,15 +523,16 @@ def test_quantize_rows_pass(gather, gen, device):
                     reason="the Gluon kernels run on sm_90 only (CI compiles them: test_sm90.py)")
 @pytest.mark.parametrize("limit", [None, 1.5], ids=["no-clamp", "clamp"])
 @pytest.mark.parametrize("far", [False, True], ids=["exact", "flushed-groups"])
-@pytest.mark.parametrize("M", [mxfp4_w4a8.MIN_TOKENS + 37, 4000], ids=["an-item-a-program", "items-a-program"])
+@pytest.mark.parametrize("M", [1, 37, 549, 4000], ids=["one-token", "decode", "an-item-a-program", "items-a-program"])
 @pytest.mark.parametrize("shape", [WS_SHAPE, (6, 384, 128)], ids=["even-steps", "odd-steps"])
 def test_w4a8_matches_float64(shape, M, far, limit, gen, device):
-    """At prefill (``w4a8_chosen``) the Gluon kernels multiply e4m3 activations and weights: against the float64
-    W4A8 reference (-1 slots, an empty expert, a NaN token); ``far``: a quarter of the groups 12 or more under
-    their row's largest exponent, which W4A8 flushes (the reference does the same). At 4,000 tokens the plan has
-    more work items than an H200 has SMs (GEMM1 400, GEMM2 200), so the persistent programs run several each and
-    their ring and row-scale buffers carry on from item to item. ``odd-steps``: 3 and 1 steps of 128 (the transform
-    unpacks two steps between fences, ``TRANSFORM_STEPS``, and an odd last one alone)."""
+    """With ``activation_quant="fp8"``, at every token count, the Gluon kernels multiply e4m3 activations and
+    weights: against the float64 W4A8 reference (-1 slots, an empty expert, a NaN token); ``far``: a quarter of the
+    groups 12 or more under their row's largest exponent, which W4A8 flushes (the reference does the same). At
+    4,000 tokens the plan has more work items than an H200 has SMs (GEMM1 400, GEMM2 200), so the persistent
+    programs run several each and their ring and row-scale buffers carry on from item to item. ``odd-steps``: 3 and
+    1 steps of 128 (the transform unpacks two steps between fences, ``TRANSFORM_STEPS``, and an odd last one
+    alone)."""
     E, H, I = shape
     x, w1, w2, ids = _inputs(gen, M, 3, E, H, I, empty=4, device=device)
     if far:
@@ -542,10 +544,11 @@ def test_w4a8_matches_float64(shape, M, far, limit, gen, device):
             return MXFP4(w.values, exps)
         w1, w2 = spread(w1), spread(w2)
         assert not torch.equal(w4a8_weight(w1).values, w1.values)
-    x[0, 70] = float("nan")
+    if M > 1:  # a NaN token beside finite ones (alone, every row would be NaN)
+        x[0, 70] = float("nan")
     plan = moe_dispatch(ids, E, 128, backend="triton")
-    assert mxfp4_ws.ws_eligible(x, w1, w2, plan) and mxfp4_w4a8.chosen(M, 128, H, I)
-    out = _run(x, w1, w2, plan, limit)
+    assert mxfp4_ws.ws_eligible(x, w1, w2, plan) and mxfp4_w4a8.fits(128, H, I)
+    out = _run(x, w1, w2, plan, limit, "fp8")
     ref = moe_experts_w4a8_torch(x, w1, w2, plan, swiglu_limit=limit, dtype=torch.float64,
                                  out=torch.zeros(plan.num_rows, H, dtype=torch.float64, device=device))
     n_valid = int(plan.expert_offsets[-1])
@@ -578,8 +581,8 @@ def test_w4a8_row_bases_are_each_rows_own(gen, device):
     assert int(s1.min()) >= 0 and int(s1.max()) <= 128 and int(s2.min()) >= 0 and int(s2.max()) <= 128
     w1, w2 = MXFP4(w1.values, s1.to(torch.uint8)), MXFP4(w2.values, s2.to(torch.uint8))
     plan = moe_dispatch(ids, E, 128, backend="triton")
-    assert mxfp4_ws.ws_eligible(x, w1, w2, plan) and mxfp4_w4a8.chosen(M, 128, H, I)
-    out = _run(x, w1, w2, plan, None)
+    assert mxfp4_ws.ws_eligible(x, w1, w2, plan) and mxfp4_w4a8.fits(128, H, I)
+    out = _run(x, w1, w2, plan, None, "fp8")
     ref = moe_experts_w4a8_torch(x, w1, w2, plan, dtype=torch.float64,
                                  out=torch.zeros(plan.num_rows, H, dtype=torch.float64, device=device))
     n_valid = int(plan.expert_offsets[-1])
@@ -587,6 +590,73 @@ def test_w4a8_row_bases_are_each_rows_own(gen, device):
     back = torch.exp2(-row_shift[row_expert].double())  # each output column to one scale
     assert_rel_close(out[:n_valid] * back, ref[:n_valid] * back, 5e-2, "w4a8 gemm2_out")
     assert rms_rel_error(out[:n_valid] * back, ref[:n_valid] * back) <= 1e-2
+
+
+@pytest.mark.parametrize("layout", ["inner-stride-2", "row-padded"])
+@pytest.mark.parametrize("block_m, M", [(16, 3), (64, 37)])
+def test_strided_hidden(layout, block_m, M, gen, device):
+    """Hidden states that are views: inner stride 2 (which crashed Triton 3.6's compiler in GEMM1 on an H200 at
+    every tile height; the op now hands the kernels a unit-stride copy) and rows padded past H. Widths of 32s, not
+    128s (the ``tl`` kernels, also on Hopper), against float64."""
+    E, H, I = 7, 160, 96
+    x, w1, w2, ids = _inputs(gen, M, 2, E, H, I, device=device)
+    x = torch.cat([x, x], 1)[:, ::2] if layout == "inner-stride-2" else torch.cat([x, x[:, :5]], 1)[:, :H]
+    assert x.stride(1) == (2 if layout == "inner-stride-2" else 1)
+    _check(x, w1, w2, ids, limit=1.5, block_m=block_m)
+
+
+@pytest.mark.parametrize("activation_quant", [None, "fp8"])
+def test_out_with_strided_columns(activation_quant, gen, device):
+    """``out`` with inner stride 2 (rows padded too): the Gluon kernels on Hopper store rows with one stride, so the
+    op hands them a contiguous copy and writes it back (found by tests/test_fuzz.py's reading of the kernels); the
+    rows the experts leave unwritten keep their values. Elsewhere the ``tl`` kernels take both strides."""
+    if activation_quant == "fp8" and not (device.type == "cuda" and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("W4A8 runs on sm_90 only")
+    E, H, I = WS_SHAPE
+    x, w1, w2, ids = _inputs(gen, 9, 2, E, H, I, device=device)
+    plan = moe_dispatch(ids, E, 128 if activation_quant else 16, backend="triton")
+    buf = torch.full((plan.num_rows, 2 * H + 6), float("nan"), dtype=x.dtype, device=device)
+    out = buf[:, : 2 * H : 2]
+    moe_experts(x, w1, w2, plan, out=out, activation_quant=activation_quant, backend="triton")
+    reference = moe_experts_w4a8_torch if activation_quant else moe_experts_torch
+    ref = reference(x, w1, w2, plan, dtype=torch.float64,
+                    out=torch.zeros(plan.num_rows, H, dtype=torch.float64, device=device))
+    n_valid = int(plan.expert_offsets[-1])
+    assert_rel_close(out[:n_valid], ref[:n_valid], 5e-2 if activation_quant else 1e-2, "mxfp4 gemm2_out")
+    assert buf[:, 1 : 2 * H : 2].isnan().all() and buf[:, 2 * H :].isnan().all(), "wrote between or past the columns"
+    assert out[n_valid:].isnan().all(), "rows with no token must be left unwritten"
+
+
+def test_activation_quant_choices(gen, device):
+    """``activation_quant``: MXFP4 defaults to W4A16 at every size; "fp8" (W4A8) on the reference backend computes
+    the W4A8 reference's numerics (flushed groups, e4m3 activations) on any device; precisions a format has no
+    kernels for, and W4A8 where its Gluon kernels cannot run, are refused naming the argument, before a launch."""
+    from moefuse.experts import plan_block_m
+    from moefuse.formats import resolve_activation_quant
+
+    E, H, I = 4, 256, 128
+    x, w1, w2, ids = _inputs(gen, 5, 2, E, H, I, device=device)
+    assert resolve_activation_quant(w1, "default") is None and resolve_activation_quant(w1, "fp8") == "fp8"
+    assert plan_block_m(5, w1, 2, x.dtype, "fp8", arch=None) == mxfp4_w4a8.BLOCK_M
+    plan = moe_dispatch(ids, E, 128, backend="triton")
+    got = moe_experts(x, w1, w2, plan, activation_quant="fp8", backend="reference")
+    want = moe_experts_w4a8_torch(x, w1, w2, plan)
+    n = int(plan.expert_offsets[-1])
+    assert torch.equal(got[:n], want[:n])
+    w4a16 = moe_experts(x, w1, w2, plan, backend="reference")
+    assert not torch.equal(got[:n], w4a16[:n])  # the precisions differ, so the argument is not ignored
+    with pytest.raises(ValueError, match="activation_quant"):
+        moe_experts(x, w1, w2, plan, activation_quant="int8")
+    small = moe_dispatch(ids, E, 16, backend="triton")
+    if device.type == "cuda":  # the Gluon kernels' tile height is 128 rows
+        with pytest.raises(ValueError, match="activation_quant.*block_m"):
+            moe_experts(x, w1, w2, small, activation_quant="fp8", backend="triton")
+    else:  # the interpreter runs no Gluon
+        with pytest.raises(ValueError, match="activation_quant.*Hopper"):
+            moe_experts(x, w1, w2, plan, activation_quant="fp8", backend="triton")
+    odd = _inputs(gen, 5, 2, E, 160, 96, device=device)
+    with pytest.raises(ValueError, match="activation_quant.*multiples of 128"):
+        moe_experts(odd[0], odd[1], odd[2], moe_dispatch(odd[3], E, 128), activation_quant="fp8", backend="triton")
 
 
 # --- errors ----------------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ import pytest
 import torch
 from hf_blocks import load_dequantized_
 
-from moefuse import MoELayer, moe_layer_torch, register_experts_implementation
+import moefuse
+from moefuse import moe_layer_torch, register_experts_implementation
 from moefuse.formats import BlockFP8, dequantize_rows, quantize_rows
 from moefuse.testing import assert_rel_close, rel_error
 
@@ -64,7 +65,7 @@ def _fp8_block(gen):
 
 def test_from_hf_shares_and_matches_float64(gen):
     block = _fp8_block(gen)
-    layer = MoELayer.from_hf(block)
+    layer = moefuse.from_hf(block)
     assert layer.quant == "fp8" and layer.experts.gate_up_proj is block.experts.gate_up_proj
     assert layer.shared_experts.up_proj is block.shared_experts.up_proj
     x = torch.randn(7, H, generator=gen).bfloat16()
@@ -80,7 +81,7 @@ def test_against_transformers_dequantized_block(gen):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
     block = _fp8_block(gen)
-    layer = MoELayer.from_hf(block)
+    layer = moefuse.from_hf(block)
     dense = load_dequantized_(DeepseekV3MoE(_config()).double().eval(), block, layer)
     with torch.no_grad():
         x = torch.randn(1, 9, H, generator=gen).bfloat16()

@@ -95,7 +95,7 @@ def _quantized_pair(name: str, seed: int) -> tuple[torch.nn.Module, torch.nn.Mod
     for block_name, block in list(twin.named_modules()):
         if hasattr(block, "experts") and hasattr(block, "gate"):
             parent, _, child = block_name.rpartition(".")
-            setattr(twin.get_submodule(parent), child, _Float64Block(MoELayer.from_hf(block, backend="reference")))
+            setattr(twin.get_submodule(parent), child, _Float64Block(moefuse.from_hf(block, backend="reference")))
     return model, twin
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hf_blocks import BLOCKS, block, randomize_
 
+import moefuse
 from moefuse import MoEConfig, MoELayer, moe_layer_torch
 from moefuse.finalize import deferred_finalize_context
 from moefuse.testing import assert_rel_close
@@ -17,7 +18,7 @@ BACKENDS = ["reference", "triton"]
 @pytest.mark.parametrize("model", sorted(BLOCKS))
 def test_matches_transformers_block(model, backend, gen, device):
     hf = block(model, gen).to(device)
-    layer = MoELayer.from_hf(hf, backend=backend)
+    layer = moefuse.from_hf(hf, backend=backend)
     x = torch.randn(1, 7, hf.experts.gate_up_proj.shape[2], generator=gen).to(device)
     with torch.no_grad():
         want = hf(x)
@@ -28,7 +29,7 @@ def test_matches_transformers_block(model, backend, gen, device):
 
 def test_from_hf_shares_tensors(gen):
     hf = block("deepseek-v3", gen)
-    layer = MoELayer.from_hf(hf)
+    layer = moefuse.from_hf(hf)
     assert layer.experts.gate_up_proj.data_ptr() == hf.experts.gate_up_proj.data_ptr()
     assert layer.gate.weight.data_ptr() == hf.gate.weight.data_ptr()
     assert layer.shared_experts.down_proj.weight.data_ptr() == hf.shared_experts.down_proj.weight.data_ptr()
@@ -163,7 +164,7 @@ def test_shared_slot_falls_back_when_weights_move(gen):
     x = torch.randn(4, SMALL.hidden_size, generator=gen)
     with torch.no_grad():
         assert_rel_close(layer(x), moe_layer_torch(layer, x), 1e-5)
-    assert MoELayer.from_hf(block("deepseek-v3", gen)).shared_slot_weights() is None
+    assert moefuse.from_hf(block("deepseek-v3", gen)).shared_slot_weights() is None
     no_shared = MoEConfig(hidden_size=40, intermediate_size=24, num_experts=12, top_k=3)
     assert MoELayer(no_shared, dtype=torch.float32).shared_slot_weights() is None
 
@@ -203,7 +204,7 @@ def _deepseek_v4_hash_block(gen, vocab: int = 50):
 def test_hash_routed_layer_matches_transformers(backend, gen, device):
     """DeepSeek-V4's first MoE layers: experts fixed by the token id, weights from the sqrt-softplus scores."""
     hf = _deepseek_v4_hash_block(gen).to(device)
-    layer = MoELayer.from_hf(hf, backend=backend)
+    layer = moefuse.from_hf(hf, backend=backend)
     assert layer.gate.tid2eid is hf.gate.tid2eid
     x = torch.randn(2, 5, 48, generator=gen).to(device)
     input_ids = torch.randint(0, 50, (2, 5), generator=gen).to(device)
@@ -219,7 +220,7 @@ def test_hash_routed_layer_matches_transformers(backend, gen, device):
 
 
 def test_hash_routed_layer_needs_input_ids(gen):
-    layer = MoELayer.from_hf(_deepseek_v4_hash_block(gen), backend="reference")
+    layer = moefuse.from_hf(_deepseek_v4_hash_block(gen), backend="reference")
     with pytest.raises(ValueError, match="input_ids"):
         layer(torch.randn(4, 48))
     with pytest.raises(ValueError, match="input_ids"):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from hf_blocks import block
 
+import moefuse
 from moefuse import MoEConfig, MoELayer, moe_layer_torch
 from moefuse.formats import BlockFP8
 from moefuse.layer import _expert_mlp
@@ -93,7 +94,7 @@ def test_from_hf_refuses_unsupported_quantized_experts(dtype, match, gen):
     hf = block("deepseek-v3", gen)
     hf.experts.gate_up_proj = torch.nn.Parameter(hf.experts.gate_up_proj.detach().to(dtype), requires_grad=False)
     with pytest.raises(ValueError, match=match):
-        MoELayer.from_hf(hf)
+        moefuse.from_hf(hf)
 
 
 # H and I multiples of 512: the widths cuBLAS's block-scaled GEMMs take (``fp8_mlp.takes``)

@@ -95,7 +95,7 @@ def test_from_hf_fp4_block(hash_routed, gen):
     """Shares the block's tensors, matches float64 on the unpacked weights (1e-2), and transformers' own block on
     them in float64 up to the fp8 shared expert's activation quantization (SPEC §5)."""
     block = _fp4_block(gen, hash_routed=hash_routed)
-    layer = MoELayer.from_hf(block)
+    layer = moefuse.from_hf(block)
     assert layer.quant == "mxfp4" and layer.experts.gate_up_proj is block.experts.gate_up_proj
     assert layer.experts.down_proj_scale_inv.data_ptr() == block.experts.down_proj_scale_inv.data_ptr()
     x = torch.randn(2, 5, CONFIG.hidden_size, generator=gen).bfloat16()
@@ -120,7 +120,7 @@ def test_experts_interface_runs_fp4_experts(gen):
     ids = torch.stack([torch.randperm(CONFIG.num_experts, generator=gen)[:3] for _ in range(6)])
     weights = torch.rand(6, 3, generator=gen)
     got = moefuse.hf.experts_forward(experts, x, ids, weights)
-    layer = MoELayer.from_hf(block)
+    layer = moefuse.from_hf(block)
     gate_up, down = (w.dequantize(torch.float64) for w in layer.experts.weights())
     want = torch.zeros(6, CONFIG.hidden_size, dtype=torch.float64)
     for t in range(6):

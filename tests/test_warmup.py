@@ -76,3 +76,32 @@ def test_token_varying_integers_are_not_specialized():
     specialized = [f"{name}: {p.name}" for name, fn in kernels.items() for p in fn.params
                    if p.name in TOKEN_VARYING and not p.is_constexpr and not p.do_not_specialize]
     assert specialized == []
+
+
+def _tiles(signature: tuple):
+    """The experts' tile config in a launch signature."""
+    from moefuse.experts.configs import TileConfig
+
+    (tiles,) = [part for part in signature if isinstance(part, TileConfig)]
+    return tiles
+
+
+def test_w4a8_layers_plan_128_row_tiles_at_every_size():
+    """MXFP4 experts with fp8 activations run the W4A8 kernels at every batch size, on the plan's 128-row tiles
+    (``plan_block_m``): the signature says so for every count; by default (W4A16) no count is W4A8."""
+    config = preset("deepseek-v4-flash").scaled()
+    w4a8 = MoELayer(config, quant="mxfp4", activation_quant="fp8", device="meta")
+    w4a16 = MoELayer(config, quant="mxfp4", device="meta")
+    for tokens in (1, 7, 64, 512, 4096):
+        assert _tiles(launch_signature(w4a8, tokens)).block_m == 128
+        assert launch_signature(w4a8, tokens) != launch_signature(w4a16, tokens)
+    assert len(token_counts(w4a8, 4096)) <= len(token_counts(w4a16, 4096))  # one tile height: fewer variants
+
+
+def test_signature_follows_the_shared_expert_format():
+    """An fp8 shared expert off the slot launches its own one-expert GEMMs (a part of the signature); an unquantized
+    one beside quantized routed experts runs on cuBLAS, whose kernels ``_prime_cublas`` loads instead."""
+    config = preset("deepseek-v4-flash").scaled()
+    fp8 = launch_signature(MoELayer(config, quant="mxfp4", device="meta"), 4)
+    plain = launch_signature(MoELayer(config, quant="mxfp4", shared_quant=None, device="meta"), 4)
+    assert fp8[:-2] == plain[:-2] and fp8[-2] is not None and plain[-2] is None

@@ -2,7 +2,7 @@
 
 An eager decode step (transformers ``generate`` without CUDA graphs) is host-bound when launching its kernels
 takes longer than running them. For each public op on DeepSeek-V3 decode inputs and for the whole layer (from the
-preset, and from a transformers block through ``MoELayer.from_hf``) at 1, 4 and 16 tokens:
+preset, and from a transformers block through ``moefuse.from_hf``) at 1, 4 and 16 tokens:
 
 - ``host µs``: the median time the call takes to return after a synchronise (it launches and returns; the GPU
   runs behind it): the CPU's cost of one call.
@@ -28,6 +28,7 @@ from moefuse.config import preset
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import moe_experts, pick_block_m
 from moefuse.finalize import moe_finalize_fuse_shared
+from moefuse.hf import from_hf
 from moefuse.layer import MoELayer
 from moefuse.route import moe_fused_gate, router_logits
 
@@ -188,7 +189,7 @@ def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict]:
     del layer
     torch.cuda.empty_cache()
     block = _hf_block()
-    rows += _layer_rows("MoELayer.from_hf (transformers DeepseekV3MoE)", MoELayer.from_hf(block))
+    rows += _layer_rows("moefuse.from_hf (transformers DeepseekV3MoE)", from_hf(block))
     del block
     torch.cuda.empty_cache()
     return rows

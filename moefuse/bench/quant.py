@@ -11,7 +11,8 @@ For each model and token count (softmax top-k of random N(0, 1) logits, as the a
   (``anchors_h200.json``, the better of its default config and its tuned TP8 table);
 - the whole layer (``MoELayer(quant=...)``: router, dispatch, experts, fp8 shared expert, finalize) and the bf16
   layer, with the layer's read floor (touched experts, shared expert, router weight);
-- the MMA precision the call ran (fp8's W8A8; MXFP4's W4A16, or W4A8 at prefill: ``experts/mxfp4_w4a8.py``);
+- the MMA precision the call ran: fp8's W8A8; MXFP4's W4A16 (the default) and, as its own rows ("w4a8"), W4A8
+  (``activation_quant="fp8"``: ``experts/mxfp4_w4a8.py``);
 - errors at M <= 128 and wherever W4A8 ran, max-normalised: against the float64 reference of the numerics the
   call ran, and (fp8, W4A8) against the unquantized weights (MXFP4: its unpacked ones) with unquantized
   activations.
@@ -29,14 +30,17 @@ import torch
 from moefuse.bench import report, timing
 from moefuse.config import preset
 from moefuse.dispatch import moe_dispatch
-from moefuse.experts import configs, moe_experts, moe_experts_torch, mxfp4_w4a8
+from moefuse.experts import configs, moe_experts, moe_experts_torch, plan_block_m
 from moefuse.experts.reference import moe_experts_fp8_torch, moe_experts_w4a8_torch
-from moefuse.formats import BLOCK, MX_GROUP, MXFP4, BlockFP8, tile_dtype
+from moefuse.formats import BLOCK, MX_GROUP, MXFP4, BlockFP8
 from moefuse.layer import MoELayer, Quant
 from moefuse.testing import rel_error
 
 # fp8 at DeepSeek-V4-Flash shapes too: MXFP4 is compared with it there.
-MODELS = {"fp8": ("deepseek-v3", "kimi-k2", "glm-4.5-air", "deepseek-v4-flash"), "mxfp4": ("deepseek-v4-flash",)}
+MODELS = {"fp8": ("deepseek-v3", "kimi-k2", "glm-4.5-air", "deepseek-v4-flash"), "mxfp4": ("deepseek-v4-flash",),
+          "w4a8": ("deepseek-v4-flash",)}
+# Each row format as (weight format, activation_quant): "w4a8" is MXFP4 with fp8 activations.
+ROW_FORMATS = {"fp8": ("fp8", "fp8"), "mxfp4": ("mxfp4", None), "w4a8": ("mxfp4", "fp8")}
 TOKENS = (1, 16, 128, 1024, 4096)
 CHECK_TOKENS = 128  # the float64 oracle runs expert by expert: up to here
 COLUMNS = [
@@ -48,7 +52,7 @@ COLUMNS = [
     ("layer_us", "layer µs"), ("layer_floor_us", "layer floor µs"), ("x_layer_floor", "layer × floor"),
     ("bf16_layer_us", "bf16 layer µs"),
 ]
-TITLE = "Quantized experts: fp8 block-scale (W8A8) and MXFP4 (W4A16; W4A8 at prefill) beside bf16 (CUDA-graph replay)"
+TITLE = "Quantized experts: fp8 block-scale (W8A8) and MXFP4 (W4A16; W4A8 opted in) beside bf16 (CUDA-graph replay)"
 
 
 def _stored_bytes(fmt: str, n: int, k: int) -> int:
@@ -102,18 +106,19 @@ def _experts_row(fmt: str, model: str, M: int, weights: tuple, ceilings: timing.
     c = preset(model)
     E, H, I, K = c.num_experts, c.hidden_size, c.intermediate_size, c.top_k
     w1, w2, d1, d2 = weights
+    quant = ROW_FORMATS[fmt][1]
     x = torch.randn(M, H, device="cuda", generator=gen, dtype=torch.bfloat16)
     ids = torch.rand(M, E, device="cuda", generator=gen).argsort(1)[:, :K].int()  # softmax top-k of N(0,1) logits
-    plan = moe_dispatch(ids, E, configs.pick_block_m(M, E, H, I, K, tile_dtype(w1, x.dtype)))
+    plan = moe_dispatch(ids, E, plan_block_m(M, w1, K, x.dtype, quant))
     plan_bf16 = moe_dispatch(ids, E, configs.pick_block_m(M, E, H, I, K, torch.bfloat16))
     touched = int(torch.unique(ids).numel())
-    w4a8 = fmt == "mxfp4" and mxfp4_w4a8.chosen(M, plan.block_m, H, I)
+    w4a8 = fmt == "w4a8"
     row: dict = {"format": fmt, "model": model, "M": M, "experts": touched,
                  "mma": "W8A8" if fmt == "fp8" else "W4A8" if w4a8 else "W4A16"}
     with torch.no_grad():
         if M <= CHECK_TOKENS or w4a8:
             n = int(plan.expert_offsets[-1])
-            out = moe_experts(x, w1, w2, plan)
+            out = moe_experts(x, w1, w2, plan, activation_quant=quant)
             zeros = lambda: torch.zeros(plan.num_rows, H, dtype=torch.float64, device="cuda")  # noqa: E731
             reference = (moe_experts_fp8_torch if fmt == "fp8" else moe_experts_w4a8_torch if w4a8
                          else moe_experts_torch)
@@ -122,9 +127,9 @@ def _experts_row(fmt: str, model: str, M: int, weights: tuple, ceilings: timing.
             if fmt == "fp8" or w4a8:  # fp8: the bf16 weights stand for the unquantized ones (their error is below)
                 dense = moe_experts_torch(x, d1, d2, plan, dtype=torch.float64, out=zeros())
                 row["err_unquantized"] = rel_error(out[:n], dense[:n])
-        row["us"] = timing.graph_time_us([lambda: moe_experts(x, w1, w2, plan)], replays=20)
+        row["us"] = timing.graph_time_us([lambda: moe_experts(x, w1, w2, plan, activation_quant=quant)], replays=20)
         row["bf16_us"] = timing.graph_time_us([lambda: moe_experts(x, d1, d2, plan_bf16)], replays=20)
-    stored = touched * (_stored_bytes(fmt, 2 * I, H) + _stored_bytes(fmt, H, I))
+    stored = touched * (_stored_bytes(ROW_FORMATS[fmt][0], 2 * I, H) + _stored_bytes(ROW_FORMATS[fmt][0], H, I))
     row["read_floor_us"] = ceilings.empty_us + stored / (ceilings.read_tbps * 1e12) * 1e6
     row["x_floor"] = row["us"] / row["read_floor_us"]
     if fmt == "fp8":
@@ -138,8 +143,10 @@ def _experts_row(fmt: str, model: str, M: int, weights: tuple, ceilings: timing.
 def _layer_times(fmt: str, model: str, rows: list[dict], ceilings: timing.Ceilings, gen: torch.Generator) -> None:
     """Add the whole layer's time (format and bf16) and read floor to each row of ``model``."""
     c = preset(model)
-    for quant in (cast(Quant, fmt), None):
-        layer = MoELayer(c, device="cuda", quant=quant).init_random_(seed=1)
+    weight_format, activation_quant = ROW_FORMATS[fmt]
+    for quant in (cast(Quant, weight_format), None):
+        layer = MoELayer(c, device="cuda", quant=quant, activation_quant=activation_quant if quant else "default"
+                         ).init_random_(seed=1)
         for row in rows:
             x = torch.randn(row["M"], c.hidden_size, device="cuda", generator=gen, dtype=torch.bfloat16)
             with torch.no_grad():
@@ -151,7 +158,7 @@ def _layer_times(fmt: str, model: str, rows: list[dict], ceilings: timing.Ceilin
                 _, ids = layer.gate(x)
             touched = int(torch.unique(ids[(ids >= 0) & (ids < c.num_experts)]).numel())
             H, I, S = c.hidden_size, c.intermediate_size, c.shared_intermediate_size
-            stored = (touched * (_stored_bytes(fmt, 2 * I, H) + _stored_bytes(fmt, H, I))
+            stored = (touched * (_stored_bytes(weight_format, 2 * I, H) + _stored_bytes(weight_format, H, I))
                       + (_stored_bytes("fp8", 2 * S, H) + _stored_bytes("fp8", H, S) if S else 0)
                       + 4 * c.num_experts * H)
             row["layer_floor_us"] = ceilings.empty_us + stored / (ceilings.read_tbps * 1e12) * 1e6
@@ -160,7 +167,7 @@ def _layer_times(fmt: str, model: str, rows: list[dict], ceilings: timing.Ceilin
         torch.cuda.empty_cache()
 
 
-def run(ceilings: timing.Ceilings, quick: bool = False, formats: tuple[str, ...] = ("fp8", "mxfp4"),
+def run(ceilings: timing.Ceilings, quick: bool = False, formats: tuple[str, ...] = ("fp8", "mxfp4", "w4a8"),
         tokens: tuple[int, ...] = TOKENS) -> list[dict]:
     rows: list[dict] = []
     fp8_tflops = _fp8_mma_tflops()
@@ -168,7 +175,7 @@ def run(ceilings: timing.Ceilings, quick: bool = False, formats: tuple[str, ...]
     for fmt in formats:
         for model in MODELS[fmt][:1] if quick else MODELS[fmt]:
             c = preset(model)
-            weights = _weights(fmt, c.num_experts, c.hidden_size, c.intermediate_size, seed=0)
+            weights = _weights(ROW_FORMATS[fmt][0], c.num_experts, c.hidden_size, c.intermediate_size, seed=0)
             model_rows = [_experts_row(fmt, model, M, weights, ceilings, fp8_tflops, gen)
                           for M in (tokens[:3] if quick else tokens)]
             del weights

@@ -23,8 +23,8 @@ the packed tensors are read as the checkpoint ships them (no re-layout).
 History, one H200, DeepSeek-V4-Flash at 16 tokens: building each weight with Triton integer ops ran 4.7x the read
 floor; ``tl.dot_scaled`` 3.7x (990 µs); this unpacking in natural K order, converted to the operand layout through
 shared memory, 706 µs; in the registers' order 461 µs, 1.8x; the same work warp-specialized (``mxfp4_ws.py``, which
-``experts_mxfp4`` hands the experts to on Hopper) 398 µs, 1.5x (docs/PERF-NOTES.md). At prefill on Hopper the
-experts go to the W4A8 kernels instead (``mxfp4_w4a8.py``: fp8 MMAs, SPEC §6).
+the op runs on Hopper) 398 µs, 1.5x (docs/PERF-NOTES.md). With ``activation_quant="fp8"`` the experts go to the
+W4A8 kernels instead (``mxfp4_w4a8.py``: fp8 MMAs, SPEC §6).
 """
 
 from __future__ import annotations
@@ -267,16 +267,9 @@ def experts_mxfp4(
     *,
     use_pdl: bool = False,
 ) -> None:
-    """Launch GEMM1 + SwiGLU, then GEMM2, on MXFP4 weights into ``out``: the warp-specialized kernels of
-    ``mxfp4_ws.py`` on Hopper where ``ws_eligible``, these elsewhere."""
-    from . import mxfp4_w4a8, mxfp4_ws  # they build on this module
-
-    if mxfp4_ws.ws_eligible(hidden, gate_up, down, plan):
-        if mxfp4_w4a8.chosen(hidden.shape[0], plan.block_m, hidden.shape[1], down.shape[2]):
-            mxfp4_w4a8.experts_mxfp4_w4a8(hidden, gate_up, down, plan, out, swiglu_limit)
-        else:
-            mxfp4_ws.experts_mxfp4_ws(hidden, gate_up, down, plan, out, swiglu_limit)
-        return
+    """Launch GEMM1 + SwiGLU, then GEMM2, on MXFP4 weights into ``out`` (W4A16), with the ``tl`` kernels: off
+    Hopper, under the interpreter, and where the warp-specialized ones (``mxfp4_ws.py``) do not take the shapes
+    (the op chooses)."""
     num_tiles = plan.tile_expert.numel()
     width, hidden_size = down.shape[2], hidden.shape[1]
     if num_tiles == 0 or width == 0:
@@ -286,6 +279,11 @@ def experts_mxfp4(
     flags = {"EMULATE_RTNE": interpreting, "USE_PDL": use_pdl}  # EMULATE_RTNE: the interpreter's work-arounds
     launch = {"launch_pdl": True} if use_pdl else {}
     t1, t2 = mxfp4_tiles(gemm1_tiles), mxfp4_tiles(gemm2_tiles)
+    if hidden.stride(1) != 1:
+        # Rows must be read with unit inner stride: with any other, Triton 3.6 fails to compile GEMM1 (its
+        # dot-operand pass on the activation tile that ``_paired`` permutes; an H200, every tile height). A copy of
+        # the M x H activations is small next to the weights the GEMMs stream.
+        hidden = hidden.contiguous()
     w1, w2 = _words(gate_up.values), _words(down.values)
     desc1 = weight_descriptor(w1, t1.block_n, t1.block_k // 8)
     _gemm1_mxfp4_kernel[(num_tiles * triton.cdiv(width, t1.block_n),)](

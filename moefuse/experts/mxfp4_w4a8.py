@@ -56,7 +56,7 @@ if gluon is not None:
 BLOCK_K = 128  # one activation scale and one int32 of weight exponents per row and step
 BLOCK_N = 128  # weight rows a program: GEMM2's output columns, or GEMM1's 64 gate and 64 up rows
 FLUSH_BELOW = -5  # a group whose exponent is more than 11 under its row's largest is flushed (SPEC §6)
-MIN_TOKENS = 512  # W4A8 runs from this many tokens, in tiles of a height in LAUNCH
+BLOCK_M = 128  # the plan's tile height W4A8 runs on (LAUNCH), at every token count
 # Steps the transform unpacks between two fences (``_transform``'s loop is written for two): each fence (a CTA-wide
 # memory barrier in SASS) and barrier of the warp group then serves two tiles, 1.3-2.2% faster than one a step at
 # 2,560-8,192 tokens (docs/PERF-NOTES.md, sixteenth session). scripts/sass.py counts instructions per weight by it.
@@ -64,7 +64,7 @@ TRANSFORM_STEPS = 2
 
 
 # As mxfp4_ws.LAUNCH: maxnreg is the transform's (the default partition), the producer warp takes PRODUCER_REGS.
-LAUNCH = {128: Launch(maxnreg=128, consumer_regs=184, stages=4)}
+LAUNCH = {BLOCK_M: Launch(maxnreg=128, consumer_regs=184, stages=4)}
 
 
 # The e4m3 bytes of the magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6) of codes 0..3 and 4..7 (a byte permute's two
@@ -394,11 +394,12 @@ def item_group(gemm1: bool) -> int:
     return 2 if gemm1 else 1
 
 
-def chosen(num_tokens: int, block_m: int, hidden_size: int, width: int) -> bool:
-    """Whether the W4A8 kernels run (where ``mxfp4_ws.ws_eligible`` holds, which they need too): prefill, at least
-    ``MIN_TOKENS`` tokens in tiles of a height in ``LAUNCH``, H and I multiples of 128. A host decision on shapes
-    alone (no sync), so a given call always takes the same numerics."""
-    return block_m in LAUNCH and num_tokens >= MIN_TOKENS and widths_fit(hidden_size, width)
+def fits(block_m: int, hidden_size: int, width: int) -> bool:
+    """Whether the W4A8 kernels take experts of these shapes (on Hopper, where ``mxfp4_ws.ws_eligible`` holds,
+    which they need too): tiles of a height in ``LAUNCH``, H and I multiples of 128. They run where the caller asks
+    for fp8 activations (``moe_experts(activation_quant="fp8")``), at every token count: never chosen by size, so
+    a token's numerics do not depend on its batch."""
+    return block_m in LAUNCH and widths_fit(hidden_size, width)
 
 
 def experts_mxfp4_w4a8(
@@ -410,7 +411,7 @@ def experts_mxfp4_w4a8(
     swiglu_limit: Optional[float] = None,
 ) -> None:
     """Quantize GEMM1's rows, GEMM1 + SwiGLU (which quantizes the intermediate), GEMM2, into ``out``. Call only
-    where :func:`chosen` and ``mxfp4_ws.ws_eligible`` hold."""
+    where :func:`fits` and ``mxfp4_ws.ws_eligible`` hold."""
     num_tiles = plan.tile_expert.numel()
     width, hidden_size = down.shape[2], hidden.shape[1]
     if num_tiles == 0:

@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Optional, cast
+from typing import Literal, Optional, Union, cast
 
 import torch
 
 from .. import _checks, _runtime
 from ..dispatch import DispatchPlan
-from ..formats import MXFP4, BlockFP8, ExpertWeight, QuantizedWeight, tile_dtype
-from . import configs
-from .configs import GemmTiles
+from ..formats import MXFP4, BlockFP8, ExpertWeight, QuantizedWeight, resolve_activation_quant, tile_dtype
+from . import configs, mxfp4_w4a8, mxfp4_ws
+from .configs import Arch, GemmTiles, pick_block_m
 from .fp8 import experts_fp8
 from .kernel import gemm1_swiglu, gemm2
 from .mxfp4 import experts_mxfp4
-from .reference import moe_experts_fp8_torch, moe_experts_torch
+from .reference import moe_experts_fp8_torch, moe_experts_torch, moe_experts_w4a8_torch
 
 
 def moe_experts(
@@ -28,6 +29,7 @@ def moe_experts(
     *,
     swiglu_limit: Optional[float] = None,
     out: Optional[torch.Tensor] = None,
+    activation_quant: Optional[str] = "default",
     backend: str = "auto",
 ) -> torch.Tensor:
     """The routed experts' SwiGLU MLPs on the rows of a dispatch plan: GEMM1 + SwiGLU, then GEMM2.
@@ -42,13 +44,18 @@ def moe_experts(
         gate_up_proj: [E, 2I, H] of hidden's dtype, gate rows 0..I-1 then up rows (Hugging Face layout); or a
             weight format of that shape (then ``down_proj`` the same format): :class:`moefuse.formats.BlockFP8`
             with bf16 or fp16 hidden (W8A8, the activations quantized on the fly, SPEC §5), or
-            :class:`moefuse.formats.MXFP4` with bf16 hidden (W4A16, SPEC §6; on Hopper, from 512 tokens in
-            128-row tiles, W4A8: fp8 activations and exactly converted weights, ``experts/mxfp4_w4a8.py``).
+            :class:`moefuse.formats.MXFP4` with bf16 hidden (W4A16, SPEC §6; W4A8 with ``activation_quant="fp8"``).
         down_proj: [E, H, I] of hidden's dtype, or the format of ``gate_up_proj``.
         plan: from :func:`moefuse.dispatch.moe_dispatch` for these M tokens (M·K rows) and E experts, on
             hidden's device; its ``block_m`` is the GEMMs' tile height.
         swiglu_limit: None, or a finite number > 0 (DeepSeek-V4: 10).
         out: optional [M·K, H] of hidden's dtype to write into.
+        activation_quant: the activations' precision, the same at every token count (so a token's output never
+            depends on its batch): ``"default"``, the format's own (plain tensors and MXFP4: unquantized; BlockFP8:
+            "fp8"); None, unquantized (plain tensors; MXFP4, W4A16); or ``"fp8"``, e4m3 per token and 128 columns
+            (SPEC §5: BlockFP8, W8A8; MXFP4, W4A8 with exactly converted weights, ``experts/mxfp4_w4a8.py``, on
+            Hopper with H and I multiples of 128 and ``plan.block_m`` 128: :func:`plan_block_m` gives it). The
+            reference backend computes the same numerics at every size.
         backend: "auto" (Triton on CUDA, reference elsewhere), "triton" (CPU needs TRITON_INTERPRET=1) or
             "reference".
 
@@ -63,8 +70,8 @@ def moe_experts(
     rounded once. Tiles: :func:`moefuse.experts.configs.pick` (tuned tables, heuristic fallback, overrides).
     CUDA graphs: capturable, no host sync; grids depend only on shapes and the plan's static tile count.
     """
-    num_tokens, hidden_size, width, resolved = _validate(
-        hidden, gate_up_proj, down_proj, plan, swiglu_limit, out, backend
+    num_tokens, hidden_size, width, quant, resolved = _validate(
+        hidden, gate_up_proj, down_proj, plan, swiglu_limit, out, activation_quant, backend
     )
     op: Callable[..., None]  # arity per format: the weights' tensors are spread into its arguments
     weights: tuple[torch.Tensor, ...]
@@ -73,7 +80,7 @@ def moe_experts(
         weights = (gate_up_proj, cast(torch.Tensor, down_proj))
     else:
         down = cast(QuantizedWeight, down_proj)  # the same format (checked)
-        op = _FORMATS[type(gate_up_proj)].op()
+        op = _FORMATS[(type(gate_up_proj), quant)].op()
         weights = (gate_up_proj.values, gate_up_proj.scales, down.values, down.scales)
     device = hidden.device
     if out is None:
@@ -100,7 +107,7 @@ def _check_weights(hidden: torch.Tensor, gate_up_proj: object, down_proj: object
         _checks.check_tensor("down_proj", down_proj, dtypes=(hidden.dtype,), ndim=3, device=device)
         E, N, K = tensor.shape
         return E, N, K
-    fmt = _FORMATS[type(gate_up_proj)]
+    fmt = _FORMATS[(type(gate_up_proj), gate_up_proj.activation_quants[0])]
     if type(down_proj) is not type(gate_up_proj):
         raise TypeError(f"down_proj must be a {type(gate_up_proj).__name__} like gate_up_proj, got "
                         f"{type(down_proj).__name__}")
@@ -119,9 +126,11 @@ def _validate(
     plan: object,
     swiglu_limit: object,
     out: object,
+    activation_quant: object,
     backend: str,
-) -> tuple[int, int, int, str]:
-    """All checks of ``moe_experts``, before any allocation or launch; returns (M, H, I, backend)."""
+) -> tuple[int, int, int, Optional[str], str]:
+    """All checks of ``moe_experts``, before any allocation or launch; returns (M, H, I, activation precision,
+    backend)."""
     hidden = _checks.check_tensor("hidden", hidden, dtypes=_checks.FLOAT_DTYPES, ndim=2)
     device = hidden.device
     num_tokens, hidden_size = hidden.shape
@@ -159,7 +168,41 @@ def _validate(
         )
         if any(size > 1 and stride == 0 for size, stride in zip(out.shape, out.stride())):
             raise ValueError(f"out must not have overlapping elements, got strides {out.stride()} (an expanded view?)")
-    return num_tokens, hidden_size, width, _runtime.resolve_backend(backend, device)
+    quant = resolve_activation_quant(cast(ExpertWeight, gate_up_proj), activation_quant)
+    resolved = _runtime.resolve_backend(backend, device)
+    if isinstance(gate_up_proj, MXFP4) and quant == "fp8" and resolved == "triton":
+        _check_w4a8(hidden, gate_up_proj, cast(MXFP4, down_proj), plan)
+    return num_tokens, hidden_size, width, quant, resolved
+
+
+def _check_w4a8(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: DispatchPlan) -> None:
+    """The W4A8 kernels are Gluon kernels for Hopper: refuse, naming the argument, what they cannot run."""
+    H, I = gate_up.shape[2], down.shape[2]
+    if not mxfp4_w4a8.fits(plan.block_m, H, I):
+        raise ValueError(f"activation_quant='fp8' with MXFP4 weights (W4A8) needs H and I multiples of "
+                         f"{mxfp4_w4a8.BLOCK_K} and plan.block_m == {mxfp4_w4a8.BLOCK_M} (plan_block_m gives it), "
+                         f"got H = {H}, I = {I}, block_m = {plan.block_m}")
+    if not mxfp4_ws.ws_eligible(hidden, gate_up, down, plan):
+        raise ValueError("activation_quant='fp8' with MXFP4 weights (W4A8) runs on Hopper (sm_90) only, compiled "
+                         "(not under the interpreter), on weights whose tensors are contiguous; use "
+                         "activation_quant=None (W4A16) or backend='reference' here")
+
+
+def plan_block_m(
+    num_tokens: int,
+    gate_up_proj: ExpertWeight,
+    top_k: int,
+    hidden_dtype: torch.dtype,
+    activation_quant: Optional[str] = "default",
+    arch: Union[Arch, Literal["auto"]] = "auto",
+) -> int:
+    """The dispatch plan's ``block_m`` for ``moe_experts`` on these weights: the tile table's (``pick_block_m``),
+    or the W4A8 kernels' 128 rows for MXFP4 with ``activation_quant="fp8"``."""
+    quant = resolve_activation_quant(gate_up_proj, activation_quant)
+    if isinstance(gate_up_proj, MXFP4) and quant == "fp8":
+        return mxfp4_w4a8.BLOCK_M
+    E, two_width, H = gate_up_proj.shape
+    return pick_block_m(num_tokens, E, H, two_width // 2, top_k, tile_dtype(gate_up_proj, hidden_dtype), arch)
 
 
 def _tiles_to_list(tiles: GemmTiles) -> list[int]:
@@ -252,9 +295,45 @@ def _format(cls: type[QuantizedWeight], name: str, activations: tuple[torch.dtyp
     return _Format(activations, name, impl)
 
 
+def _mxfp4_w4a16(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: DispatchPlan, out: torch.Tensor,
+                 gemm1_tiles: GemmTiles, gemm2_tiles: GemmTiles, swiglu_limit: Optional[float], *,
+                 use_pdl: bool = False) -> None:
+    """W4A16: the warp-specialized kernels on Hopper where they take the shapes, the ``tl`` kernels elsewhere (the
+    same sums in the same order: bit-identical outputs, SPEC §6)."""
+    if mxfp4_ws.ws_eligible(hidden, gate_up, down, plan):
+        with _unit_column_stride(out) as rows:
+            mxfp4_ws.experts_mxfp4_ws(hidden, gate_up, down, plan, rows, swiglu_limit)
+    else:
+        experts_mxfp4(hidden, gate_up, down, plan, out, gemm1_tiles, gemm2_tiles, swiglu_limit, use_pdl=use_pdl)
+
+
+def _mxfp4_w4a8(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: DispatchPlan, out: torch.Tensor,
+                gemm1_tiles: GemmTiles, gemm2_tiles: GemmTiles, swiglu_limit: Optional[float], *,
+                use_pdl: bool = False) -> None:
+    """W4A8 (checked by ``_check_w4a8``): its kernels have their own tiles and no PDL."""
+    with _unit_column_stride(out) as rows:
+        mxfp4_w4a8.experts_mxfp4_w4a8(hidden, gate_up, down, plan, rows, swiglu_limit)
+
+
+@contextlib.contextmanager
+def _unit_column_stride(out: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``out``, or where its columns are not adjacent a contiguous copy written back after the block: the Gluon
+    kernels store rows as [row stride, 1] (their TMA-free epilogue takes one stride). The copy keeps the values of
+    the rows the experts leave unwritten, so they stay as they were."""
+    if out.stride(1) == 1:
+        yield out
+        return
+    rows = out.contiguous()
+    yield rows
+    out.copy_(rows)
+
+
+# The experts per (format, activation precision): each a custom op of its own.
 _FORMATS = {
-    BlockFP8: _format(BlockFP8, "experts_fp8", (torch.bfloat16, torch.float16), experts_fp8, moe_experts_fp8_torch),
-    MXFP4: _format(MXFP4, "experts_mxfp4", (torch.bfloat16,), experts_mxfp4, moe_experts_torch),
+    (BlockFP8, "fp8"): _format(BlockFP8, "experts_fp8", (torch.bfloat16, torch.float16), experts_fp8,
+                               moe_experts_fp8_torch),
+    (MXFP4, None): _format(MXFP4, "experts_mxfp4", (torch.bfloat16,), _mxfp4_w4a16, moe_experts_torch),
+    (MXFP4, "fp8"): _format(MXFP4, "experts_mxfp4_w4a8", (torch.bfloat16,), _mxfp4_w4a8, moe_experts_w4a8_torch),
 }
 
 

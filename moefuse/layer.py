@@ -24,7 +24,7 @@ from moefuse._checks import check_int
 from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
 from moefuse.dispatch import moe_dispatch
-from moefuse.experts import configs, fp8_mlp, moe_experts, plan_block_m
+from moefuse.experts import check_experts_shapes, configs, fp8_mlp, moe_experts, plan_block_m
 from moefuse.experts.reference import w4a8_weight
 from moefuse.finalize import (
     DeferredFinalizeOutput,
@@ -166,6 +166,8 @@ class MoEExperts(nn.Module):
         # Resolved once, against the format (which never changes): a combination it has no kernels for (BlockFP8
         # without fp8 activations, plain tensors with them) is refused here, not at the first call.
         self.activation_quant: str | None = resolve_activation_quant(self.weights()[0], activation_quant)
+        if backend != "reference":  # what the kernels take on any device; the op checks the device at the call
+            check_experts_shapes(self.weights()[0], self.activation_quant)
 
     def weights(self) -> tuple[ExpertWeight, ExpertWeight]:
         """``(gate_up_proj, down_proj)`` as the experts op takes them: tensors, :class:`BlockFP8` s or

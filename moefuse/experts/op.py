@@ -175,6 +175,16 @@ def _validate(
     return num_tokens, hidden_size, width, quant, resolved
 
 
+def check_experts_shapes(gate_up_proj: ExpertWeight, activation_quant: Optional[str]) -> None:
+    """Refuse, naming ``activation_quant``, widths the Triton backend's kernels for this format and (resolved)
+    activation precision cannot take on any device: for a layer to check when it is built."""
+    E, two_width, H = gate_up_proj.shape
+    if isinstance(gate_up_proj, MXFP4) and activation_quant == "fp8" and not mxfp4_w4a8.fits(
+            mxfp4_w4a8.BLOCK_M, H, two_width // 2):
+        raise ValueError(f"activation_quant='fp8' with MXFP4 weights (W4A8) needs H and I multiples of "
+                         f"{mxfp4_w4a8.BLOCK_K}, got H = {H}, I = {two_width // 2}")
+
+
 def _check_w4a8(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: DispatchPlan) -> None:
     """The W4A8 kernels are Gluon kernels for Hopper: refuse, naming the argument, what they cannot run."""
     H, I = gate_up.shape[2], down.shape[2]

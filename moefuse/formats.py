@@ -5,7 +5,7 @@ Kimi-K2, GLM-4.5-FP8 and Qwen3-FP8 checkpoints ship their experts in: e4m3 value
 128 x 128, ``w[e, n, k] = values[e, n, k] * scales[e, n // 128, k // 128]`` (SPEC §5 has the numerics of the
 experts on it). :class:`MXFP4` is DeepSeek-V4's: e2m1 values two per byte and one power-of-two scale per 32
 consecutive K values of a row (SPEC §6). Each stage keeps what it does with a format in one place
-(``experts/fp8.py``, ``experts/mxfp4.py``).
+(``experts/fp8/``, ``experts/mxfp4/``).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ class BlockFP8(QuantizedWeight):
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # by code
 MX_GROUP = 32  # K values per MXFP4 scale
 # ue8m0 exponents the kernels take (SPEC §6): scales 2^-127 .. 2^1. The kernels scale each unpacked weight by one
-# bf16 multiply by 2^(e - 1) (experts/mxfp4.py), a bf16 up to e = 128. 255 is NaN.
+# bf16 multiply by 2^(e - 1) (experts/mxfp4/kernels.py), a bf16 up to e = 128. 255 is NaN.
 MXFP4_EXPONENTS = (0, 128)
 
 

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import moefuse.dispatch.op as dispatch_op  # noqa: E402
-import moefuse.experts.kernel as experts_kernel  # noqa: E402
+import moefuse.experts.bf16 as experts_bf16  # noqa: E402
 import moefuse.experts.op as experts_op  # noqa: E402
 import moefuse.finalize.op as finalize_op  # noqa: E402
 import moefuse.route.op as route_op  # noqa: E402
@@ -48,7 +48,7 @@ def instrument() -> None:
     import triton.runtime.jit as jit
 
     for module, name in ((experts_op, "_validate"), (route_op, "_validate"), (route_op, "_validate_logits"),
-                         (dispatch_op, "_validate"), (finalize_op, "_validate"), (experts_kernel, "weight_descriptor"),
+                         (dispatch_op, "_validate"), (finalize_op, "_validate"), (experts_bf16, "weight_descriptor"),
                          (jit, "compute_cache_key"), (nv, "make_tensordesc_arg")):
         label = f"{module.__name__.removeprefix('moefuse.').removeprefix('triton.')}.{name}"
         setattr(module, name, timed(label, getattr(module, name)))

@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moefuse import MoEConfig, MoELayer  # noqa: E402
 from moefuse.dispatch import moe_dispatch  # noqa: E402
-from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts, mxfp4_ws  # noqa: E402
+from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts  # noqa: E402
+from moefuse.experts.mxfp4 import ws as mxfp4_ws  # noqa: E402
 from moefuse.finalize import moe_finalize_fuse_shared  # noqa: E402
 from moefuse.formats import MXFP4, BlockFP8, ExpertWeight, tile_dtype  # noqa: E402
 from moefuse.layer import Quant  # noqa: E402

@@ -18,10 +18,10 @@ launch them (TMA weights, PDL): shared memory, registers, stack bytes, the HGMMA
 instructions in the SASS, and the main loop's instructions (all threads) per weight of one K step, which is what
 bounds the MXFP4 kernels (an SM issues 128 per clock, half of them on the integer pipe, and the read floor needs
 about 32 weights per clock per SM on an H200). MXFP4 launches that run the warp-specialized Gluon kernels on sm_90
-(``experts/mxfp4_ws.py``: every preset, whose widths are multiples of 128) are left to ``mxfp4-ws``.
+(``experts/mxfp4/ws.py``: every preset, whose widths are multiples of 128) are left to ``mxfp4-ws``.
 
-``mxfp4-ws``: those Gluon kernels at each tile height of ``mxfp4_ws.LAUNCH``, and the W4A8 ones of
-``mxfp4_w4a8.LAUNCH``, with and without the clamp (they do not depend on the model otherwise): the same columns,
+``mxfp4-ws``: those Gluon kernels at each tile height of ``mxfp4/ws.py``'s ``LAUNCH``, and the W4A8 ones of
+``mxfp4/w4a8.py``'s, with and without the clamp (they do not depend on the model otherwise): the same columns,
 the main-loop instructions per weight counted over a consumer's loop (W4A16) or the transform's (W4A8); ``--check``
 also fails on a spill (their register budget is set to the edge).
 
@@ -51,12 +51,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moefuse import _runtime  # noqa: E402
 from moefuse.config import PRESETS  # noqa: E402
+from moefuse.experts import bf16 as experts_bf16  # noqa: E402
 from moefuse.experts import configs  # noqa: E402
-from moefuse.experts import fp8 as experts_fp8  # noqa: E402
-from moefuse.experts import kernel as experts_kernel  # noqa: E402
-from moefuse.experts import mxfp4 as experts_mxfp4  # noqa: E402
-from moefuse.experts import mxfp4_w4a8 as experts_mxfp4_w4a8  # noqa: E402
-from moefuse.experts import mxfp4_ws as experts_mxfp4_ws  # noqa: E402
+from moefuse.experts.fp8 import kernels as experts_fp8  # noqa: E402
+from moefuse.experts.mxfp4 import kernels as experts_mxfp4  # noqa: E402
+from moefuse.experts.mxfp4 import w4a8 as experts_mxfp4_w4a8  # noqa: E402
+from moefuse.experts.mxfp4 import ws as experts_mxfp4_ws  # noqa: E402
 from moefuse.route import kernel as route_kernel  # noqa: E402
 from moefuse.route import linear as route_linear  # noqa: E402
 
@@ -205,13 +205,13 @@ def router(args: argparse.Namespace) -> list[str]:
 def compile_gemm(gemm: int, dtype: torch.dtype, block_m: int, tiles: configs.GemmTiles, k: int, has_limit: bool):
     """GEMM1 (``gemm=1``) or GEMM2 of reduction length ``k``, as ``gemm1_swiglu`` / ``gemm2`` launch it on sm_90
     for contiguous weights: TMA weight loads, PDL, half-tile pieces for tall tiles."""
-    fn = experts_kernel._gemm1_swiglu_kernel if gemm == 1 else experts_kernel._gemm2_kernel
+    fn = experts_bf16._gemm1_swiglu_kernel if gemm == 1 else experts_bf16._gemm2_kernel
     ty = TYPE_NAMES[dtype]
-    joint = gemm == 1 and experts_kernel.joint_operand(block_m, tiles.block_n)
+    joint = gemm == 1 and experts_bf16.joint_operand(block_m, tiles.block_n)
     constexprs = {
-        **experts_kernel._dtype_flags(dtype),
+        **experts_bf16._dtype_flags(dtype),
         "EVEN_K": k % tiles.block_k == 0, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
-        "GROUP_M": tiles.group_m, "W_TMA": True, "HALF_TILES": block_m >= experts_kernel.HALF_TILES_MIN_BLOCK_M,
+        "GROUP_M": tiles.group_m, "W_TMA": True, "HALF_TILES": block_m >= experts_bf16.HALF_TILES_MIN_BLOCK_M,
         **({"W_JOINT": joint} if gemm == 1 else {}),
         "USE_PDL": True,
         # Contiguous tensors: the launcher passes these strides as 1, which Triton specialises to a constant.
@@ -238,7 +238,7 @@ def compile_gemm(gemm: int, dtype: torch.dtype, block_m: int, tiles: configs.Gem
 
 
 def compile_fp8_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_limit: bool, prequantized: bool):
-    """The fp8 block-scale GEMM1 or GEMM2 (``experts/fp8.py``) as ``experts_fp8`` launches it on sm_90 (bf16
+    """The fp8 block-scale GEMM1 or GEMM2 (``experts/fp8/kernels.py``) as ``experts_fp8`` launches it on sm_90 (bf16
     activations, TMA weights and, for 16-byte rows, TMA activation rows; PDL); ``tiles`` adapted by ``fp8_tiles``."""
     fn = experts_fp8._gemm1_fp8_kernel if gemm == 1 else experts_fp8._gemm2_fp8_kernel
     constexprs = {
@@ -259,7 +259,7 @@ def compile_fp8_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_limi
 
 
 def compile_mxfp4_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_limit: bool):
-    """The MXFP4 GEMM1 or GEMM2 (``experts/mxfp4.py``) as ``experts_mxfp4`` launches it on sm_90 (bf16
+    """The MXFP4 GEMM1 or GEMM2 (``experts/mxfp4/kernels.py``) as ``experts_mxfp4`` launches it on sm_90 (bf16
     activations, TMA packed weights, PDL); ``tiles`` adapted by ``mxfp4_tiles``."""
     fn = experts_mxfp4._gemm1_mxfp4_kernel if gemm == 1 else experts_mxfp4._gemm2_mxfp4_kernel
     constexprs = {
@@ -290,7 +290,7 @@ def compile_gluon(fn, types: dict[str, str], constexprs: dict[str, Any], maxnreg
 
 
 def compile_mxfp4_ws_gemm(gemm: int, block_m: int, has_limit: bool):
-    """The warp-specialized MXFP4 GEMM1 or GEMM2 (``experts/mxfp4_ws.py``, Gluon) as ``experts_mxfp4_ws`` launches
+    """The warp-specialized MXFP4 GEMM1 or GEMM2 (``experts/mxfp4/ws.py``, Gluon) as ``experts_mxfp4_ws`` launches
     it on sm_90: two 64-row consumers, 128-deep steps, registers and slots from ``LAUNCH``."""
     from triton.experimental.gluon import language as gl
 
@@ -309,7 +309,7 @@ def compile_mxfp4_ws_gemm(gemm: int, block_m: int, has_limit: bool):
 
 
 def compile_mxfp4_w4a8_gemm(gemm: int, block_m: int, has_limit: bool):
-    """The W4A8 MXFP4 GEMM1 or GEMM2 (``experts/mxfp4_w4a8.py``, Gluon) as ``experts_mxfp4_w4a8`` launches it on
+    """The W4A8 MXFP4 GEMM1 or GEMM2 (``experts/mxfp4/w4a8.py``, Gluon) as ``experts_mxfp4_w4a8`` launches it on
     sm_90: a transform warp group, two 64-row consumers, registers and slots from ``LAUNCH``."""
     from triton.experimental.gluon import language as gl
 
@@ -397,8 +397,8 @@ def experts(args: argparse.Namespace) -> list[str]:
 
 def mxfp4_ws(args: argparse.Namespace) -> list[str]:
     """The warp-specialized MXFP4 GEMMs at every tile height of their ``LAUNCH`` tables (the same for every model:
-    widths are run-time arguments), with and without the SwiGLU clamp: W4A16 (``mxfp4_ws``) and W4A8
-    (``mxfp4_w4a8``)."""
+    widths are run-time arguments), with and without the SwiGLU clamp: W4A16 (``mxfp4/ws.py``) and W4A8
+    (``mxfp4/w4a8.py``)."""
     problems = []
     print(f"{'MMA':5s} {'GEMM':4s} {'BLOCK_M':>7s} {'clamp':>5s} {'maxnreg':>7s} {'stages':>6s} {'smem':>6s} "
           f"{'regs':>4s} {'stack':>5s} {'HGMMA':>5s} {'loop/weight':>11s}")

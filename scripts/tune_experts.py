@@ -57,7 +57,7 @@ def block_m_candidates(M: int, E: int, K: int) -> list[int]:
 
 def tile_candidates(block_m: int, n: int, k: int, operands: int, quick: bool) -> list[GemmTiles]:
     """Launch shapes for one GEMM: N x K block sizes, warps, stages and grouping, pruned by resources."""
-    # group_m 0: one group per expert (see experts/kernel.py)
+    # group_m 0: one group per expert (see experts/common.py, _program_tile)
     space = dict(block_n=(32, 64, 128, 256), block_k=(64, 128, 256), num_warps=(4, 8), num_stages=(3, 4, 5),
                  group_m=(0, 1, 4, 8))
     if quick:
@@ -96,7 +96,7 @@ def _best(calls: dict[GemmTiles, Any]) -> tuple[GemmTiles | None, float]:
 
 def tune_model(name: str, tokens: list[int], quick: bool, table: dict[str, Any], path: Path) -> None:
     from moefuse.dispatch import moe_dispatch
-    from moefuse.experts.kernel import gemm1_swiglu, gemm2
+    from moefuse.experts.bf16 import gemm1_swiglu, gemm2
 
     cfg = preset(name)
     E, H, I, K, limit = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k, cfg.swiglu_limit

@@ -121,7 +121,7 @@ def test_weights_go_through_tma_only_where_it_can_read_them(device):
     """Contiguous weights get a descriptor; H-major storage or a misaligned base falls back to pointer loads.
     (The interpreter takes descriptors too, so CPU runs cover the same choice as Hopper.)"""
     from moefuse._runtime import capability, interpreting
-    from moefuse.experts.kernel import weight_descriptor
+    from moefuse.experts.common import weight_descriptor
 
     if not interpreting() and capability(device)[0] < 9:
         pytest.skip("TMA descriptors need a Hopper-class GPU (or the interpreter)")

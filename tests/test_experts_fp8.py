@@ -195,10 +195,10 @@ def test_errors_name_the_argument(gen, device):
 
 @pytest.mark.parametrize("M, limit", [(5, None), (18, 0.75)])
 def test_passes_around_cublas_match_the_quantizer(M, limit, gen, device):
-    """The two Triton passes of the fp8 shared expert on cuBLAS (``experts/fp8_mlp.py``): the tokens quantized
+    """The two Triton passes of the fp8 shared expert on cuBLAS (``experts/fp8/mlp.py``): the tokens quantized
     without a plan into column-major scales, bit for bit as ``quantize_rows`` (an all-zero row, a NaN row); and
     SwiGLU of an fp32 [M, 2I] (with and without the clamp) quantized the same way, against float64."""
-    from moefuse.experts import fp8_mlp
+    from moefuse.experts.fp8 import mlp as fp8_mlp
     from moefuse.experts.fp8 import quantize_rows_into
 
     x = (torch.randn(M, 300, generator=gen) * torch.logspace(-2, 2, M)[:, None]).bfloat16()

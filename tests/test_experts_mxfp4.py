@@ -10,13 +10,13 @@ import math
 import pytest
 import torch
 
-import moefuse.experts.mxfp4 as mxfp4_kernels
-import moefuse.experts.mxfp4_w4a8 as mxfp4_w4a8
-import moefuse.experts.mxfp4_ws as mxfp4_ws
+import moefuse.experts.mxfp4.kernels as mxfp4_kernels
+import moefuse.experts.mxfp4.w4a8 as mxfp4_w4a8
+import moefuse.experts.mxfp4.ws as mxfp4_ws
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts, moe_experts_torch
+from moefuse.experts.common import weight_descriptor
 from moefuse.experts.fp8 import quantize_rows_into
-from moefuse.experts.kernel import weight_descriptor
 from moefuse.experts.reference import moe_experts_w4a8_torch, w4a8_weight
 from moefuse.formats import MXFP4, MXFP4_EXPONENTS, BlockFP8, quantize_rows
 from moefuse.testing import assert_rel_close, rms_rel_error
@@ -409,7 +409,7 @@ def test_activations_outside_fp16_range(scale, gen, device):
 
 def test_gather_paired(gen, device):
     """GEMM1's activation rows for the Gluon kernels: the plan's rows of hidden with each group of 32 columns in the
-    MMA's K order (``mxfp4._paired``), zeros for the rows past the valid ones (-1 slots)."""
+    MMA's K order (``mxfp4.kernels._paired``), zeros for the rows past the valid ones (-1 slots)."""
     x, _, _, ids = _inputs(gen, 9, 3, 4, 96, 32, invalid=0.3, device=device)
     plan = moe_dispatch(ids, 4, 16, backend="triton")
     got = mxfp4_ws.gather_paired(x.t().contiguous().t(), plan)  # column-major hidden: strides are honoured
@@ -469,7 +469,7 @@ def _prmt(a: int, b: int, selector: int) -> int:
 
 
 def test_w4a8_conversion_constants(gen):
-    """The W4A8 unpacking's constants (``mxfp4_w4a8._e4m3_asm``), decoded on the CPU: the table with 2^d added is
+    """The W4A8 unpacking's constants (``mxfp4.w4a8._e4m3_asm``), decoded on the CPU: the table with 2^d added is
     the e4m3 bytes of the eight magnitudes times 2^d for every d the kernels use, and the sign permutes move bit 3
     of each code to bit 7 of its byte."""
     for d in range(mxfp4_w4a8.FLUSH_BELOW, 7):

@@ -55,7 +55,8 @@ from tolerances import experts_tolerance
 from moefuse import MoEConfig, MoELayer, moe_layer_torch
 from moefuse.config import SCORING_FUNCS
 from moefuse.dispatch import moe_dispatch
-from moefuse.experts import moe_experts, mxfp4_ws, pick_block_m
+from moefuse.experts import moe_experts, pick_block_m
+from moefuse.experts.mxfp4 import ws as mxfp4_ws
 from moefuse.experts.reference import moe_experts_fp8_torch, moe_experts_torch, moe_experts_w4a8_torch
 from moefuse.formats import MXFP4, BlockFP8, tile_dtype, ue8m0_to_float
 from moefuse.testing import rel_error, rms_rel_error

@@ -285,7 +285,7 @@ def test_fp8_shared_expert_on_cublas_under_graphs_compile_and_warmup(gen):
     """The fp8 layer at prefill on Hopper, its shared expert on cuBLAS's block-scaled GEMMs: CUDA-graph replay and
     torch.compile(fullgraph=True) give the eager output bit for bit, and after warm-up no token count on either side
     of the switch from the slot compiles a kernel (rows that are and are not multiples of 4 and 16)."""
-    from moefuse.experts import fp8_mlp
+    from moefuse.experts.fp8 import mlp as fp8_mlp
     from moefuse.warmup import warmup
 
     config = MoEConfig(hidden_size=512, intermediate_size=512, num_experts=4, top_k=2, num_shared_experts=1)

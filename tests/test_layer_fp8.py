@@ -105,7 +105,7 @@ WIDE = MoEConfig(hidden_size=512, intermediate_size=512, num_experts=4, top_k=2,
 def test_cublas_shared_expert_rule():
     """cuBLAS runs the fp8 shared expert only on an sm_90 GPU, from MIN_TOKENS tokens, at widths it takes: never on
     a CPU, so the layer there keeps the slot at every size."""
-    from moefuse.experts import fp8_mlp
+    from moefuse.experts.fp8 import mlp as fp8_mlp
 
     cpu = torch.device("cpu")
     assert not fp8_mlp.takes(fp8_mlp.MIN_TOKENS, 512, 512, torch.bfloat16, cpu)
@@ -127,7 +127,7 @@ def test_fp8_shared_expert_on_cublas_matches_float64(extra, dtype, gen):
     """At prefill on Hopper the fp8 shared expert runs on cuBLAS (the layer then leaves the slot): against float64
     on the dequantized operands (SPEC §5), with the clamp reached, a NaN row (NaN out) and a zero row (zeros out);
     and the whole layer against its float64 reference."""
-    from moefuse.experts import fp8_mlp
+    from moefuse.experts.fp8 import mlp as fp8_mlp
 
     tokens = fp8_mlp.MIN_TOKENS + extra
     cuda = torch.device("cuda")

@@ -143,7 +143,7 @@ WIDE = MoEConfig(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2,
 def test_w4a8_layer_on_hopper(shared, tokens, gen):
     """MXFP4 with ``activation_quant="fp8"`` on the W4A8 kernels, beside either shared expert: against its float64
     reference (SPEC §6's W4A8 tolerances), a decode batch replayed from the layer's own CUDA graph."""
-    from moefuse.experts import mxfp4_ws
+    from moefuse.experts.mxfp4 import ws as mxfp4_ws
 
     cuda = torch.device("cuda")
     if torch.cuda.get_device_capability(cuda) != (9, 0) or mxfp4_ws.gluon is None:

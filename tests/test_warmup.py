@@ -72,7 +72,7 @@ def test_token_varying_integers_are_not_specialized():
     """The W4A8 kernel's ``items`` and ``num_rows`` were left specialized (found 2026-12-02: 3,072 and 3,078 rows
     gave two variants, offline with Triton's binder)."""
     kernels = dict(_launched_kernels())
-    assert "moefuse.experts.mxfp4_w4a8._w4a8_kernel" in kernels and len(kernels) >= 15  # all stages
+    assert "moefuse.experts.mxfp4.w4a8._w4a8_kernel" in kernels and len(kernels) >= 15  # all stages
     specialized = [f"{name}: {p.name}" for name, fn in kernels.items() for p in fn.params
                    if p.name in TOKEN_VARYING and not p.is_constexpr and not p.do_not_specialize]
     assert specialized == []

@@ -34,7 +34,7 @@ from moefuse.bench import report, timing
 from moefuse.config import preset
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import configs, moe_experts, moe_experts_torch, pick_block_m
-from moefuse.experts.kernel import gemm1_swiglu, gemm2
+from moefuse.experts.bf16 import gemm1_swiglu, gemm2
 from moefuse.finalize import moe_finalize_fuse_shared
 from moefuse.testing import rel_error
 

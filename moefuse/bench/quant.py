@@ -12,7 +12,7 @@ For each model and token count (softmax top-k of random N(0, 1) logits, as the a
 - the whole layer (``MoELayer(quant=...)``: router, dispatch, experts, fp8 shared expert, finalize) and the bf16
   layer, with the layer's read floor (touched experts, shared expert, router weight);
 - the MMA precision the call ran: fp8's W8A8; MXFP4's W4A16 (the default) and, as its own rows ("w4a8"), W4A8
-  (``activation_quant="fp8"``: ``experts/mxfp4_w4a8.py``);
+  (``activation_quant="fp8"``: ``experts/mxfp4/w4a8.py``);
 - errors at M <= 128 and wherever W4A8 ran, max-normalised: against the float64 reference of the numerics the
   call ran, and (fp8, W4A8) against the unquantized weights (MXFP4: its unpacked ones) with unquantized
   activations.

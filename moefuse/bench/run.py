@@ -233,8 +233,8 @@ def _write_report(out: Path) -> None:
                if (out / f"{stage}.json").exists()}
     parts = ["# moefuse GPU results\n\nWritten by `moefuse bench`. Times are device time per call under CUDA-graph "
              "replay (median of many replays, inputs rotated past the L2 where they are small); floors come from "
-             "ceilings measured in the same run. Each stage says when and on what it ran.\n\n![summary](summary.png)\n\n"
-             "![results](results.png)"]
+             "ceilings measured in the same run. Each stage says when and on what it ran.\n\n"
+             "![summary](summary.png)\n\n![results](results.png)"]
     for stage, record in records.items():
         env, module = record["environment"], importlib.import_module(f"moefuse.bench.{stage}")
         ceilings = ", ".join(f"{k} {v:.3g}" for k, v in record["ceilings"].items())

@@ -40,7 +40,7 @@ HOPPER_SMEM = 227 * 1024  # the most shared memory one block may opt in to on sm
 SMEM_BUDGET = 212 * 1024  # the heuristic's limit on smem_bytes (an upper model; see there)
 
 TABLE_DTYPES = (torch.bfloat16, torch.float16)  # the tile tables' activations; other dtypes take the heuristic
-# fp8 (``experts/fp8.py``): plans of this many rows (M·K) or more quantize the activations in one pass before GEMM1
+# fp8 (``experts/fp8/``): plans of this many rows (M·K) or more quantize the activations in one pass before GEMM1
 # instead of in its prologue. One H200, DeepSeek-V3: the pass cost 24 µs at one token (8 rows) and saved 103 µs at
 # 16 tokens (128 rows) and 271 µs at 128 tokens.
 FP8_PREQUANTIZE_MIN_ROWS = 64
@@ -289,7 +289,7 @@ def heuristic(
     3. Tall tiles (prefill) are bound by tensor-core throughput: 8 warps, BLOCK_N 128 (GEMM1 keeps gate and
        up accumulators) or 256 (GEMM2, one accumulator, when 128 rows tall), BLOCK_K 64, 4 stages (TMA
        weight loads leave room for them: 224 KB compiled with the 64-row tail piece of 128-row tiles, see
-       ``kernel.py``; ``smem_bytes`` models one tile height), and each expert's tiles one group sharing a column block
+       ``bf16.py``; ``smem_bytes`` models one tile height), and each expert's tiles one group sharing a column block
        (GROUP_M 0), so its weight tiles are read from L2 by all its tiles however skewed the routing (DeepSeek-V3
        on an H200, against groups of 4: within noise to 3% faster at 4096 tokens, uniform and skewed, 5% at 8192).
     4. fp32 operands take IEEE products on the FMA units, not the tensor cores, so the operand tiles live in
@@ -298,7 +298,7 @@ def heuristic(
        per thread in fp32).
     5. Every block is capped by its dimension (next power of two, at least 16: the smallest ``tl.dot``);
        stages and BLOCK_K shrink until the operand buffers fit in shared memory.
-    6. fp8 block-scale weights (``dtype`` float8_e4m3fn, ``experts/fp8.py``): BLOCK_K 128 (one scale step) and
+    6. fp8 block-scale weights (``dtype`` float8_e4m3fn, ``experts/fp8/kernels.py``): BLOCK_K 128 (one scale step) and
        GEMM1's BLOCK_N 128 (one intermediate scale group); tiles of 16 rows up to 16 rows per expert, else 64;
        GEMM1 8 warps where it quantizes its own activations or the tiles are tall, else 4 (swept on an H200: 4 warps
        and 4 stages saved 2% at 16 and 128 tokens); GEMM1 5 stages where it quantizes its own activations and its
@@ -312,15 +312,15 @@ def heuristic(
        64 rows keep GEMM1's gate and up tiles in registers, 128 rows spilled (sm_90 compile). 32 rows run on
        mma.sync, not wgmma: on one H200 (DeepSeek-V3, M = 1024, 32 rows per expert) 64-row tiles took 3,483 µs
        against 4,480 for 32 rows; at M = 4096, 7,749 against 13,784.
-    7. MXFP4 weights (``dtype`` uint8, ``experts/mxfp4.py``): short tiles [128, 128] on 8 warps, 3 stages, for
+    7. MXFP4 weights (``dtype`` uint8, ``experts/mxfp4/kernels.py``): short tiles [128, 128] on 8 warps, 3 stages, for
        both GEMMs; for a few tokens (at most 16 rows: few programs, each streaming long rows) [64, 256] on 4 warps,
        4 stages. Swept on one H200 (DeepSeek-V4-Flash, 2026-12-01, µs at M = 1 / 16 / 128 / 1024): [128, 128] w8 s3
        73 (s5) / 461 / 1,391 / 1,864; [64, 256] w4 s4 64 / 552 / - / -; [64, 128] w4 s3 - / 475 / 1,439 / 1,983;
        [64, 64] w4 s3 - / 499 / 1,529 / 2,020; [128, 256] and [256, 128] w8 s3 slower (635 / 1,929 / 2,372 and
        644 / 2,005 / 2,355). Tall tiles as for bf16 with 3 stages (M = 4096: 4,365 µs, against 4,775 for 4 stages
        with tiles grouped per expert, 4,917 for [64, 64] and 5,083 for [128, 64]). On sm_90, models whose H and I
-       are multiples of 128 run the warp-specialized kernels of ``mxfp4_ws.py`` instead (their launch shape is
-       per tile height, ``mxfp4_ws.LAUNCH``); the tiles here serve the rest. Tile heights by the rows per
+       are multiples of 128 run the warp-specialized kernels of ``mxfp4/ws.py`` instead (their launch shape is
+       per tile height, ``ws.LAUNCH``); the tiles here serve the rest. Tile heights by the rows per
        touched expert (``MXFP4_HEIGHTS``), not item 1's power of two: 16 rows up to 13, 32 up to 32, 64 up to 58,
        then 128 (W4A8's). A tile's unpacking is paid per tile, so an expert with a second tile costs nearly twice
        as much, and with uniform routing a share of the experts has more rows than the mean; the limits are where

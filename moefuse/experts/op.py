@@ -13,11 +13,13 @@ import torch
 from .. import _checks, _runtime
 from ..dispatch import DispatchPlan
 from ..formats import MXFP4, BlockFP8, ExpertWeight, QuantizedWeight, resolve_activation_quant, tile_dtype
-from . import configs, mxfp4_w4a8, mxfp4_ws
+from . import configs
+from .bf16 import gemm1_swiglu, gemm2
 from .configs import Arch, GemmTiles, pick_block_m
 from .fp8 import experts_fp8
-from .kernel import gemm1_swiglu, gemm2
 from .mxfp4 import experts_mxfp4
+from .mxfp4 import w4a8 as mxfp4_w4a8
+from .mxfp4 import ws as mxfp4_ws
 from .reference import moe_experts_fp8_torch, moe_experts_torch, moe_experts_w4a8_torch
 
 
@@ -53,7 +55,7 @@ def moe_experts(
         activation_quant: the activations' precision, the same at every token count (so a token's output never
             depends on its batch): ``"default"``, the format's own (plain tensors and MXFP4: unquantized; BlockFP8:
             "fp8"); None, unquantized (plain tensors; MXFP4, W4A16); or ``"fp8"``, e4m3 per token and 128 columns
-            (SPEC §5: BlockFP8, W8A8; MXFP4, W4A8 with exactly converted weights, ``experts/mxfp4_w4a8.py``, on
+            (SPEC §5: BlockFP8, W8A8; MXFP4, W4A8 with exactly converted weights, ``experts/mxfp4/w4a8.py``, on
             Hopper with H and I multiples of 128 and ``plan.block_m`` 128: :func:`plan_block_m` gives it). The
             reference backend computes the same numerics at every size.
         backend: "auto" (Triton on CUDA, reference elsewhere), "triton" (CPU needs TRITON_INTERPRET=1) or

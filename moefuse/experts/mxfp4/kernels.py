@@ -6,7 +6,7 @@ Contract (inputs validated by :func:`moefuse.experts.moe_experts`):
   [E, H, I] unpacked: e2m1 codes two per byte, one ue8m0 exponent per 32 K values of a row); ``plan`` as for the
   bf16 kernels. GEMM1 writes the intermediate [M·K, I] in bf16, GEMM2 ``out`` [M·K, H] in bf16.
 
-The kernels follow the bf16 ones (``kernel.py``: same grid, tile order, gathered activation rows, SwiGLU
+The kernels follow the bf16 ones (``bf16.py``: same grid, tile order, gathered activation rows, SwiGLU
 epilogue) with two changes. Each weight tile is read packed, as int32 words of eight codes (half a byte per
 weight, plus a byte of scale per 32), and unpacked in registers to bf16 ``value(code) * 2^(e - 127)``, exact, by
 a few bit operations and one bf16 multiply per pair of weights (``_UNPACK_ASM``; Hopper has no FP4 tensor cores).
@@ -22,9 +22,9 @@ the packed tensors are read as the checkpoint ships them (no re-layout).
 
 History, one H200, DeepSeek-V4-Flash at 16 tokens: building each weight with Triton integer ops ran 4.7x the read
 floor; ``tl.dot_scaled`` 3.7x (990 µs); this unpacking in natural K order, converted to the operand layout through
-shared memory, 706 µs; in the registers' order 461 µs, 1.8x; the same work warp-specialized (``mxfp4_ws.py``, which
+shared memory, 706 µs; in the registers' order 461 µs, 1.8x; the same work warp-specialized (``ws.py``, which
 the op runs on Hopper) 398 µs, 1.5x (docs/PERF-NOTES.md). With ``activation_quant="fp8"`` the experts go to the
-W4A8 kernels instead (``mxfp4_w4a8.py``: fp8 MMAs, SPEC §6).
+W4A8 kernels instead (``w4a8.py``: fp8 MMAs, SPEC §6).
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _runtime
-from ..dispatch import DispatchPlan
-from ..formats import MX_GROUP, MXFP4
-from .configs import GemmTiles
-from .kernel import _program_start, _round, _swiglu, _tile_span, weight_descriptor
+from ... import _runtime
+from ...dispatch import DispatchPlan
+from ...formats import MX_GROUP, MXFP4
+from ..common import _program_start, _round, _swiglu, _tile_span, weight_descriptor
+from ..configs import GemmTiles
 
 
 def _unpack_asm(from_exponents: bool = False) -> str:
@@ -268,7 +268,7 @@ def experts_mxfp4(
     use_pdl: bool = False,
 ) -> None:
     """Launch GEMM1 + SwiGLU, then GEMM2, on MXFP4 weights into ``out`` (W4A16), with the ``tl`` kernels: off
-    Hopper, under the interpreter, and where the warp-specialized ones (``mxfp4_ws.py``) do not take the shapes
+    Hopper, under the interpreter, and where the warp-specialized ones (``ws.py``) do not take the shapes
     (the op chooses)."""
     num_tiles = plan.tile_expert.numel()
     width, hidden_size = down.shape[2], hidden.shape[1]

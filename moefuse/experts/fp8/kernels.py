@@ -10,8 +10,8 @@ Contract (inputs validated by :func:`moefuse.experts.moe_experts`):
 What the peers run as separate kernels is fused here:
 
 - **GEMM1's prologue quantizes the activations.** It gathers each tile's token rows from ``hidden`` (as the bf16
-  kernel does), and per 128-column step computes each row's amax, scale and e4m3 values in registers: no
-  quantized copy of the activations is written.
+  kernel does), and per 128-column step computes each row's amax, scale and e4m3 values in registers
+  (``quantize._quantize``): no quantized copy of the activations is written.
 - **Both GEMMs promote per block.** Each 128-deep step is one fp8 ``tl.dot`` into a fresh fp32 tile, scaled by
   the rows' activation scales and the tile's weight-block scale (one scalar per step: a tile's columns lie in one
   block) and added to the fp32 accumulator: DeepSeek-V3's recipe (promotion every 128 products). Within a step,
@@ -24,12 +24,10 @@ What the peers run as separate kernels is fused here:
 - **GEMM1's epilogue quantizes the intermediate**: SwiGLU (and the clamp) in fp32, then per row of the 128-column
   tile the same quantization, written as e4m3 plus one scale per row.
 
-Grid and tile order are the bf16 kernels' (``_program_tile``). BLOCK_K is 128 (one scale step); GEMM1's BLOCK_N
-is 128 (one intermediate scale group per tile row); GEMM2's BLOCK_N is at most 128, so a tile's columns lie in one
-weight block. Weights go through TMA on sm90+ where their layout allows, as in ``kernel.py``.
-
-Under Triton's interpreter the fp32 -> e4m3 cast does not round to nearest even for about 2% of values, so there
-the rounding is done on the bits first and the cast is then exact (``EMULATE_RTNE``).
+Grid and tile order are the bf16 kernels' (``common._program_tile``). BLOCK_K is 128 (one scale step); GEMM1's
+BLOCK_N is 128 (one intermediate scale group per tile row); GEMM2's BLOCK_N is at most 128, so a tile's columns lie
+in one weight block. Weights go through TMA on sm90+ where their layout allows, as in ``bf16.py``. The quantization
+itself, and its rounding under the interpreter, are in ``quantize.py``.
 """
 
 from __future__ import annotations
@@ -40,45 +38,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _runtime
-from ..dispatch import DispatchPlan
-from ..formats import BLOCK, BlockFP8
-from .configs import FP8_PREQUANTIZE_MIN_ROWS, SMEM_BUDGET, GemmTiles
-from .kernel import _program_start, _round, _swiglu, _tile_span, rows_descriptor, weight_descriptor
+from ... import _runtime
+from ...dispatch import DispatchPlan
+from ...formats import BLOCK, BlockFP8
+from ..common import _program_start, _round, _swiglu, _tile_span, rows_descriptor, weight_descriptor
+from ..configs import FP8_PREQUANTIZE_MIN_ROWS, SMEM_BUDGET, GemmTiles
+from .quantize import _quantize, quantize_rows_into, quantized_rows
 
 WGMMA_MIN_ROWS = 64  # GEMM2's shorter tiles swap their MMA's operands (``_add_scaled``)
-
-
-@triton.jit
-def _to_e4m3(y, EMULATE_RTNE: tl.constexpr):
-    """fp32 ``y`` (within [-448, 448] or NaN) -> float8e4nv, rounded to nearest even."""
-    if EMULATE_RTNE:
-        bits = y.to(tl.uint32, bitcast=True)
-        normal = (bits & 0x7FFFFFFF) >= 0x3C800000  # |y| >= 2^-6: keep 3 of the 23 mantissa bits
-        kept = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-        sub = ((y * 512.0 + 12582912.0) - 12582912.0) * 0.001953125  # subnormals: multiples of 2^-9
-        sub = tl.where(sub == 0.0, y * 0.0, sub)  # an underflow keeps y's sign (-0.0), as the cast does
-        y = tl.where(y != y, y, tl.where(normal, kept, sub))
-    return y.to(tl.float8e4nv)
-
-
-@triton.jit
-def _max_keeping_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _quantize(x, EMULATE_RTNE: tl.constexpr):
-    """Rows of fp32 ``x`` [BLOCK_M, 128] -> (e4m3 values, fp32 scale per row), SPEC §5 (all-zero row: scale 0).
-    A NaN makes its row's amax, and so its scale, NaN (``tl.max`` would skip it), as in the reference: the row's
-    products are then NaN whatever the e4m3 cast makes of the NaN itself (Triton's interpreter makes it finite)."""
-    amax = tl.reduce(tl.abs(x), 1, _max_keeping_nan)  # [BLOCK_M]
-    inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax), 0.0)
-    y = x * inv[:, None]
-    # A NaN input stays NaN (the hardware's min/max would drop it).
-    y = tl.maximum(y, -448.0, propagate_nan=tl.PropagateNan.ALL)
-    y = tl.minimum(y, 448.0, propagate_nan=tl.PropagateNan.ALL)
-    return _to_e4m3(y, EMULATE_RTNE), tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
 
 
 @triton.jit
@@ -117,67 +84,6 @@ def _load_rows(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, ks, k_ok, stride_am
     else:  # addresses formed per step: a [BLOCK_M, BLOCK_K] pointer tile kept across steps would hold 2 registers each
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + ks)[None, :] * stride_ak, mask=k_ok[None, :], other=0.0)
     return a, tl.load(as_ptr + a_rows * stride_asm + k0 // 128 * stride_asg)
-
-
-@triton.jit(do_not_specialize=["num_rows", "stride_sg"])  # stride_sg: the rows, for column-major scales
-def _quantize_rows_kernel(
-    source_ptr, q_ptr, s_ptr, p2e_ptr, expert_offsets_ptr, num_experts, num_rows, K, top_k,
-    stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
-    GATHER: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """q[p], s[p] = quant(x) per 128 columns for the plan's valid rows p, x = source[permuted_to_expanded[p] //
-    top_k] (``GATHER``) or source[p]; without a plan (``expert_offsets_ptr`` None), for rows p < num_rows."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # the plan comes from dispatch
-        tl.extra.cuda.gdc_launch_dependents()
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    if expert_offsets_ptr is None:
-        row_ok = rows < num_rows
-    else:
-        row_ok = rows < tl.minimum(tl.load(expert_offsets_ptr + num_experts), num_rows)
-    if GATHER:
-        sources = (tl.load(p2e_ptr + rows, mask=row_ok, other=0) // top_k).to(tl.int64)
-    else:
-        sources = rows.to(tl.int64)
-    ks = tl.arange(0, 128)
-    for k0 in range(0, K, 128):
-        k_ok = ks < K - k0
-        mask = row_ok[:, None] & k_ok[None, :]
-        x = tl.load(source_ptr + sources[:, None] * stride_xm + (k0 + ks)[None, :] * stride_xk, mask=mask,
-                    other=0.0)
-        q, scale = _quantize(x.to(tl.float32), EMULATE_RTNE)
-        tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + (k0 + ks)[None, :] * stride_qk, q, mask=mask)
-        tl.store(s_ptr + rows.to(tl.int64) * stride_sm + k0 // 128 * stride_sg, scale, mask=row_ok)
-
-
-def quantized_rows(plan: DispatchPlan, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Room for the plan's rows of ``width`` columns quantized per 128 (SPEC §5): e4m3 values [num_rows, width] and
-    fp32 scales [num_rows, ceil(width / 128)]."""
-    return (torch.empty(plan.num_rows, width, dtype=torch.float8_e4m3fn, device=device),
-            torch.empty(plan.num_rows, triton.cdiv(width, BLOCK), dtype=torch.float32, device=device))
-
-
-def quantize_rows_into(source: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, plan: Optional[DispatchPlan], *,
-                       gather: bool, use_pdl: bool = False) -> None:
-    """Quantize the plan's valid rows (SPEC §5) into ``q`` [num_rows, W] (e4m3) and ``scales`` [num_rows, W/128]
-    (fp32, any strides): of ``source``'s token rows (``gather``: row p from token permuted_to_expanded[p] // top_k)
-    or its rows as they are (the W4A8 kernels' intermediate). Rows past the valid ones are left unwritten. Without
-    a plan (``gather`` off), every row of ``q``."""
-    block_r = 16
-    launch = {"launch_pdl": True} if use_pdl else {}
-    args: tuple[Optional[torch.Tensor], Optional[torch.Tensor], int, int, int, int]
-    if plan is None:
-        assert not gather, "a gather needs the plan's row order"
-        rows, args = q.shape[0], (None, None, 0, q.shape[0], source.shape[1], 1)
-    else:
-        rows = plan.num_rows
-        args = (plan.permuted_to_expanded, plan.expert_offsets, plan.num_experts, plan.num_rows, source.shape[1],
-                plan.top_k)
-    _quantize_rows_kernel[(triton.cdiv(rows, block_r),)](
-        source, q, scales, *args, source.stride(0), source.stride(1), *q.stride(), *scales.stride(),
-        GATHER=gather, EMULATE_RTNE=_runtime.interpreting(), BLOCK_R=block_r, USE_PDL=use_pdl,
-        num_warps=4, **launch,
-    )
 
 
 @triton.jit(do_not_specialize=["num_tiles"])

@@ -1,6 +1,6 @@
 """MXFP4 experts with fp8 MMAs at prefill (W4A8, SPEC §6), in Gluon for sm_90.
 
-At prefill the W4A16 kernels (``mxfp4_ws.py``) run their MMAs in bf16, at half the fp8 rate, and each consumer
+At prefill the W4A16 kernels (``ws.py``) run their MMAs in bf16, at half the fp8 rate, and each consumer
 unpacks its own weights between its MMAs. Here the activations are quantized to e4m3 per token and 128 columns
 (SPEC §5: GEMM1's by a pass over the gathered rows, GEMM2's by GEMM1's consumers), the weights are converted to
 e4m3 exactly, and a program splits the work three ways:
@@ -35,11 +35,11 @@ from typing import Optional
 import torch
 import triton.language as tl
 
-from .. import _runtime
-from ..dispatch import DispatchPlan
-from ..formats import MXFP4
-from .fp8 import quantize_rows_into, quantized_rows
-from .mxfp4_ws import PRODUCER_REGS, Launch, _exponent_words, gluon, widths_fit
+from ... import _runtime
+from ...dispatch import DispatchPlan
+from ...formats import MXFP4
+from ..fp8.quantize import quantize_rows_into, quantized_rows
+from .ws import PRODUCER_REGS, Launch, _exponent_words, gluon, widths_fit
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -51,7 +51,7 @@ if gluon is not None:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .mxfp4_ws import _program, _tma_load
+    from .ws import _program, _tma_load
 
 BLOCK_K = 128  # one activation scale and one int32 of weight exponents per row and step
 BLOCK_N = 128  # weight rows a program: GEMM2's output columns, or GEMM1's 64 gate and 64 up rows
@@ -63,7 +63,7 @@ BLOCK_M = 128  # the plan's tile height W4A8 runs on (LAUNCH), at every token co
 TRANSFORM_STEPS = 2
 
 
-# As mxfp4_ws.LAUNCH: maxnreg is the transform's (the default partition), the producer warp takes PRODUCER_REGS.
+# As ws.LAUNCH: maxnreg is the transform's (the default partition), the producer warp takes PRODUCER_REGS.
 LAUNCH = {BLOCK_M: Launch(maxnreg=128, consumer_regs=184, stages=4)}
 
 
@@ -290,8 +290,8 @@ if gluon is not None:
     @gluon.jit
     def _store_quantized(left, right, q_ptr, qs_ptr, row0, row_end, col0, stride_qm, stride_qs):
         """GEMM1's intermediate columns ``col0 ..`` + 128 of rows ``row0 ..`` (``left`` and ``right``: 64 columns
-        each, bf16) quantized as ``fp8._quantize`` does the pass over the stored intermediate (SPEC §5): the values
-        into ``q_ptr`` (e4m3), each row's scale into ``qs_ptr`` at group ``col0 / 128``."""
+        each, bf16) quantized as ``fp8.quantize._quantize`` does the pass over the stored intermediate (SPEC §5):
+        the values into ``q_ptr`` (e4m3), each row's scale into ``qs_ptr`` at group ``col0 / 128``."""
         layout: gl.constexpr = left.type.layout
         left, right = left.to(gl.float32), right.to(gl.float32)
         amax = gl.maximum(gl.reduce(gl.abs(left), 1, _max_keeping_nan), gl.reduce(gl.abs(right), 1, _max_keeping_nan),
@@ -310,7 +310,7 @@ if gluon is not None:
                   N, items, num_rows, k_steps, limit, GEMM1: gl.constexpr, G: gl.constexpr,
                   HAS_LIMIT: gl.constexpr, PART: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr):
         """Consumer ``PART``, per item: its 64 rows of GEMM2's output (bf16), or of GEMM1's intermediate, SwiGLU of
-        the accumulator's gate half (columns 0..63) and up half (64..127) as ``kernel._swiglu``, rounded to bf16 and
+        the accumulator's gate half (columns 0..63) and up half (64..127) as ``common._swiglu``, rounded to bf16 and
         quantized per 128 columns into ``out_ptr`` (e4m3) and ``os_ptr`` (scales): the first of an item pair's two
         64-column halves waits in ``halves`` for the second."""
         done = 0
@@ -395,7 +395,7 @@ def item_group(gemm1: bool) -> int:
 
 
 def fits(block_m: int, hidden_size: int, width: int) -> bool:
-    """Whether the W4A8 kernels take experts of these shapes (on Hopper, where ``mxfp4_ws.ws_eligible`` holds,
+    """Whether the W4A8 kernels take experts of these shapes (on Hopper, where ``ws.ws_eligible`` holds,
     which they need too): tiles of a height in ``LAUNCH``, H and I multiples of 128. They run where the caller asks
     for fp8 activations (``moe_experts(activation_quant="fp8")``), at every token count: never chosen by size, so
     a token's numerics do not depend on its batch."""
@@ -411,7 +411,7 @@ def experts_mxfp4_w4a8(
     swiglu_limit: Optional[float] = None,
 ) -> None:
     """Quantize GEMM1's rows, GEMM1 + SwiGLU (which quantizes the intermediate), GEMM2, into ``out``. Call only
-    where :func:`fits` and ``mxfp4_ws.ws_eligible`` hold."""
+    where :func:`fits` and ``ws.ws_eligible`` hold."""
     num_tiles = plan.tile_expert.numel()
     width, hidden_size = down.shape[2], hidden.shape[1]
     if num_tiles == 0:

@@ -1,4 +1,4 @@
-"""Triton grouped GEMMs of the routed experts: GEMM1 with fused SwiGLU, then GEMM2.
+"""Triton grouped GEMMs of the routed experts on 16- and 32-bit weights: GEMM1 with fused SwiGLU, then GEMM2.
 
 Contract (inputs validated by :func:`moefuse.experts.moe_experts`):
 
@@ -12,7 +12,8 @@ Grid, both GEMMs: one program per (tile, column block), ``T_max * cdiv(N, BLOCK_
 groups of GROUP_M consecutive tiles: within a group the tile index runs fastest, so the tiles of one expert
 (consecutive in the schedule) load the same weight tile at about the same time and share it through L2.
 With GROUP_M = 1 all column blocks of one tile run together instead (they share the gathered activations).
-GROUP_M = 0 makes each expert's tiles one group, so a group never splits an expert (see ``_program_tile``).
+GROUP_M = 0 makes each expert's tiles one group, so a group never splits an expert (see
+``common._program_tile``; the fp8 and MXFP4 ``tl`` kernels share this order).
 A program whose tile is unused (expert -1) returns at once.
 
 Each program: rows ``[row_start, min(row_start + BLOCK_M, expert_end))`` of its expert's segment. With
@@ -28,7 +29,7 @@ One H200, DeepSeek-V3, GEMM1 + GEMM2 at 4096 tokens of random routing: 7,418-7,5
 their own half-height tiles, 6,727-6,767 with them taken by the previous tile and padded rows masked out of the
 loads (outputs bit-identical; exactly 128 rows per expert, which has no tails: 6,011-6,093 against 6,003-5,994).
 
-Weights are read through TMA descriptors (:func:`weight_descriptor`) on sm90+ when their layout allows,
+Weights are read through TMA descriptors (``common.weight_descriptor``) on sm90+ when their layout allows,
 else by pointer loads; TMA frees the registers and instructions of the weight addresses, which lets the
 prefill tiles pipeline 4 stages deep.
 
@@ -59,70 +60,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import _runtime
 from ..dispatch import DispatchPlan
+from .common import _program_start, _round, _swiglu, _tma_readable, weight_descriptor
 from .configs import GemmTiles
-
-
-@triton.jit
-def _program_tile(num_tiles, num_col_blocks, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-                  BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
-    """Map this program to (tile, column block), the tile index fastest within a group of tiles.
-
-    GROUP_M > 0: groups of GROUP_M consecutive tiles. GROUP_M == 0: one group per expert (its tiles are
-    consecutive): programs ``[first·C, (first + size)·C)`` of C column blocks belong to the expert whose tiles
-    are ``first .. first + size - 1``, so ``pid // C`` is one of them, and it tells the expert, its first tile
-    and its tile count. Unused tiles come last; their programs map to themselves (and exit).
-    """
-    pid = tl.program_id(0)
-    if GROUP_M == 0:
-        probe = pid // num_col_blocks
-        expert = tl.load(tile_expert_ptr + probe)
-        if expert < 0:
-            return probe, 0
-        expert_start = tl.load(expert_offsets_ptr + expert)
-        first_tile = probe - (tl.load(tile_row_start_ptr + probe) - expert_start) // BLOCK_M
-        group_size = tl.cdiv(tl.load(expert_offsets_ptr + expert + 1) - expert_start, BLOCK_M)
-        local = pid - first_tile * num_col_blocks
-        return first_tile + local % group_size, local // group_size
-    per_group = GROUP_M * num_col_blocks
-    first_tile = (pid // per_group) * GROUP_M
-    group_size = tl.minimum(num_tiles - first_tile, GROUP_M)
-    tile = first_tile + (pid % per_group) % group_size
-    col_block = (pid % per_group) // group_size
-    return tile, col_block
-
-
-@triton.jit
-def _program_start(num_tiles, N, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr):
-    """A grouped GEMM program's (tile, column block, expert); the expert is -1 for an unused tile (the caller returns).
-
-    With PDL it first waits for the kernels it depends on (the plan from dispatch, GEMM1's intermediate for GEMM2)
-    and lets the next one start its prologue.
-    """
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    tile, col_block = _program_tile(num_tiles, tl.cdiv(N, BLOCK_N), tile_expert_ptr, tile_row_start_ptr,
-                                    expert_offsets_ptr, BLOCK_M, GROUP_M)
-    return tile, col_block, tl.load(tile_expert_ptr + tile)
-
-
-@triton.jit
-def _tile_span(tile, col_block, expert, N, tile_row_start_ptr, expert_offsets_ptr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The rows and columns of a program's tile (its expert is ``expert`` >= 0), as the fp8 and MXFP4 kernels use them.
-
-    Returns ``row_start``; ``rows`` [BLOCK_M] and ``row_ok`` (rows of the expert); ``a_rows`` (int64: rows past the
-    expert's end re-read its first one, so loads need no row mask); ``cols`` [BLOCK_N] and ``col_ok`` (< N); and
-    ``wrapped`` (columns past N wrapped around to real rows, which the store drops).
-    """
-    row_start = tl.load(tile_row_start_ptr + tile)
-    row_end = tl.load(expert_offsets_ptr + expert + 1)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_end
-    a_rows = tl.where(row_ok, rows, row_start).to(tl.int64)
-    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    return row_start, rows, row_ok, a_rows, cols, cols < N, cols % N
 
 
 @triton.jit
@@ -138,32 +77,6 @@ def _half_tile_pieces(tile, expert, tile_row_start_ptr, expert_offsets_ptr, BLOC
     taken = HALF_TILES and short and row_start > tl.load(expert_offsets_ptr + expert)
     with_tail = HALF_TILES and row_end - row_start > BLOCK_M and row_end - row_start <= BLOCK_M + BLOCK_M // 2
     return row_start, row_end, taken, with_tail, HALF_TILES and short
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr, EMULATE_RTNE: tl.constexpr):
-    """Round fp32 ``x`` to ``dtype`` to nearest-even.
-
-    The GPU's cast does that; the interpreter's fp32 -> bf16 cast truncates (up to 2**-7 relative error),
-    so there the rounding is done on the bits first and the cast is then exact.
-    """
-    if EMULATE_RTNE:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
-
-
-@triton.jit
-def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
-    """``SiLU(gate) * up`` in fp32, after DeepSeek-V4's clamp (gate <= limit, up within [-limit, limit]) where
-    ``HAS_LIMIT``. The clamp keeps NaN, as ``torch.clamp`` does (the hardware's min and max would return the limit):
-    a token whose hidden state holds a NaN gets NaN rows, never finite ones."""
-    if HAS_LIMIT:
-        gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
-        up = tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
-        up = tl.minimum(up, limit, propagate_nan=tl.PropagateNan.ALL)
-    return gate * tl.sigmoid(gate) * up
 
 
 @triton.jit
@@ -423,32 +336,6 @@ JOINT_MAX_COLUMNS = 256
 HALF_TILES_MIN_BLOCK_M = 128  # smallest tile height with half-tile pieces (wgmma is 64 rows tall)
 
 
-def _tma_readable(weight: torch.Tensor, block_k: int) -> bool:
-    """Whether TMA can read ``weight`` [E, R, C] as [E·R, C] rows: on a Hopper-class GPU (or the interpreter), the
-    rows of all experts stacked with one stride (``stride(0) == R·stride(1)``), the last dim contiguous, the base
-    and row stride 16-byte aligned, and a box row of at least 16 bytes."""
-    E, R, _ = weight.shape
-    size = weight.element_size()
-    if not _runtime.interpreting() and (weight.device.type != "cuda" or _runtime.capability(weight.device)[0] < 9):
-        return False
-    if weight.stride(2) != 1 or (R > 1 and E > 1 and weight.stride(0) != R * weight.stride(1)) or E * R == 0:
-        return False
-    return not (weight.data_ptr() % 16 or (weight.stride(1) * size) % 16 or block_k * size < 16)
-
-
-def weight_descriptor(weight: torch.Tensor, block_n: int, block_k: int) -> Optional[TensorDescriptor]:
-    """A TMA descriptor of ``weight`` [E, R, C] seen as [E·R, C] with [block_n, block_k] boxes, or None.
-
-    None (pointer loads instead) off Hopper-class GPUs and for layouts TMA cannot read (``_tma_readable``).
-    Under the interpreter it is used too, so CPU tests cover it.
-    """
-    if not _tma_readable(weight, block_k):
-        return None
-    E, R, C = weight.shape
-    rows = weight.as_strided((E * R, C), (weight.stride(1), 1))
-    return TensorDescriptor.from_tensor(rows, [block_n, block_k])
-
-
 def joint_operand(block_m: int, block_n: int) -> bool:
     """Whether GEMM1 tiles of this shape read gate and up as one operand (``gate_up_descriptor``): wgmma tiles
     (64 rows or more) of at most 256 columns (the widest wgmma)."""
@@ -464,12 +351,6 @@ def gate_up_descriptor(gate_up_proj: torch.Tensor, block_n: int, block_k: int) -
     E, R, C = gate_up_proj.shape
     halves = gate_up_proj.as_strided((E * 2, R // 2, C), (R // 2 * gate_up_proj.stride(1), gate_up_proj.stride(1), 1))
     return TensorDescriptor.from_tensor(halves, [2, block_n, block_k])
-
-
-def rows_descriptor(rows: torch.Tensor, block_m: int, block_k: int) -> Optional[TensorDescriptor]:
-    """A TMA descriptor of a [R, C] tensor of a tile's contiguous rows (plan order) with [block_m, block_k] boxes,
-    or None where :func:`weight_descriptor` would give none."""
-    return weight_descriptor(rows[None], block_m, block_k)
 
 
 def gemm1_swiglu(

@@ -7,7 +7,7 @@ DeepSeek's block scaling (``torch._scaled_mm`` with 1 x 128 activation and 128 x
 are SPEC §5's: each 128-deep block's product is scaled and added in fp32, the intermediate is quantized from fp32.
 From :data:`MIN_TOKENS` tokens, where cuBLAS measured faster at both DeepSeek widths, the shared expert runs as:
 
-1. its tokens quantized per 128 columns (``fp8.quantize_rows_into`` without a plan);
+1. its tokens quantized per 128 columns (``quantize.quantize_rows_into`` without a plan);
 2. GEMM1 into fp32 ``[M, 2I]``;
 3. SwiGLU (and DeepSeek-V4's clamp) in fp32, quantized per 128 columns (:func:`_swiglu_quantize_kernel`);
 4. GEMM2 into hidden's dtype.
@@ -25,10 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _runtime
-from ..formats import BLOCK, BlockFP8
-from .fp8 import _quantize, quantize_rows_into
-from .kernel import _swiglu
+from ... import _runtime
+from ...formats import BLOCK, BlockFP8
+from ..common import _swiglu
+from .quantize import _quantize, quantize_rows_into
 
 MIN_TOKENS = 1024  # 4,096 tokens: 252 against 321 µs (V4 widths), 421 against 546 (V3); 511: 79 against 76 (V4)
 WIDTH_MULTIPLE = 4 * BLOCK  # cuBLAS's block-scaled GEMMs take K / 128 in multiples of 4

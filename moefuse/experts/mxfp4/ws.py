@@ -1,6 +1,6 @@
-"""Warp-specialized MXFP4 GEMMs on Hopper, in Gluon (sm_90 only; ``mxfp4.py`` runs elsewhere).
+"""Warp-specialized MXFP4 GEMMs on Hopper, in Gluon (sm_90 only; ``kernels.py`` runs elsewhere).
 
-Same contract and numerics as the Triton kernels of ``mxfp4.py`` (SPEC §6): the same unpacking (``_unpack_asm``),
+Same contract and numerics as the Triton kernels of ``kernels.py`` (SPEC §6): the same unpacking (``_unpack_asm``),
 the same swapped MMA (the unpacked weights are the wgmma's first operand, from registers; a tile's tokens its N),
 the same K order and 128-deep steps; on one H200 their outputs were bit-identical to the Triton kernels'. What
 differs is who does what. A program holds 128 weight rows and runs three partitions:
@@ -20,7 +20,7 @@ session).
 
 The tiles' activations come through TMA, so they must be contiguous rows in the MMA's K order: GEMM1's are
 gathered first (``_gather_paired``: the plan's rows of ``hidden``, columns permuted within each group of 32 as
-``mxfp4._paired`` does in registers), and GEMM1 writes the intermediate in that order for GEMM2 to read as it is.
+``kernels._paired`` does in registers), and GEMM1 writes the intermediate in that order for GEMM2 to read as it is.
 SwiGLU pairs a gate row with the up row of the same column, which the other consumer holds: the up consumer hands
 its accumulator over through shared memory and an mbarrier, and the gate consumer finishes the tile.
 """
@@ -33,10 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _runtime
-from ..dispatch import DispatchPlan
-from ..formats import MXFP4
-from .mxfp4 import _unpack_asm
+from ... import _runtime
+from ...dispatch import DispatchPlan
+from ...formats import MXFP4
+from .kernels import _unpack_asm
 
 try:  # Gluon ships with Triton >= 3.5; without it (or off Hopper) the Triton kernels run
     from triton.experimental import gluon
@@ -79,7 +79,7 @@ if gluon is not None:
 
     # Where each thread of a 4-warp consumer holds the packed words of its 64 x 128 weight box: word t of each group
     # of 32 columns of rows r and r + 8 (r = 16 w + lane / 4, t = lane % 4), the four pairs of bf16 it unpacks to
-    # being the thread's registers of that row in the wgmma operand (``mxfp4._mma_order``).
+    # being the thread's registers of that row in the wgmma operand (``kernels._mma_order``).
     WORD_LAYOUT = gl.DistributedLinearLayout(
         reg_bases=[[8, 0], [0, 4], [0, 8]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[ROWS, BLOCK_K // 8])
@@ -119,7 +119,7 @@ if gluon is not None:
             x0, x4, x1, x5, x2, x6, x3, x7 = gl.inline_asm_elementwise(
                 _UNPACK, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, biased, sel], dtype=(gl.bfloat16,) * 8,
                 is_pure=True, pack=1)
-            # Into the operand's K order: weight 8t + j + 4b of each group at 8j + 2t + b (mxfp4._mma_order); the
+            # Into the operand's K order: weight 8t + j + 4b of each group at 8j + 2t + b (kernels._mma_order); the
             # conversion moves no data (the words were loaded where the operand wants them).
             p0 = gl.join(x0.reshape(_ROWS, G, 4), x4.reshape(_ROWS, G, 4))
             p1 = gl.join(x1.reshape(_ROWS, G, 4), x5.reshape(_ROWS, G, 4))
@@ -166,7 +166,7 @@ if gluon is not None:
     def _gemm1_gate(w_smem, a_smem, ready, empty, s_ptr, out_ptr, s_row, stride_sn, col0, stride_om, row_start,
                     row_end, k_steps, handed, handover, limit, HAS_LIMIT: gl.constexpr, BLOCK_M: gl.constexpr,
                     STAGES: gl.constexpr, WL: gl.constexpr, MMA: gl.constexpr):
-        """The gate consumer: SwiGLU of its accumulator and the up consumer's (as ``kernel._swiglu``), stored in
+        """The gate consumer: SwiGLU of its accumulator and the up consumer's (as ``common._swiglu``), stored in
         the paired K order."""
         gate = _consume(w_smem, a_smem, ready, empty, s_ptr, s_row, stride_sn, k_steps, 0, BLOCK_M, STAGES, WL, MMA)
         mbarrier.wait(handed, 0)
@@ -268,7 +268,7 @@ def _gather_paired(hidden_ptr, p2e_ptr, out_ptr, H, top_k, stride_hm, stride_hk,
 
 def gather_paired(hidden: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     """GEMM1's activations for :func:`experts_mxfp4_ws`: [plan.num_rows, H], rows in the plan's order, columns in
-    the MMA's K order (``mxfp4._paired``)."""
+    the MMA's K order (``kernels._paired``)."""
     rows, width = plan.num_rows, hidden.shape[1]
     out = torch.empty(rows, width, dtype=hidden.dtype, device=hidden.device)
     if rows:

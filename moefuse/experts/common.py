@@ -1,0 +1,147 @@
+"""What the experts' Triton kernels share, whatever the weight format: program order, tile span, rounding,
+SwiGLU, TMA descriptors.
+
+- ``_program_start`` / ``_program_tile``: the grouped GEMMs' grid, one program per (tile, column block),
+  ``T_max * cdiv(N, BLOCK_N)`` programs in groups of GROUP_M tiles (``bf16.py`` describes the order); the bf16,
+  fp8 and MXFP4 ``tl`` kernels all start with it.
+- ``_tile_span``: a program's rows and columns as the fp8 and MXFP4 kernels use them.
+- ``_round`` (fp32 to the output dtype, to nearest even also under the interpreter) and ``_swiglu`` (SiLU(gate) * up
+  after DeepSeek-V4's clamp): the epilogues of the ``tl`` kernels and of the fp8 shared expert's SwiGLU pass (the
+  Gluon kernels of ``mxfp4/`` compute the same in Gluon).
+- ``weight_descriptor`` / ``rows_descriptor``: TMA descriptors of stacked expert weights and of a tile's contiguous
+  rows, or None where TMA cannot read them (``_tma_readable``).
+
+A piece one format alone uses stays in that format's file.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .. import _runtime
+
+
+@triton.jit
+def _program_tile(num_tiles, num_col_blocks, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                  BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """Map this program to (tile, column block), the tile index fastest within a group of tiles.
+
+    GROUP_M > 0: groups of GROUP_M consecutive tiles. GROUP_M == 0: one group per expert (its tiles are
+    consecutive): programs ``[first·C, (first + size)·C)`` of C column blocks belong to the expert whose tiles
+    are ``first .. first + size - 1``, so ``pid // C`` is one of them, and it tells the expert, its first tile
+    and its tile count. Unused tiles come last; their programs map to themselves (and exit).
+    """
+    pid = tl.program_id(0)
+    if GROUP_M == 0:
+        probe = pid // num_col_blocks
+        expert = tl.load(tile_expert_ptr + probe)
+        if expert < 0:
+            return probe, 0
+        expert_start = tl.load(expert_offsets_ptr + expert)
+        first_tile = probe - (tl.load(tile_row_start_ptr + probe) - expert_start) // BLOCK_M
+        group_size = tl.cdiv(tl.load(expert_offsets_ptr + expert + 1) - expert_start, BLOCK_M)
+        local = pid - first_tile * num_col_blocks
+        return first_tile + local % group_size, local // group_size
+    per_group = GROUP_M * num_col_blocks
+    first_tile = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_tiles - first_tile, GROUP_M)
+    tile = first_tile + (pid % per_group) % group_size
+    col_block = (pid % per_group) // group_size
+    return tile, col_block
+
+
+@triton.jit
+def _program_start(num_tiles, N, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr):
+    """A grouped GEMM program's (tile, column block, expert); the expert is -1 for an unused tile (the caller returns).
+
+    With PDL it first waits for the kernels it depends on (the plan from dispatch, GEMM1's intermediate for GEMM2)
+    and lets the next one start its prologue.
+    """
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    tile, col_block = _program_tile(num_tiles, tl.cdiv(N, BLOCK_N), tile_expert_ptr, tile_row_start_ptr,
+                                    expert_offsets_ptr, BLOCK_M, GROUP_M)
+    return tile, col_block, tl.load(tile_expert_ptr + tile)
+
+
+@triton.jit
+def _tile_span(tile, col_block, expert, N, tile_row_start_ptr, expert_offsets_ptr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The rows and columns of a program's tile (its expert is ``expert`` >= 0), as the fp8 and MXFP4 kernels use them.
+
+    Returns ``row_start``; ``rows`` [BLOCK_M] and ``row_ok`` (rows of the expert); ``a_rows`` (int64: rows past the
+    expert's end re-read its first one, so loads need no row mask); ``cols`` [BLOCK_N] and ``col_ok`` (< N); and
+    ``wrapped`` (columns past N wrapped around to real rows, which the store drops).
+    """
+    row_start = tl.load(tile_row_start_ptr + tile)
+    row_end = tl.load(expert_offsets_ptr + expert + 1)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    a_rows = tl.where(row_ok, rows, row_start).to(tl.int64)
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    return row_start, rows, row_ok, a_rows, cols, cols < N, cols % N
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr, EMULATE_RTNE: tl.constexpr):
+    """Round fp32 ``x`` to ``dtype`` to nearest-even.
+
+    The GPU's cast does that; the interpreter's fp32 -> bf16 cast truncates (up to 2**-7 relative error),
+    so there the rounding is done on the bits first and the cast is then exact.
+    """
+    if EMULATE_RTNE:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
+    """``SiLU(gate) * up`` in fp32, after DeepSeek-V4's clamp (gate <= limit, up within [-limit, limit]) where
+    ``HAS_LIMIT``. The clamp keeps NaN, as ``torch.clamp`` does (the hardware's min and max would return the limit):
+    a token whose hidden state holds a NaN gets NaN rows, never finite ones."""
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.minimum(up, limit, propagate_nan=tl.PropagateNan.ALL)
+    return gate * tl.sigmoid(gate) * up
+
+
+def _tma_readable(weight: torch.Tensor, block_k: int) -> bool:
+    """Whether TMA can read ``weight`` [E, R, C] as [E·R, C] rows: on a Hopper-class GPU (or the interpreter), the
+    rows of all experts stacked with one stride (``stride(0) == R·stride(1)``), the last dim contiguous, the base
+    and row stride 16-byte aligned, and a box row of at least 16 bytes."""
+    E, R, _ = weight.shape
+    size = weight.element_size()
+    if not _runtime.interpreting() and (weight.device.type != "cuda" or _runtime.capability(weight.device)[0] < 9):
+        return False
+    if weight.stride(2) != 1 or (R > 1 and E > 1 and weight.stride(0) != R * weight.stride(1)) or E * R == 0:
+        return False
+    return not (weight.data_ptr() % 16 or (weight.stride(1) * size) % 16 or block_k * size < 16)
+
+
+def weight_descriptor(weight: torch.Tensor, block_n: int, block_k: int) -> Optional[TensorDescriptor]:
+    """A TMA descriptor of ``weight`` [E, R, C] seen as [E·R, C] with [block_n, block_k] boxes, or None.
+
+    None (pointer loads instead) off Hopper-class GPUs and for layouts TMA cannot read (``_tma_readable``).
+    Under the interpreter it is used too, so CPU tests cover it.
+    """
+    if not _tma_readable(weight, block_k):
+        return None
+    E, R, C = weight.shape
+    rows = weight.as_strided((E * R, C), (weight.stride(1), 1))
+    return TensorDescriptor.from_tensor(rows, [block_n, block_k])
+
+
+def rows_descriptor(rows: torch.Tensor, block_m: int, block_k: int) -> Optional[TensorDescriptor]:
+    """A TMA descriptor of a [R, C] tensor of a tile's contiguous rows (plan order) with [block_m, block_k] boxes,
+    or None where :func:`weight_descriptor` would give none."""
+    return weight_descriptor(rows[None], block_m, block_k)

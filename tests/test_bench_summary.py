@@ -1,0 +1,39 @@
+"""The summary figure of ``moefuse bench`` (``results/summary.png``), from the committed GPU results (no GPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moefuse.bench import run
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+
+
+def _records() -> dict:
+    return {s: json.loads((RESULTS / f"{s}.json").read_text()) for s in run.STAGES if (RESULTS / f"{s}.json").exists()}
+
+
+def test_summary_series_from_committed_results():
+    """Every line of SUMMARY finds its rows, the ratios are the ones the tables print, and a change of MMA precision
+    along a line (MXFP4's W4A8 point in the committed quant run) is noted."""
+    series = {(s["panel"], s["spec"]["label"]): s for s in run.summary_series(_records())}
+    assert {label for _, label in series} == {spec["label"] for spec in run.SUMMARY}
+    layer = dict(series[("floor", "layer, bf16")]["points"])
+    assert layer[4096] == pytest.approx(1.444, abs=1e-3)  # x_mem_floor in results/layer.json
+    router = dict(series[("peer", "router (gate)")]["points"])
+    assert all(v < 1 for v in router.values())  # faster than the best public router everywhere
+    cublas = dict(series[("peer", "dispatch + experts + finalize, bf16")]["points"])
+    assert cublas[4096] == pytest.approx(1.169, abs=1e-3)  # x_cublas in results/experts.json
+    assert [n[2] for n in series[("floor", "routed experts, MXFP4 (V4-Flash)")]["notes"]] in ([], ["W4A8"])
+    for s in series.values():
+        assert [x for x, _ in s["points"]] == sorted(x for x, _ in s["points"])
+
+
+def test_summary_plot_writes_png(tmp_path):
+    assert run.summary_plot({}, tmp_path / "none.png") is False and not (tmp_path / "none.png").exists()
+    pytest.importorskip("matplotlib")
+    assert run.summary_plot(_records(), tmp_path / "summary.png")
+    assert (tmp_path / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -25,7 +25,9 @@ every element of ``out`` outside them (rows past n_valid, padding columns) must 
 refuses (``activation_quant``) must raise a ValueError naming it.
 
 The layer test draws small configs (E, K, groups, scoring, renormalize, scaling, bias, clamp, 0-2 shared experts),
-``quant`` None, "fp8" or "mxfp4" (a test parameter) at widths each takes, the shared-slot limit, a batch of 0 to 12
+``quant`` None, "fp8" or "mxfp4" (a test parameter) at widths each takes, the shared expert's format
+(``shared_quant``: what ``quant`` implies, None or "fp8": every mix), on Hopper MXFP4 with ``activation_quant="fp8"``
+(W4A8) half the time, the shared-slot limit, a batch of 0 to 12
 tokens (300 on a GPU) in the same layouts (2-D or 3-D), ``num_token_non_padded`` or not, and compares
 ``MoELayer(...)(x)`` with ``moe_layer_torch`` in float64 (routing in fp32 for 16-bit layers, as
 tests/test_layer_fp8.py and test_layer_mxfp4.py do, so a near-tie in fp32 logits cannot pick another expert).
@@ -62,6 +64,7 @@ from moefuse.formats import MXFP4, BlockFP8, tile_dtype, ue8m0_to_float
 from moefuse.testing import rel_error, rms_rel_error
 
 GPU = torch.cuda.is_available()
+HOPPER = GPU and torch.cuda.get_device_capability() == (9, 0)
 DEVICE = torch.device("cuda" if GPU else "cpu")  # a module constant: hypothesis warns on function-scoped fixtures
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -303,14 +306,21 @@ def check_experts(c: dict) -> None:
 
 @st.composite
 def layer_cases(draw: st.DrawFn, quant: str | None) -> dict:
-    dtype = {None: ("bf16", "fp16", "fp32"), "fp8": ("bf16", "fp16"), "mxfp4": ("bf16",)}[quant]
     shared = draw(st.integers(0, 2 if quant is None else 1))
-    step = 32 if quant == "mxfp4" else 1
+    # The shared expert's own format (any mix of routed and shared formats): what quant implies, or either
+    shared_quant = draw(st.sampled_from(("default", None, "fp8"))) if shared else "default"
+    fp8_shared = shared and (shared_quant == "fp8" or (shared_quant == "default" and quant is not None))
+    dtype = {None: ("bf16", "fp16", "fp32"), "fp8": ("bf16", "fp16"), "mxfp4": ("bf16",)}[quant]
+    if fp8_shared:
+        dtype = tuple(d for d in dtype if d != "fp32")
+    # W4A8 (MXFP4 with fp8 activations) runs on Hopper's Gluon kernels only, at widths of 128s
+    w4a8 = quant == "mxfp4" and HOPPER and draw(st.booleans())
+    step = 128 if w4a8 else 32 if quant == "mxfp4" else 1
     # H >= 32: the output sums K + 1 rows rounded each (and the shared expert's), so with one or two columns a
     # token's sum can cancel to far below its terms' size, which no relative tolerance over so few values survives
     H = draw(_width(step, LAYER_WIDTH, least=32))
-    # a quantized shared expert keeps its fp8 gate and up blocks apart: I a multiple of 128
-    I = draw(_width(128, LAYER_WIDTH) if quant and shared else _width(step, LAYER_WIDTH))
+    # an fp8 shared expert keeps its gate and up blocks apart: I a multiple of 128
+    I = draw(_width(128, LAYER_WIDTH) if fp8_shared else _width(step, LAYER_WIDTH))
     E = draw(st.sampled_from((1, 2, 3, 5, 8, 16, 77, 257) if GPU else (1, 2, 3, 5, 8)))
     M = draw(_tokens(LAYER_TOKENS))
     K = draw(st.integers(1, max(1, min(E, 8, (ROWS_FP8 if quant == "fp8" else ROWS) // max(M, 1)))))
@@ -319,7 +329,8 @@ def layer_cases(draw: st.DrawFn, quant: str | None) -> dict:
     scoring = draw(st.sampled_from(SCORING_FUNCS))
     hidden, pad = _layout(draw, ("contiguous", "padded", "strided", "column-major"))
     return dict(
-        quant=quant, dtype=draw(st.sampled_from(dtype)), H=H, I=I, E=E, K=K, shared=shared,
+        quant=quant, shared_quant=shared_quant, activation_quant="fp8" if w4a8 else "default",
+        dtype=draw(st.sampled_from(dtype)), H=H, I=I, E=E, K=K, shared=shared,
         groups=groups, topk_group=draw(st.integers(-(-K // per_group), groups)), scoring=scoring,
         softcap=draw(st.sampled_from((0.0, 30.0))) if scoring == "softmax" else 0.0,
         renormalize=draw(st.booleans()), scaling=draw(st.sampled_from((1.0, 2.5))), bias=draw(st.booleans()),
@@ -338,9 +349,11 @@ def _layer_tolerance(c: dict, layer: MoELayer) -> float:
     compare: an RMS over the few values of a small batch says little."""
     M, H, I, E, K = c["M"], c["H"], c["I"], c["E"], c["K"]
     weight = layer.experts.weights()[0]
-    fmts = {None: [c["dtype"]], "fp8": ["fp8"], "mxfp4": ["mxfp4", "fp8"]}[c["quant"]]
+    routed = "w4a8" if layer.activation_quant == "fp8" and c["quant"] == "mxfp4" else c["quant"] or c["dtype"]
+    fmts = [routed, "fp8" if layer.shared_quant == "fp8" else c["dtype"]]
     heights = {pick_block_m(M, E + s, H, I, K + s, tile_dtype(weight, DTYPES[c["dtype"]])) for s in (0, 1)}
-    heights.add(pick_block_m(M, 1, H, I * max(c["shared"], 1), 1, torch.float8_e4m3fn if c["quant"] else
+    heights |= {128} if routed == "w4a8" else set()
+    heights.add(pick_block_m(M, 1, H, I * max(c["shared"], 1), 1, torch.float8_e4m3fn if layer.shared_quant else
                              DTYPES[c["dtype"]]))
     return max(experts_tolerance(f, h)[0] for f in fmts for h in heights)
 
@@ -358,6 +371,7 @@ def check_layer(c: dict) -> None:
                        moe_softcapping=c["softcap"])
     dtype = DTYPES[c["dtype"]]
     layer = MoELayer(config, dtype=dtype, device=DEVICE, backend="triton", quant=c["quant"],
+                     shared_quant=c["shared_quant"], activation_quant=c["activation_quant"],
                      shared_slot_max_tokens=c["slot"]).init_random_(c["seed"], std=1 / math.sqrt(c["H"]))
     gen = torch.Generator(DEVICE).manual_seed(c["seed"])
     M, H = c["M"], c["H"]

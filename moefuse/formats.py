@@ -260,6 +260,98 @@ def tile_dtype(weight: ExpertWeight, activation_dtype: torch.dtype) -> torch.dty
     return activation_dtype if isinstance(weight, torch.Tensor) else weight.tile_dtype
 
 
+class LayerFormat:
+    """A weight format as a layer builds, names, loads and checks it: the layer asks its format and never names one
+    (``MoELayer(quant=..., shared_quant=...)`` look theirs up in :data:`LAYER_FORMATS`). This base is the plain
+    format: one parameter per projection, in the activations' dtype.
+
+    Each projection's tensors are named as transformers names a checkpoint's (``gate_up_proj`` and, with scales,
+    ``gate_up_proj_scale_inv``; a shared expert's ``weight`` and ``weight_scale_inv``), so a state dict loads as it
+    ships. The typed weight the experts op takes (a tensor, :class:`BlockFP8`, :class:`MXFP4`) is :meth:`weight`'s.
+    """
+
+    name: ClassVar[Optional[str]] = None  # what ``quant`` / ``shared_quant`` say
+    suffixes: ClassVar[tuple[str, ...]] = ("",)  # each parameter's name after the projection's
+    activation_dtypes: ClassVar[Optional[tuple[torch.dtype, ...]]] = None  # None: the weights' own dtype
+    width_step: ClassVar[int] = 1  # H and I must be multiples of this
+    shared_width_step: ClassVar[Optional[int]] = 1  # a shared expert's width; None: no shared expert takes it
+    implied_shared: ClassVar[Optional[str]] = None  # the shared expert's format beside these routed experts
+    split_step: ClassVar[int] = 1  # where I may be cut between ranks (expert TP) without splitting a scale
+
+    @property
+    def quantized(self) -> bool:
+        return len(self.suffixes) > 1
+
+    def params(self, E: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str | None
+               ) -> tuple[torch.nn.Parameter, ...]:
+        """Empty parameters of ``E`` projections [N, K], in the order of :attr:`suffixes`."""
+        return (torch.nn.Parameter(torch.empty(E, N, K, dtype=dtype, device=device)),)
+
+    def weight(self, *tensors: torch.Tensor) -> ExpertWeight:
+        """The weight the experts op takes, over ``tensors`` (the parameters, in the order of :attr:`suffixes`)."""
+        return tensors[0]
+
+    def check(self, *tensors: torch.Tensor) -> None:
+        """Check loaded ``tensors`` for what the forward does not (it would read the device); ValueError if bad."""
+
+
+class BlockFP8Format(LayerFormat):
+    """:class:`BlockFP8` (SPEC §5): e4m3 values and fp32 scales per 128 x 128 block, activations bf16 or fp16."""
+
+    name = "fp8"
+    suffixes = ("", "_scale_inv")
+    activation_dtypes = (torch.bfloat16, torch.float16)
+    shared_width_step = BLOCK  # a checkpoint's gate and up blocks are separate: the [gate; up] seam on a block edge
+    implied_shared = "fp8"
+    split_step = BLOCK
+
+    def params(self, E: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str | None
+               ) -> tuple[torch.nn.Parameter, ...]:
+        values = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=device)
+        scales = torch.empty(E, math.ceil(N / BLOCK), math.ceil(K / BLOCK), dtype=torch.float32, device=device)
+        return torch.nn.Parameter(values, requires_grad=False), torch.nn.Parameter(scales, requires_grad=False)
+
+    def weight(self, *tensors: torch.Tensor) -> ExpertWeight:
+        return BlockFP8(*tensors)
+
+
+class MXFP4Format(LayerFormat):
+    """:class:`MXFP4` (SPEC §6): packed e2m1 values (int8, as transformers stores them) and ue8m0 scales, bf16
+    activations; H and I multiples of 32. No checkpoint ships an MXFP4 shared expert."""
+
+    name = "mxfp4"
+    suffixes = ("", "_scale_inv")
+    activation_dtypes = (torch.bfloat16,)
+    width_step = MX_GROUP
+    shared_width_step = None
+    implied_shared = "fp8"  # as DeepSeek-V4 ships it
+    split_step = MX_GROUP
+
+    def params(self, E: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str | None
+               ) -> tuple[torch.nn.Parameter, ...]:
+        values = torch.empty(E, N, K // 2, dtype=torch.int8, device=device)
+        scales = torch.empty(E, N, K // MX_GROUP, dtype=torch.float8_e8m0fnu, device=device)
+        return torch.nn.Parameter(values, requires_grad=False), torch.nn.Parameter(scales, requires_grad=False)
+
+    def weight(self, *tensors: torch.Tensor) -> ExpertWeight:
+        values, scales = tensors
+        return MXFP4.unchecked(values, scales.view(torch.uint8))  # checked when loaded: :meth:`check`
+
+    def check(self, *tensors: torch.Tensor) -> None:
+        values, scales = tensors
+        MXFP4(values, scales.view(torch.uint8))  # the exponents' range (reads the scales back to the host)
+
+
+LAYER_FORMATS: dict[Optional[str], LayerFormat] = {f.name: f for f in (LayerFormat(), BlockFP8Format(), MXFP4Format())}
+
+
+def layer_format(name: object, argument: str = "quant") -> LayerFormat:
+    """The format ``name`` says (None, "fp8", "mxfp4"); a ValueError naming ``argument`` for any other."""
+    if name not in LAYER_FORMATS:
+        raise ValueError(f"{argument} must be one of {tuple(LAYER_FORMATS)}, got {name!r}")
+    return LAYER_FORMATS[cast(Optional[str], name)]
+
+
 ACTIVATION_QUANTS = ("default", None, "fp8")  # what ``activation_quant`` may say
 
 

@@ -12,7 +12,6 @@ grouped GEMMs (its weights are allocated as expert E of the routed tensors): see
 
 from __future__ import annotations
 
-import math
 import sys
 from typing import Any, Literal, Optional, cast
 
@@ -25,7 +24,7 @@ from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import check_experts_shapes, configs, fp8_mlp, moe_experts, plan_block_m
-from moefuse.experts.reference import w4a8_weight
+from moefuse.experts.reference import expert_mlp_torch
 from moefuse.finalize import (
     DeferredFinalizeOutput,
     deferred_finalize_allowed,
@@ -34,14 +33,12 @@ from moefuse.finalize import (
     finalize_deferred_output,
 )
 from moefuse.formats import (
-    BLOCK,
-    MX_GROUP,
-    MXFP4,
+    LAYER_FORMATS,
     BlockFP8,
     ExpertWeight,
+    LayerFormat,
     QuantizedWeight,
-    dequantize_rows,
-    quantize_rows,
+    layer_format,
     resolve_activation_quant,
     tile_dtype,
 )
@@ -156,13 +153,9 @@ class MoEExperts(nn.Module):
         self.config = config
         self.backend = backend
         self.quant = quant
-        E, H, I = config.num_experts, config.hidden_size, config.intermediate_size
-        if quant is not None:  # transformers' FP8Experts names: a checkpoint's tensors load as they are
-            self.gate_up_proj, self.gate_up_proj_scale_inv = quantized_params(quant, E, 2 * I, H, device)
-            self.down_proj, self.down_proj_scale_inv = quantized_params(quant, E, H, I, device)
-        else:
-            self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H, dtype=dtype, device=device))
-            self.down_proj = nn.Parameter(torch.empty(E, H, I, dtype=dtype, device=device))
+        self.format = layer_format(quant)
+        add_expert_params(self, self.format, config.num_experts, config.hidden_size, config.intermediate_size, dtype,
+                          device)
         # Resolved once, against the format (which never changes): a combination it has no kernels for (BlockFP8
         # without fp8 activations, plain tensors with them) is refused here, not at the first call.
         self.activation_quant: str | None = resolve_activation_quant(self.weights()[0], activation_quant)
@@ -172,7 +165,7 @@ class MoEExperts(nn.Module):
     def weights(self) -> tuple[ExpertWeight, ExpertWeight]:
         """``(gate_up_proj, down_proj)`` as the experts op takes them: tensors, :class:`BlockFP8` s or
         :class:`MXFP4` s (unchecked: see :meth:`MoELayer.check_weights`)."""
-        return expert_weights(self, self.quant)
+        return expert_weights(self, self.format)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, defer: bool | None = None
                 ) -> torch.Tensor | DeferredFinalizeOutput:
@@ -186,54 +179,40 @@ class MoEExperts(nn.Module):
                               activation_quant=self.activation_quant, backend=self.backend)
 
 
-def expert_weights(module: Any, quant: Quant) -> tuple[ExpertWeight, ExpertWeight]:
-    """A module's ``gate_up_proj`` and ``down_proj`` (and, quantized, their ``*_scale_inv``) as the experts op
+def expert_weights(module: Any, fmt: LayerFormat) -> tuple[ExpertWeight, ExpertWeight]:
+    """A module's ``gate_up_proj`` and ``down_proj`` (and their scales, where ``fmt`` has them) as the experts op
     takes them."""
-    if quant is None:
-        return module.gate_up_proj, module.down_proj
-    if quant == "fp8":
-        return (BlockFP8(module.gate_up_proj, module.gate_up_proj_scale_inv),
-                BlockFP8(module.down_proj, module.down_proj_scale_inv))
-    return (MXFP4.unchecked(module.gate_up_proj, module.gate_up_proj_scale_inv.view(torch.uint8)),
-            MXFP4.unchecked(module.down_proj, module.down_proj_scale_inv.view(torch.uint8)))
+    gate_up, down = (fmt.weight(*(getattr(module, name + suffix) for suffix in fmt.suffixes))
+                     for name in ("gate_up_proj", "down_proj"))
+    return gate_up, down
 
 
-def quantized_params(quant: Quant, E: int, N: int, K: int, device: torch.device | str | None
-                     ) -> tuple[nn.Parameter, nn.Parameter]:
-    """Empty values and scales of ``quant`` for ``E`` experts of [N, K], named and typed as transformers has them."""
-    return (_fp8_params if quant == "fp8" else _mxfp4_params)(E, N, K, device)
+def add_expert_params(module: nn.Module, fmt: LayerFormat, E: int, H: int, I: int, dtype: torch.dtype,
+                      device: torch.device | str | None) -> None:
+    """Empty ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] of ``fmt`` on ``module``, with their scales where
+    it has them, named as transformers' experts name them (a checkpoint's tensors load as they are)."""
+    for name, (N, K) in (("gate_up_proj", (2 * I, H)), ("down_proj", (H, I))):
+        for suffix, param in zip(fmt.suffixes, fmt.params(E, N, K, dtype, device)):
+            setattr(module, name + suffix, param)
 
 
 Quant = Literal[None, "fp8", "mxfp4"]
-QUANTS: tuple[str | None, ...] = (None, "fp8", "mxfp4")
-# The shared expert's format: None (the activations' dtype) or fp8 block-scale. Never MXFP4: no checkpoint ships one.
+QUANTS: tuple[str | None, ...] = tuple(LAYER_FORMATS)
+# The shared expert's format: None (the activations' dtype) or fp8 block-scale (a format whose shared_width_step is
+# not None). Never MXFP4: no checkpoint ships one.
 SharedQuant = Literal[None, "fp8"]
-SHARED_QUANTS: tuple[str | None, ...] = (None, "fp8")
+SHARED_QUANTS: tuple[str | None, ...] = tuple(name for name, f in LAYER_FORMATS.items() if f.shared_width_step)
 
 
 def default_shared_quant(quant: Quant) -> SharedQuant:
     """The shared expert's format a routed format implies where none is given: fp8 block-scale beside fp8 or MXFP4
     routed experts (as DeepSeek-V3 and DeepSeek-V4 ship them), else unquantized."""
-    return None if quant is None else "fp8"
-
-
-def _fp8_params(E: int, N: int, K: int, device: torch.device | str | None) -> tuple[nn.Parameter, nn.Parameter]:
-    """Empty e4m3 values [E, N, K] and fp32 block scales [E, ceil(N/128), ceil(K/128)] (no gradients)."""
-    values = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=device)
-    scales = torch.empty(E, math.ceil(N / BLOCK), math.ceil(K / BLOCK), dtype=torch.float32, device=device)
-    return nn.Parameter(values, requires_grad=False), nn.Parameter(scales, requires_grad=False)
-
-
-def _mxfp4_params(E: int, N: int, K: int, device: torch.device | str | None) -> tuple[nn.Parameter, nn.Parameter]:
-    """Empty packed e2m1 values [E, N, K/2] (int8, as transformers stores them) and ue8m0 scales [E, N, K/32]."""
-    values = torch.empty(E, N, K // 2, dtype=torch.int8, device=device)
-    scales = torch.empty(E, N, K // MX_GROUP, dtype=torch.float8_e8m0fnu, device=device)
-    return nn.Parameter(values, requires_grad=False), nn.Parameter(scales, requires_grad=False)
+    return cast(SharedQuant, layer_format(quant).implied_shared)
 
 
 class FP8Projection(nn.Module):
-    """``weight`` (e4m3) and ``weight_scale_inv`` (fp32 per 128 x 128 block) of one projection, named as
-    transformers' FP8Linear names them. Not callable: :class:`MoELayer` runs it through the grouped GEMMs."""
+    """``weight`` and ``weight_scale_inv`` of one quantized projection (fp8: e4m3 and fp32 per 128 x 128 block),
+    named as transformers' FP8Linear names them. Not callable: :class:`MoELayer` runs it through the grouped GEMMs."""
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor):
         super().__init__()
@@ -260,21 +239,21 @@ class SharedExpert(nn.Module):
         super().__init__()
         self.limit = swiglu_limit
         self.quant = quant
+        self.format = layer_format(quant, "shared_quant")
         self.backend = backend
-        if quant == "fp8":
-            gate_up, gate_up_scales = _fp8_params(1, 2 * intermediate_size, hidden_size, device)
-            down, down_scales = _fp8_params(1, hidden_size, intermediate_size, device)
-            blocks = intermediate_size // BLOCK
-            self.gate_proj = FP8Projection(gate_up[0, :intermediate_size], gate_up_scales[0, :blocks])
-            self.up_proj = FP8Projection(gate_up[0, intermediate_size:], gate_up_scales[0, blocks:])
-            self.down_proj = FP8Projection(down[0], down_scales[0])
+        if self.format.quantized:  # [gate; up] as one tensor (and scales): the grouped GEMMs read them as one expert
+            gate_up = self.format.params(1, 2 * intermediate_size, hidden_size, dtype, device)
+            down = self.format.params(1, hidden_size, intermediate_size, dtype, device)
+            self.gate_proj = FP8Projection(*(t[0, : t.shape[1] // 2] for t in gate_up))
+            self.up_proj = FP8Projection(*(t[0, t.shape[1] // 2 :] for t in gate_up))
+            self.down_proj = FP8Projection(*(t[0] for t in down))
             return
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, device=device)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, device=device)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is None:
+        if not self.format.quantized:
             return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
         gate_up, down = self.fp8_weights()
         if self.runs_on_cublas(x.shape[0], x.dtype, x.device):
@@ -289,7 +268,7 @@ class SharedExpert(nn.Module):
         """Whether a call on ``num_tokens`` tokens of ``dtype`` on ``device`` runs on cuBLAS's block-scaled GEMMs
         (fp8 at prefill on Hopper: ``experts.fp8_mlp.takes``) rather than the grouped GEMMs."""
         hidden_size, width = self.down_proj.weight.shape
-        return (self.quant == "fp8" and self.backend != "reference"
+        return (self.format.quantized and self.backend != "reference"
                 and fp8_mlp.takes(num_tokens, hidden_size, width, dtype, device))
 
     def fp8_weights(self) -> tuple[BlockFP8, BlockFP8]:
@@ -303,7 +282,8 @@ class SharedExpert(nn.Module):
                                  "(as MoELayer, from_hf and .to() put them; see moefuse.layer.stack_gate_up)")
             parts.append((gate_up.reshape(1, -1, gate.shape[1]), down[None]))
         (gate_up, down), (gate_up_scales, down_scales) = parts
-        return BlockFP8(gate_up, gate_up_scales), BlockFP8(down, down_scales)
+        return (cast(BlockFP8, self.format.weight(gate_up, gate_up_scales)),
+                cast(BlockFP8, self.format.weight(down, down_scales)))
 
 
 @torch.no_grad()
@@ -375,23 +355,26 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
-def _check_formats(config: MoEConfig, dtype: torch.dtype, quant: Quant, shared_quant: SharedQuant) -> None:
+def _check_formats(config: MoEConfig, dtype: torch.dtype, routed: LayerFormat, shared: LayerFormat) -> None:
     """Refuse (TypeError for the activations' dtype, else ValueError) what the routed and shared formats cannot run,
     naming the argument."""
-    shared = config.num_shared_experts > 0
-    for name, fmt in (("quant", quant), ("shared_quant", shared_quant if shared else None)):
-        if fmt is None:
-            continue
-        allowed = (torch.bfloat16,) if fmt == "mxfp4" else (torch.bfloat16, torch.float16)
-        if dtype not in allowed:
-            raise TypeError(f"{name}={fmt!r} takes activations (dtype) in {allowed}, got {dtype}")
-    if quant == "mxfp4" and (config.hidden_size % MX_GROUP or config.intermediate_size % MX_GROUP):
-        raise ValueError(f"quant='mxfp4' needs H and I multiples of {MX_GROUP} (one scale per 32), got {config}")
-    if shared and shared_quant == "fp8" and config.shared_intermediate_size % BLOCK:
-        raise ValueError(f"an fp8 shared expert (shared_quant='fp8', the default with quant='fp8' or 'mxfp4') needs "
-                         f"a width (I · num_shared_experts) that is a multiple of {BLOCK}: its gate and up blocks are "
-                         f"separate in a checkpoint, so the one-expert GEMM cannot read them as one [2I, H] weight; "
-                         f"pass shared_quant=None for a shared expert in {dtype}; got {config} with quant={quant!r}")
+    has_shared = config.num_shared_experts > 0
+    for name, fmt in (("quant", routed), ("shared_quant", shared if has_shared else None)):
+        if fmt is not None and fmt.activation_dtypes is not None and dtype not in fmt.activation_dtypes:
+            raise TypeError(f"{name}={fmt.name!r} takes activations (dtype) in {fmt.activation_dtypes}, got {dtype}")
+    step = routed.width_step
+    if config.hidden_size % step or config.intermediate_size % step:
+        raise ValueError(f"quant={routed.name!r} needs H and I multiples of {step} (one scale per {step}), got "
+                         f"{config}")
+    shared_step = shared.shared_width_step
+    if shared_step is None:
+        raise ValueError(f"shared_quant={shared.name!r}: no shared expert takes this format")
+    if has_shared and config.shared_intermediate_size % shared_step:
+        raise ValueError(f"an {shared.name} shared expert (shared_quant={shared.name!r}, the default with "
+                         f"quant={routed.name!r}) needs a width (I · num_shared_experts) that is a multiple of "
+                         f"{shared_step}: its gate and up blocks are separate in a checkpoint, so the one-expert GEMM "
+                         f"cannot read them as one [2I, H] weight; pass shared_quant=None for a shared expert in "
+                         f"{dtype}; got {config}")
 
 
 class MoELayer(nn.Module):
@@ -455,17 +438,17 @@ class MoELayer(nn.Module):
                  shared_quant: SharedQuant | Literal["default"] = "default",
                  activation_quant: ActivationQuant = "default"):
         super().__init__()
-        if quant not in QUANTS:
-            raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+        routed = layer_format(quant)
         if shared_quant == "default":
-            shared_quant = default_shared_quant(quant)
+            shared_quant = cast(SharedQuant, routed.implied_shared)
         elif shared_quant not in SHARED_QUANTS:
             raise ValueError(f"shared_quant must be 'default' or one of {SHARED_QUANTS}, got {shared_quant!r}")
-        _check_formats(config, dtype, quant, shared_quant)
+        _check_formats(config, dtype, routed, layer_format(shared_quant, "shared_quant"))
         self.config = config
         self.backend = backend
         self.quant = quant
         self.shared_quant: SharedQuant = shared_quant if config.num_shared_experts else None
+        self.shared_format = layer_format(self.shared_quant, "shared_quant")
         self._activation_dtype = dtype
         self.gate = MoERouter(config, device=device, backend=backend, hash_vocab_size=hash_vocab_size)
         # With one shared expert as wide as a routed one and of the same format, its weights are allocated right
@@ -489,26 +472,18 @@ class MoELayer(nn.Module):
         E, I, H = self.config.num_experts, self.config.intermediate_size, self.config.hidden_size
         shared = self.shared_experts
         assert shared is not None  # stacking is for the one shared expert
-        gate_up: torch.Tensor
-        down: torch.Tensor
-        if self.quant == "fp8":
-            gate_up, gate_up_scales = _fp8_params(E + 1, 2 * I, H, device)
-            down, down_scales = _fp8_params(E + 1, H, I, device)
-            self.experts.gate_up_proj_scale_inv = nn.Parameter(gate_up_scales[:E], requires_grad=False)
-            self.experts.down_proj_scale_inv = nn.Parameter(down_scales[:E], requires_grad=False)
-            blocks = I // BLOCK
-            shared.gate_proj.weight_scale_inv = nn.Parameter(gate_up_scales[E, :blocks], requires_grad=False)
-            shared.up_proj.weight_scale_inv = nn.Parameter(gate_up_scales[E, blocks:], requires_grad=False)
-            shared.down_proj.weight_scale_inv = nn.Parameter(down_scales[E], requires_grad=False)
-        else:
-            gate_up = torch.empty(E + 1, 2 * I, H, dtype=dtype, device=device)
-            down = torch.empty(E + 1, H, I, dtype=dtype, device=device)
-        grad = self.quant is None
-        self.experts.gate_up_proj = nn.Parameter(gate_up[:E], requires_grad=grad)
-        self.experts.down_proj = nn.Parameter(down[:E], requires_grad=grad)
-        shared.gate_proj.weight = nn.Parameter(gate_up[E, :I], requires_grad=grad)
-        shared.up_proj.weight = nn.Parameter(gate_up[E, I:], requires_grad=grad)
-        shared.down_proj.weight = nn.Parameter(down[E], requires_grad=grad)
+        fmt = self.experts.format
+        gate_up = fmt.params(E + 1, 2 * I, H, dtype, device)
+        down = fmt.params(E + 1, H, I, dtype, device)
+        for suffix, stacked_gate_up, stacked_down in zip(fmt.suffixes, gate_up, down):
+            grad = stacked_gate_up.requires_grad  # plain weights train, quantized ones do not
+            half = stacked_gate_up.shape[1] // 2  # gate rows (and their scale blocks) first
+            for owner, name, tensor in ((self.experts, "gate_up_proj", stacked_gate_up[:E]),
+                                        (self.experts, "down_proj", stacked_down[:E]),
+                                        (shared.gate_proj, "weight", stacked_gate_up[E, :half]),
+                                        (shared.up_proj, "weight", stacked_gate_up[E, half:]),
+                                        (shared.down_proj, "weight", stacked_down[E])):
+                setattr(owner, name + suffix, nn.Parameter(tensor, requires_grad=grad))
 
     def shared_slot_weights(self) -> tuple[ExpertWeight, ExpertWeight] | None:
         """``(gate_up_proj [E+1, 2I, H], down_proj [E+1, H, I])``: the routed experts with the shared expert as
@@ -519,28 +494,23 @@ class MoELayer(nn.Module):
         shared, experts = self.shared_experts, self.experts
         if shared is None or experts.gate_up_proj.device.type == "meta" or self.shared_quant != self.quant:
             return None  # stacked only where both are one format (never MXFP4: no shared expert is)
-        parts = [("gate_up_proj", "down_proj", "weight")]
-        if self.quant == "fp8":
-            parts.append(("gate_up_proj_scale_inv", "down_proj_scale_inv", "weight_scale_inv"))
-        stacked = []
-        for gate_up_name, down_name, shared_name in parts:
-            gate_up = _stacked(getattr(experts, gate_up_name), getattr(shared.gate_proj, shared_name),
-                               getattr(shared.up_proj, shared_name))
-            down = _stacked(getattr(experts, down_name), getattr(shared.down_proj, shared_name))
+        gate_ups, downs = [], []
+        for suffix in experts.format.suffixes:
+            gate_up = _stacked(getattr(experts, "gate_up_proj" + suffix), getattr(shared.gate_proj, "weight" + suffix),
+                               getattr(shared.up_proj, "weight" + suffix))
+            down = _stacked(getattr(experts, "down_proj" + suffix), getattr(shared.down_proj, "weight" + suffix))
             if gate_up is None or down is None:
                 return None
-            stacked.append((gate_up, down))
-        if self.quant == "fp8":
-            (gate_up, down), (gate_up_scales, down_scales) = stacked
-            return BlockFP8(gate_up, gate_up_scales), BlockFP8(down, down_scales)
-        return stacked[0]
+            gate_ups.append(gate_up)
+            downs.append(down)
+        return experts.format.weight(*gate_ups), experts.format.weight(*downs)
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 (nn.Module's signature)
         """``.to()``, ``.cuda()`` and the like copy parameters one by one, so an fp8 shared expert's gate and up
         tensors no longer lie one after the other as the grouped GEMMs read them: put them together again."""
         module = super()._apply(fn, recurse)
         shared = self.shared_experts
-        if self.shared_quant == "fp8" and shared is not None and self.shared_slot_weights() is None:
+        if self.shared_format.quantized and shared is not None and self.shared_slot_weights() is None:
             stack_gate_up(shared)
         return module
 
@@ -559,7 +529,7 @@ class MoELayer(nn.Module):
                 or torch.compiler.is_compiling()):
             return None
         limit = self.shared_slot_max_tokens
-        if limit is None and self.quant is not None:  # the grouped GEMMs, unless cuBLAS takes it (prefill)
+        if limit is None and self.experts.format.quantized:  # the grouped GEMMs, unless cuBLAS takes it (prefill)
             limit = 0 if self.shared_experts.runs_on_cublas(num_tokens, self.activation_dtype, device) else sys.maxsize
         elif limit is None:
             limit = configs.shared_slot_max_tokens(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k,
@@ -590,7 +560,7 @@ class MoELayer(nn.Module):
         ``shared_quant``): N(0, std²) drawn one expert at a time in ``dtype`` and quantized to their format
         (``BlockFP8.quantize``, ``MXFP4.quantize``)."""
         init_random_(self, seed, std)
-        if self.quant is not None or self.shared_quant == "fp8":
+        if self.experts.format.quantized or self.shared_format.quantized:
             self._init_quantized_(seed, std)
         return self
 
@@ -601,9 +571,9 @@ class MoELayer(nn.Module):
         if stacked is not None:
             weights += cast(tuple[QuantizedWeight, QuantizedWeight], stacked)
         else:  # routed first, then shared: the draws of layers built before shared_quant existed
-            if self.quant is not None:
+            if self.experts.format.quantized:
                 weights += cast(tuple[QuantizedWeight, QuantizedWeight], self.experts.weights())
-            if self.shared_quant == "fp8":
+            if self.shared_format.quantized:
                 weights += self.shared_fp8_weights()
         gen = torch.Generator(weights[0].device).manual_seed(seed + 1)
         for weight in weights:
@@ -618,20 +588,19 @@ class MoELayer(nn.Module):
         """Check what the forward does not (it would read the device): MXFP4 scale exponents within the kernels'
         range (:data:`moefuse.formats.MXFP4_EXPONENTS`). ``from_hf``, ``patch`` and ``moefuse.warmup`` call it;
         call it after loading a state dict yourself. Raises ValueError naming the tensor."""
-        if self.quant != "mxfp4":
-            return
+        fmt = self.experts.format
         for name in ("gate_up_proj", "down_proj"):
             try:
-                MXFP4(getattr(self.experts, name), getattr(self.experts, f"{name}_scale_inv").view(torch.uint8))
+                fmt.check(*(getattr(self.experts, name + suffix) for suffix in fmt.suffixes))
             except ValueError as error:
-                raise ValueError(f"experts.{name}_scale_inv: {error}") from None
+                raise ValueError(f"experts.{name}{fmt.suffixes[-1]}: {error}") from None
 
     def shared_fp8_weights(self) -> tuple[BlockFP8, BlockFP8]:
         """An fp8 shared expert as a one-expert stack (``[1, 2S, H]``, ``[1, H, S]``) over its own storage: expert E
         of the stacked tensors, or its own gate and up tensors where they lie one after the other (as
         :class:`SharedExpert` and ``from_hf`` put them)."""
-        if self.shared_quant != "fp8":
-            raise ValueError(f"the layer's shared expert is not fp8 (shared_quant={self.shared_quant!r})")
+        if not self.shared_format.quantized:
+            raise ValueError(f"the layer's shared expert is not quantized (shared_quant={self.shared_quant!r})")
         stacked = self.shared_slot_weights()
         if stacked is not None:
             E = self.config.num_experts
@@ -648,7 +617,7 @@ class MoELayer(nn.Module):
     def activation_dtype(self) -> torch.dtype:
         """The dtype hidden states must have: the routed weights' own, or the one given at construction with
         ``quant``."""
-        return self._activation_dtype if self.quant is not None else self.experts.gate_up_proj.dtype
+        return self._activation_dtype if self.experts.format.quantized else self.experts.gate_up_proj.dtype
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert's output [M, H]: its MLP, in ``dtype`` or in fp8 (:meth:`SharedExpert.forward`)."""
@@ -771,41 +740,15 @@ def moe_layer_torch(layer: MoELayer, hidden_states: torch.Tensor, num_token_non_
         if not 0 <= expert < c.num_experts:
             continue
         token, slot = (ids == expert).nonzero(as_tuple=True)
-        y = _expert_mlp(x[token], gate_up[expert], down[expert], c.swiglu_limit, layer.activation_dtype, dtype,
+        y = expert_mlp_torch(x[token], gate_up[expert], down[expert], c.swiglu_limit, layer.activation_dtype, dtype,
                         layer.activation_quant)
         out.index_add_(0, token, y * weights[token, slot].to(dtype)[:, None])
     if layer.shared_experts is not None:
-        if layer.shared_quant == "fp8":
+        if layer.shared_format.quantized:
             gate_up_s, down_s = layer.shared_fp8_weights()
-            out += _expert_mlp(x, gate_up_s[0], down_s[0], c.swiglu_limit, layer.activation_dtype, dtype)
+            out += expert_mlp_torch(x, gate_up_s[0], down_s[0], c.swiglu_limit, layer.activation_dtype, dtype)
         else:
             s = layer.shared_experts
             gate_up_t = torch.cat([s.gate_proj.weight, s.up_proj.weight])
-            out += _expert_mlp(x, gate_up_t, s.down_proj.weight, c.swiglu_limit, layer.activation_dtype, dtype)
+            out += expert_mlp_torch(x, gate_up_t, s.down_proj.weight, c.swiglu_limit, layer.activation_dtype, dtype)
     return out.reshape(*hidden_states.shape[:-1], c.hidden_size)
-
-
-def _expert_mlp(x: torch.Tensor, gate_up: ExpertWeight, down: ExpertWeight, limit: float | None,
-                activation_dtype: torch.dtype, dtype: torch.dtype, activation_quant: str | None = "default"
-                ) -> torch.Tensor:
-    """One expert's SwiGLU MLP on rows ``x``, computed in ``dtype``, with the numerics the experts op computes for
-    ``activation_quant`` (:func:`moefuse.formats.resolve_activation_quant`) on these weights. With fp8 activations
-    they are quantized as the kernels do (SPEC §5), from ``activation_dtype``, and so is the intermediate: from fp32
-    for fp8 weights (W8A8), from ``activation_dtype`` for MXFP4 ones (W4A8: the kernels store it so first; their
-    weights as ``experts.reference.w4a8_weight`` keeps them, SPEC §6). MXFP4 weights are unpacked exactly."""
-    fp8 = resolve_activation_quant(gate_up, activation_quant) == "fp8"
-    w4a8 = fp8 and isinstance(gate_up, MXFP4)
-    if w4a8:
-        gate_up, down = w4a8_weight(cast(MXFP4, gate_up)), w4a8_weight(cast(MXFP4, down))
-    if fp8:
-        x = dequantize_rows(*quantize_rows(x.to(activation_dtype)), dtype)
-    if isinstance(gate_up, QuantizedWeight):  # down is of the same format
-        w1, w2 = gate_up.dequantize(dtype)[0], cast(QuantizedWeight, down).dequantize(dtype)[0]
-    else:
-        w1, w2 = gate_up.to(dtype), cast(torch.Tensor, down).to(dtype)
-    h = x @ w1.T
-    width = h.shape[1] // 2
-    act = _swiglu(h[:, :width], h[:, width:], limit)
-    if fp8:
-        act = dequantize_rows(*quantize_rows((act.to(activation_dtype) if w4a8 else act).float()), dtype)
-    return act @ w2.T

@@ -39,7 +39,7 @@ from torch import nn
 from moefuse._runtime import Backend, checks_enabled
 from moefuse.config import MoEConfig
 from moefuse.finalize import DeferredFinalizeOutput, finalize_deferred_output
-from moefuse.formats import BLOCK, MX_GROUP, ExpertWeight, QuantizedWeight, resolve_activation_quant
+from moefuse.formats import ExpertWeight, QuantizedWeight, layer_format, resolve_activation_quant
 from moefuse.layer import (
     ActivationQuant,
     MoELayer,
@@ -47,10 +47,10 @@ from moefuse.layer import (
     Quant,
     SharedExpert,
     SharedQuant,
+    add_expert_params,
     default_shared_quant,
     expert_weights,
     init_random_,
-    quantized_params,
     routed_experts,
 )
 
@@ -95,15 +95,17 @@ class ShardedMoELayer(nn.Module):
                              "(use shared='rank0')")
         # A quantized weight is cut only between its scale blocks: expert TP splits I (the routed experts' and, with
         # shared="tp", the fp8 shared expert's), which must then be a multiple of the block on every rank.
-        step = {None: 1, "fp8": BLOCK, "mxfp4": MX_GROUP}[quant]
+        step = layer_format(quant).split_step
         if mode == "tp" and (I // world) % step:
             raise ValueError(f"mode='tp' with quant={quant!r}: each rank's {I // world} intermediate columns must be "
                              f"a multiple of {step}")
         if shared_quant == "default":
             shared_quant = default_shared_quant(quant)
-        if split_shared and shared_quant == "fp8" and (S // world) % BLOCK:
-            raise ValueError(f"shared='tp' with an fp8 shared expert: each rank's {S // world} shared intermediate "
-                             f"columns must be a multiple of {BLOCK} (fp8 blocks); use shared='rank0'")
+        shared_step = layer_format(shared_quant, "shared_quant").split_step
+        if split_shared and (S // world) % shared_step:
+            raise ValueError(f"shared='tp' with shared_quant={shared_quant!r}: each rank's {S // world} shared "
+                             f"intermediate columns must be a multiple of {shared_step} (its scale blocks); use "
+                             f"shared='rank0'")
         if capacity is not None and (mode != "ep-a2a" or isinstance(capacity, bool) or not isinstance(capacity, int)
                                      or capacity < 1):
             raise ValueError(f"capacity must be None, or an int >= 1 with mode='ep-a2a', got {capacity!r}")
@@ -117,15 +119,10 @@ class ShardedMoELayer(nn.Module):
         self.gate = MoERouter(config, device=device, backend=backend)
         self.experts = nn.Module()
         local, H = self.num_local_experts, config.hidden_size
-        if quant is None:
-            self.experts.gate_up_proj = nn.Parameter(torch.empty(local, 2 * width, H, dtype=dtype, device=device))
-            self.experts.down_proj = nn.Parameter(torch.empty(local, H, width, dtype=dtype, device=device))
-        else:  # the names and dtypes of MoELayer's (transformers'), values and scales
-            self.experts.gate_up_proj, self.experts.gate_up_proj_scale_inv = quantized_params(
-                quant, local, 2 * width, H, device)
-            self.experts.down_proj, self.experts.down_proj_scale_inv = quantized_params(quant, local, H, width, device)
+        self.format = layer_format(quant)
+        add_expert_params(self.experts, self.format, local, H, width, dtype, device)  # MoELayer's names and dtypes
         # Resolved against the routed format, as MoELayer does: a combination without kernels is refused here.
-        self.activation_quant = resolve_activation_quant(expert_weights(self.experts, quant)[0], activation_quant)
+        self.activation_quant = resolve_activation_quant(expert_weights(self.experts, self.format)[0], activation_quant)
         runs_shared = S > 0 and (split_shared or mode == "ep-a2a" or rank == 0)
         shared_width = S // world if split_shared else S
         self.shared_experts = (SharedExpert(config.hidden_size, shared_width, config.swiglu_limit, dtype=dtype,
@@ -162,7 +159,7 @@ class ShardedMoELayer(nn.Module):
         else:
             experts = _slice(c.num_experts, r, W)
             gate_up, down = gate_up[experts], down[experts]
-        for mine, theirs in zip(expert_weights(sharded.experts, sharded.quant), (gate_up, down)):
+        for mine, theirs in zip(expert_weights(sharded.experts, sharded.format), (gate_up, down)):
             _copy(mine, theirs)
         if sharded.shared_experts is not None:
             src, dst = layer.shared_experts, sharded.shared_experts
@@ -258,7 +255,7 @@ class ShardedMoELayer(nn.Module):
         return torch.where((local >= 0) & (local < self.num_local_experts), local, -1).to(torch.int32)
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> DeferredFinalizeOutput:
-        out = routed_experts(x, *expert_weights(self.experts, self.quant), weights, ids,
+        out = routed_experts(x, *expert_weights(self.experts, self.format), weights, ids,
                              swiglu_limit=self.config.swiglu_limit, defer=True,
                              activation_quant=self.activation_quant, backend=self.backend)
         assert isinstance(out, DeferredFinalizeOutput)

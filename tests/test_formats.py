@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moefuse.formats import MXFP4, BlockFP8
+from moefuse.formats import LAYER_FORMATS, MXFP4, BlockFP8, layer_format
 
 
 @pytest.mark.parametrize("cls, rows, cols", [(BlockFP8, (128, 384), (128, 256)), (MXFP4, (5, 77), (64, 160))])
@@ -33,3 +33,27 @@ def test_partial_last_block_and_refused_cuts(gen):
     packed = MXFP4.quantize(torch.randn(1, 8, 64, generator=gen))
     with pytest.raises(ValueError, match="MXFP4.*32"):
         packed.cols(16, 64)
+
+
+def test_layer_formats_own_their_parameters():
+    """``LAYER_FORMATS``: each format's parameters (transformers' names and dtypes), the weight the experts op takes
+    over them, and the check of loaded tensors; an unknown name is refused naming the argument."""
+    E, N, K = 3, 256, 96
+    plain, fp8, mxfp4 = (LAYER_FORMATS[name] for name in (None, "fp8", "mxfp4"))
+    assert not plain.quantized and fp8.quantized and mxfp4.quantized
+    (w,) = plain.params(E, N, K, torch.bfloat16, "cpu")
+    assert w.shape == (E, N, K) and w.dtype == torch.bfloat16 and w.requires_grad and plain.weight(w) is w
+    values, scales = fp8.params(E, N, K, torch.bfloat16, "cpu")
+    assert (values.dtype, scales.dtype, tuple(scales.shape)) == (torch.float8_e4m3fn, torch.float32, (E, 2, 1))
+    assert isinstance(fp8.weight(values, scales), BlockFP8) and fp8.suffixes == ("", "_scale_inv")
+    values, scales = mxfp4.params(E, N, K, torch.bfloat16, "cpu")
+    assert (values.dtype, tuple(values.shape), scales.dtype) == (torch.int8, (E, N, K // 2), torch.float8_e8m0fnu)
+    assert isinstance(mxfp4.weight(values, scales), MXFP4) and mxfp4.width_step == 32
+    scales.view(torch.uint8).fill_(127)
+    mxfp4.check(values, scales)
+    scales.view(torch.uint8)[0, 0, 0] = 255  # NaN: outside the kernels' range
+    with pytest.raises(ValueError, match="scales"):
+        mxfp4.check(values, scales)
+    assert mxfp4.shared_width_step is None and fp8.shared_width_step == 128 and mxfp4.implied_shared == "fp8"
+    with pytest.raises(ValueError, match="shared_quant"):
+        layer_format("int4", "shared_quant")

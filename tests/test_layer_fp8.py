@@ -9,8 +9,8 @@ from hf_blocks import block
 
 import moefuse
 from moefuse import MoEConfig, MoELayer, moe_layer_torch
+from moefuse.experts.reference import expert_mlp_torch
 from moefuse.formats import BlockFP8
-from moefuse.layer import _expert_mlp
 from moefuse.testing import assert_rel_close, rms_rel_error
 
 # I a multiple of 128 (a shared expert's gate and up blocks are separate); H not one (partial blocks and groups)
@@ -82,7 +82,7 @@ def test_fp8_shared_expert_module_runs_itself(backend, gen, device):
     gate_up, down = layer.shared_fp8_weights()
     with torch.no_grad():
         got = layer.shared_experts(x)
-        want = _expert_mlp(x, gate_up[0], down[0], CONFIG.swiglu_limit, torch.bfloat16, torch.float64)
+        want = expert_mlp_torch(x, gate_up[0], down[0], CONFIG.swiglu_limit, torch.bfloat16, torch.float64)
     assert_rel_close(got.double(), want, 1e-2, f"fp8 shared expert ({backend})")
 
 
@@ -142,7 +142,7 @@ def test_fp8_shared_expert_on_cublas_matches_float64(extra, dtype, gen):
     gate_up, down = layer.shared_fp8_weights()
     with torch.no_grad():
         got = layer.shared_experts(x)
-        want = _expert_mlp(x, gate_up[0], down[0], WIDE.swiglu_limit, dtype, torch.float64)
+        want = expert_mlp_torch(x, gate_up[0], down[0], WIDE.swiglu_limit, dtype, torch.float64)
     assert got.shape == x.shape and got.dtype == dtype
     assert got[5].isnan().all() and torch.equal(got[7], torch.zeros_like(got[7]))
     finite = torch.ones(tokens, dtype=torch.bool, device=cuda)

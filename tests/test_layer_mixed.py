@@ -10,9 +10,9 @@ import torch
 from moefuse import MoEConfig, MoELayer, moe_layer_torch
 from moefuse._runtime import env_override
 from moefuse.dispatch import moe_dispatch
-from moefuse.experts.reference import moe_experts_w4a8_torch
+from moefuse.experts.reference import expert_mlp_torch, moe_experts_w4a8_torch
 from moefuse.formats import MXFP4, BlockFP8
-from moefuse.layer import QUANTS, _expert_mlp
+from moefuse.layer import QUANTS
 from moefuse.testing import assert_rel_close, rms_rel_error
 
 MIXES = [(routed, shared) for routed in QUANTS for shared in (None, "fp8")]
@@ -44,7 +44,7 @@ def test_every_mix_matches_float64(routed, shared, gen, device):
         assert isinstance(layer.shared_fp8_weights()[0], BlockFP8)
     else:
         assert layer.shared_experts.gate_proj.weight.dtype == torch.bfloat16
-        with pytest.raises(ValueError, match="not fp8"):
+        with pytest.raises(ValueError, match="not quantized"):
             layer.shared_fp8_weights()
     x = torch.randn(5, layer.config.hidden_size, generator=gen).bfloat16().to(device)
     with torch.no_grad():
@@ -182,7 +182,7 @@ def test_w4a8_reference_numerics(shared, gen):
         s = layer.shared_experts
         gate_up, down = ((w[0] for w in layer.shared_fp8_weights()) if shared == "fp8" else
                          (torch.cat([s.gate_proj.weight, s.up_proj.weight]), s.down_proj.weight))
-        want += _expert_mlp(x.double(), gate_up, down, c.swiglu_limit, torch.bfloat16, torch.float64)
+        want += expert_mlp_torch(x.double(), gate_up, down, c.swiglu_limit, torch.bfloat16, torch.float64)
         reference = moe_layer_torch(layer, x, route_dtype=torch.float32)
         got = layer(x)
         layer.experts.activation_quant = None  # the same weights as W4A16

@@ -14,12 +14,20 @@ Routing weights are not applied here (finalize applies them). Rows past the last
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 
 from ..dispatch import DispatchPlan
-from ..formats import MXFP4, BlockFP8, ExpertWeight, dequantize_rows, quantize_rows
+from ..formats import (
+    MXFP4,
+    BlockFP8,
+    ExpertWeight,
+    QuantizedWeight,
+    dequantize_rows,
+    quantize_rows,
+    resolve_activation_quant,
+)
 
 
 def expert_segments(plan: DispatchPlan) -> Iterator[tuple[int, int, int, torch.Tensor]]:
@@ -142,3 +150,36 @@ def moe_experts_w4a8_torch(
     kernels store it so). float64 makes this the oracle of the W4A8 kernels."""
     return moe_experts_fp8_torch(hidden, w4a8_weight(gate_up_proj), w4a8_weight(down_proj), plan,
                                  swiglu_limit=swiglu_limit, out=out, dtype=dtype, round_intermediate=True)
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return torch.nn.functional.silu(gate) * up
+
+
+def expert_mlp_torch(x: torch.Tensor, gate_up: ExpertWeight, down: ExpertWeight, limit: float | None,
+                activation_dtype: torch.dtype, dtype: torch.dtype, activation_quant: str | None = "default"
+                ) -> torch.Tensor:
+    """One expert's SwiGLU MLP on rows ``x``, computed in ``dtype``, with the numerics the experts op computes for
+    ``activation_quant`` (:func:`moefuse.formats.resolve_activation_quant`) on these weights. With fp8 activations
+    they are quantized as the kernels do (SPEC §5), from ``activation_dtype``, and so is the intermediate: from fp32
+    for fp8 weights (W8A8), from ``activation_dtype`` for MXFP4 ones (W4A8: the kernels store it so first; their
+    weights as ``experts.reference.w4a8_weight`` keeps them, SPEC §6). MXFP4 weights are unpacked exactly."""
+    fp8 = resolve_activation_quant(gate_up, activation_quant) == "fp8"
+    w4a8 = fp8 and isinstance(gate_up, MXFP4)
+    if w4a8:
+        gate_up, down = w4a8_weight(cast(MXFP4, gate_up)), w4a8_weight(cast(MXFP4, down))
+    if fp8:
+        x = dequantize_rows(*quantize_rows(x.to(activation_dtype)), dtype)
+    if isinstance(gate_up, QuantizedWeight):  # down is of the same format
+        w1, w2 = gate_up.dequantize(dtype)[0], cast(QuantizedWeight, down).dequantize(dtype)[0]
+    else:
+        w1, w2 = gate_up.to(dtype), cast(torch.Tensor, down).to(dtype)
+    h = x @ w1.T
+    width = h.shape[1] // 2
+    act = _swiglu(h[:, :width], h[:, width:], limit)
+    if fp8:
+        act = dequantize_rows(*quantize_rows((act.to(activation_dtype) if w4a8 else act).float()), dtype)
+    return act @ w2.T

@@ -19,9 +19,11 @@ import torch
 from moefuse._runtime import env_override
 from moefuse.bench.report import format_table
 from moefuse.config import PRESETS, preset
+from moefuse.formats import LAYER_FORMATS, resolve_activation_quant
 from moefuse.testing import rel_error, rms_rel_error
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+QUANT_CHOICES = [name for name in LAYER_FORMATS if name is not None]  # --quant: the weight formats by name
 # --activation-quant's words -> MoELayer(activation_quant=...)
 ACTIVATION_QUANTS: dict[str, str | None] = {"default": "default", "none": None, "fp8": "fp8"}
 ACTIVATION_QUANT_HELP = ("the routed experts' activations: the weight format's default (unquantized; fp8 for fp8 "
@@ -130,7 +132,7 @@ def run_layer(args: argparse.Namespace) -> int:
     scaled = f", scaled down to H={config.hidden_size}, I={config.intermediate_size}"
     size = "" if config == preset(args.preset) else scaled
     quant = f", {args.quant} experts" if args.quant else ""
-    if aq != ("fp8" if args.quant == "fp8" else None):  # not the format's default: say so
+    if aq != resolve_activation_quant(layer.experts.weights()[0], "default"):  # not the format's default: say so
         quant += f", {aq} activations"
     title = f"{args.preset}{size}{quant}: {args.tokens} tokens on {where}, backend {backend}"
     columns = [("stage", "stage"), ("us", "time (µs)"), ("how", "timed by")]
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--backend", default="auto", choices=("auto", "triton", "reference"))
         p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                        help="activations (and unquantized weights); default: bf16 on GPU or with --quant, else fp32")
-        p.add_argument("--quant", default=None, choices=["fp8", "mxfp4"],
+        p.add_argument("--quant", default=None, choices=QUANT_CHOICES,
                        help="expert weights in fp8 block-scale (SPEC §5) or MXFP4 (SPEC §6)")
         p.add_argument("--activation-quant", default="default", choices=sorted(ACTIVATION_QUANTS),
                        help=ACTIVATION_QUANT_HELP)
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     warm.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
     warm.add_argument("--max-tokens", type=_positive_int, default=4096, help="largest batch to prepare for")
     warm.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16")
-    warm.add_argument("--quant", default=None, choices=["fp8", "mxfp4"],
+    warm.add_argument("--quant", default=None, choices=QUANT_CHOICES,
                       help="expert weights in fp8 block-scale or MXFP4, as the deployment runs them")
     warm.add_argument("--activation-quant", default="default", choices=sorted(ACTIVATION_QUANTS),
                       help=ACTIVATION_QUANT_HELP)

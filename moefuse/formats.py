@@ -277,6 +277,8 @@ class LayerFormat:
     shared_width_step: ClassVar[Optional[int]] = 1  # a shared expert's width; None: no shared expert takes it
     implied_shared: ClassVar[Optional[str]] = None  # the shared expert's format beside these routed experts
     split_step: ClassVar[int] = 1  # where I may be cut between ranks (expert TP) without splitting a scale
+    stored_dtype: ClassVar[Optional[torch.dtype]] = None  # a checkpoint's values (None: any float dtype)
+    values_per_element: ClassVar[int] = 1  # K values per stored element along K (packed formats)
 
     @property
     def quantized(self) -> bool:
@@ -294,6 +296,10 @@ class LayerFormat:
     def check(self, *tensors: torch.Tensor) -> None:
         """Check loaded ``tensors`` for what the forward does not (it would read the device); ValueError if bad."""
 
+    def checkpoint_scales(self, values: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+        """A checkpoint's ``*_scale_inv`` of ``values`` as the layer keeps it (shared where it can be)."""
+        raise ValueError(f"{self.name!r} weights have no scales")
+
 
 class BlockFP8Format(LayerFormat):
     """:class:`BlockFP8` (SPEC §5): e4m3 values and fp32 scales per 128 x 128 block, activations bf16 or fp16."""
@@ -304,6 +310,7 @@ class BlockFP8Format(LayerFormat):
     shared_width_step = BLOCK  # a checkpoint's gate and up blocks are separate: the [gate; up] seam on a block edge
     implied_shared = "fp8"
     split_step = BLOCK
+    stored_dtype = torch.float8_e4m3fn
 
     def params(self, E: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str | None
                ) -> tuple[torch.nn.Parameter, ...]:
@@ -313,6 +320,15 @@ class BlockFP8Format(LayerFormat):
 
     def weight(self, *tensors: torch.Tensor) -> ExpertWeight:
         return BlockFP8(*tensors)
+
+    def checkpoint_scales(self, values: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+        """fp32 scales (ue8m0 ones converted: a small new tensor; fp32 ones shared). transformers allocates at least
+        two block rows for a fused gate_up projection (``min_sf_out=2``) even when 2I fits one block: the rows past
+        ``ceil(N/128)`` are not part of the format and are left out."""
+        if not isinstance(scale_inv, torch.Tensor):
+            raise TypeError(f"scale_inv must be a torch.Tensor, got {type(scale_inv).__name__}")
+        scale_inv = scale_inv[..., : -(-values.shape[-2] // BLOCK), :]
+        return ue8m0_to_float(scale_inv) if scale_inv.dtype in (torch.float8_e8m0fnu, torch.uint8) else scale_inv
 
 
 class MXFP4Format(LayerFormat):
@@ -326,6 +342,8 @@ class MXFP4Format(LayerFormat):
     shared_width_step = None
     implied_shared = "fp8"  # as DeepSeek-V4 ships it
     split_step = MX_GROUP
+    stored_dtype = torch.int8  # as transformers stores packed e2m1
+    values_per_element = 2
 
     def params(self, E: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str | None
                ) -> tuple[torch.nn.Parameter, ...]:
@@ -341,8 +359,20 @@ class MXFP4Format(LayerFormat):
         values, scales = tensors
         MXFP4(values, scales.view(torch.uint8))  # the exponents' range (reads the scales back to the host)
 
+    def checkpoint_scales(self, values: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+        """ue8m0 scales as the layer keeps them: a view of ue8m0 ones, fp32 powers of two converted once."""
+        return ue8m0_of(scale_inv).view(torch.float8_e8m0fnu)
+
 
 LAYER_FORMATS: dict[Optional[str], LayerFormat] = {f.name: f for f in (LayerFormat(), BlockFP8Format(), MXFP4Format())}
+
+
+def format_of_stored(dtype: torch.dtype) -> LayerFormat:
+    """The format whose checkpoints store values in ``dtype`` (the plain format for any other)."""
+    for fmt in LAYER_FORMATS.values():
+        if fmt.stored_dtype == dtype:
+            return fmt
+    return LAYER_FORMATS[None]
 
 
 def layer_format(name: object, argument: str = "quant") -> LayerFormat:

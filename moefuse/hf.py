@@ -23,7 +23,7 @@ from torch import nn
 
 from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
-from moefuse.formats import MX_GROUP, MXFP4, BlockFP8, ue8m0_of
+from moefuse.formats import MX_GROUP, LayerFormat, format_of_stored, layer_format
 from moefuse.layer import MoELayer, Quant, SharedQuant, routed_experts, stack_gate_up
 
 # Block class name -> scoring function of its router ("config" = read the router's activation).
@@ -56,18 +56,17 @@ def unsupported_reason(block: HFModule) -> str | None:
 
 
 def quant_of(block: HFModule) -> Quant:
-    """``"fp8"`` for a block whose experts are transformers' FP8 experts (e4m3 values, 128 x 128 block scales),
-    ``"mxfp4"`` for its FP4 experts (``expert_dtype="fp4"``: int8 packed e2m1, one scale per 32 K values)."""
-    dtype = block.experts.gate_up_proj.dtype
-    return "fp8" if dtype == torch.float8_e4m3fn else "mxfp4" if dtype == torch.int8 else None
+    """The format of a block's routed experts, read off their values' dtype (:func:`formats.format_of_stored`):
+    ``"fp8"`` for transformers' FP8 experts, ``"mxfp4"`` for its FP4 ones (``expert_dtype="fp4"``), None."""
+    return cast(Quant, format_of_stored(block.experts.gate_up_proj.dtype).name)
 
 
 def shared_quant_of(block: HFModule) -> SharedQuant:
     """The format of a block's shared expert, read off the module itself: ``"fp8"`` for transformers' FP8Linear
-    projections (e4m3 weights, 128 x 128 block scales), None for plain ``nn.Linear`` ones (a checkpoint quantized
-    with the shared expert in ``modules_to_not_convert``) and for a block without one."""
+    projections, None for plain ``nn.Linear`` ones (a checkpoint quantized with the shared expert in
+    ``modules_to_not_convert``) and for a block without one."""
     shared = getattr(block, "shared_experts", None)
-    return "fp8" if shared is not None and shared.gate_proj.weight.dtype == torch.float8_e4m3fn else None
+    return None if shared is None else cast(SharedQuant, format_of_stored(shared.gate_proj.weight.dtype).name)
 
 
 def _experts_reason(experts: HFModule) -> str | None:
@@ -137,17 +136,6 @@ def _mxfp4_reason(experts: HFModule) -> str | None:
     return None
 
 
-def fp8_weight(weight: torch.Tensor, scale_inv: torch.Tensor) -> BlockFP8:
-    """A transformers FP8 projection's ``(weight, weight_scale_inv)`` as a :class:`BlockFP8`.
-
-    ue8m0 scales become fp32 (a small new tensor); fp32 scales are shared. transformers allocates at least two
-    block rows for a fused gate_up projection (``min_sf_out=2``) even when 2I fits one block: the rows past
-    ``ceil(N/128)`` are not part of the format and are left out.
-    """
-    rows = -(-weight.shape[-2] // 128)
-    return BlockFP8.from_checkpoint(weight, scale_inv[..., :rows, :])
-
-
 def config_from_hf(block: HFModule) -> MoEConfig:
     """The MoEConfig of a supported transformers block, read off its router, experts and shared expert."""
     reason = unsupported_reason(block)
@@ -159,9 +147,8 @@ def config_from_hf(block: HFModule) -> MoEConfig:
         scoring = _ACTIVATION_SCORING[type(gate.score_fn).__name__]
     shared = getattr(block, "shared_experts", None)
     inter = experts.gate_up_proj.shape[1] // 2
-    packing = 2 if quant_of(block) == "mxfp4" else 1  # two e2m1 values per byte along H
     return MoEConfig(
-        hidden_size=experts.gate_up_proj.shape[2] * packing,
+        hidden_size=experts.gate_up_proj.shape[2] * layer_format(quant_of(block)).values_per_element,
         intermediate_size=inter,
         num_experts=experts.gate_up_proj.shape[0],
         top_k=gate.top_k,
@@ -187,7 +174,7 @@ def from_hf(block: HFModule, *, backend: Backend = "auto", activation_dtype: tor
     ue8m0 scales converted to fp32. One with its FP4 experts becomes a ``quant="mxfp4"`` layer (bf16 activations):
     packed values and ue8m0 scales shared, fp32 power-of-two scales converted to ue8m0 once; its scale exponents
     are checked (:meth:`MoELayer.check_weights`). An fp8 shared expert's gate and up tensors are re-homed into one
-    (see ``_stack_fp8_gate_up``); a plain one's ``nn.Linear`` s are taken as they are.
+    (see ``_stack_gate_up``); a plain one's ``nn.Linear`` s are taken as they are.
 
     ``activation_dtype``: of the hidden states, with quantized routed experts; None: the shared expert's dtype
     where it is unquantized (it must match), else bf16. With unquantized routed experts it is theirs.
@@ -209,15 +196,12 @@ def from_hf(block: HFModule, *, backend: Backend = "auto", activation_dtype: tor
     layer.gate.e_score_correction_bias = getattr(block.gate, "e_score_correction_bias", None)
     layer.experts.gate_up_proj = block.experts.gate_up_proj
     layer.experts.down_proj = block.experts.down_proj
-    for name in ("gate_up_proj", "down_proj") if quant is not None else ():
-        scale_inv = getattr(block.experts, f"{name}_scale_inv")
-        if quant == "fp8":
-            scales = fp8_weight(getattr(block.experts, name), scale_inv).scales
-        else:  # ue8m0 as the layer keeps it (a view when the checkpoint's are ue8m0 already)
-            scales = ue8m0_of(scale_inv).view(torch.float8_e8m0fnu)
+    fmt = layer.experts.format
+    for name in ("gate_up_proj", "down_proj") if fmt.quantized else ():
+        scales = fmt.checkpoint_scales(getattr(block.experts, name), getattr(block.experts, f"{name}_scale_inv"))
         setattr(layer.experts, f"{name}_scale_inv", nn.Parameter(scales, requires_grad=False))
-    if shared_quant == "fp8":
-        _stack_fp8_gate_up(shared)
+    if layer.shared_format.quantized:
+        _stack_gate_up(shared, layer.shared_format)
     if shared is not None:
         for name in ("gate_proj", "up_proj", "down_proj"):
             setattr(layer.shared_experts, name, getattr(shared, name))
@@ -235,14 +219,14 @@ def _activation_dtype(shared: HFModule | None, given: torch.dtype | None) -> tor
     return given or plain or torch.bfloat16
 
 
-def _stack_fp8_gate_up(shared: HFModule) -> None:
-    """An fp8 shared expert's gate and up as one tensor each (:func:`moefuse.layer.stack_gate_up`), its ue8m0 scales
-    converted to fp32 first (the format keeps fp32 scales)."""
+def _stack_gate_up(shared: HFModule, fmt: LayerFormat) -> None:
+    """A quantized shared expert's gate and up as one tensor each (:func:`moefuse.layer.stack_gate_up`), its scales
+    as the format keeps them first."""
     gate, up = shared.gate_proj, shared.up_proj
-    if gate.weight_scale_inv.dtype != torch.float32:
-        for proj in (gate, up):
-            proj.weight_scale_inv = nn.Parameter(fp8_weight(proj.weight, proj.weight_scale_inv).scales,
-                                                 requires_grad=False)
+    for proj in (gate, up):
+        scales = fmt.checkpoint_scales(proj.weight, proj.weight_scale_inv)
+        if scales.dtype != proj.weight_scale_inv.dtype or scales.shape != proj.weight_scale_inv.shape:
+            proj.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
     stack_gate_up(shared)
 
 
@@ -314,28 +298,26 @@ def experts_forward(experts: HFModule, hidden_states: torch.Tensor, top_k_index:
     transformers' FP8 experts too (their ``*_scale_inv`` block scales)."""
     weights = top_k_weights if top_k_weights.dtype in (torch.float32, torch.bfloat16) else top_k_weights.float()
     gate_up, down = experts.gate_up_proj, experts.down_proj
-    if gate_up.dtype == torch.float8_e4m3fn:
-        gate_up = fp8_weight(gate_up, experts.gate_up_proj_scale_inv)
-        down = fp8_weight(down, experts.down_proj_scale_inv)
-    elif gate_up.dtype == torch.int8:  # FP4: the exponent range is not re-checked per call (it reads the device)
-        gate_up = MXFP4.unchecked(gate_up, _exponents(experts, "gate_up_proj_scale_inv"))
-        down = MXFP4.unchecked(down, _exponents(experts, "down_proj_scale_inv"))
+    fmt = format_of_stored(gate_up.dtype)
+    if fmt.quantized:  # the exponent range of FP4 scales is not re-checked per call (it reads the device)
+        gate_up, down = (fmt.weight(getattr(experts, name), _scales(experts, fmt, f"{name}_scale_inv"))
+                         for name in ("gate_up_proj", "down_proj"))
     out = routed_experts(hidden_states, gate_up, down, weights, top_k_index.to(torch.int32),
                          swiglu_limit=getattr(experts, "limit", None))
     return cast(torch.Tensor, out)  # not deferred
 
 
-def _exponents(experts: HFModule, name: str) -> torch.Tensor:
-    """An FP4 experts module's scales ``name`` as ue8m0 exponents: a view of ``float8_e8m0fnu``/uint8 ones; fp32
-    powers of two converted once and kept on the module until that tensor changes (the conversion checks them on
-    the host, which a call must not: it would stall the stream and break CUDA-graph capture)."""
-    scales = getattr(experts, name)
+def _scales(experts: HFModule, fmt: LayerFormat, name: str) -> torch.Tensor:
+    """An experts module's scales ``name`` as ``fmt`` keeps them (``checkpoint_scales``). fp32 ones are converted
+    once and kept on the module until that tensor changes: FP4's conversion checks the powers of two on the host,
+    which a call must not (it would stall the stream and break CUDA-graph capture)."""
+    values, scales = getattr(experts, name.removesuffix("_scale_inv")), getattr(experts, name)
     if scales.dtype != torch.float32 or torch.compiler.is_compiling():
-        return ue8m0_of(scales)
+        return fmt.checkpoint_scales(values, scales)
     key = (scales.data_ptr(), scales._version, tuple(scales.shape))
     cache = experts.__dict__.setdefault("_moefuse_exponents", {})
     if name not in cache or cache[name][0] != key:
-        cache[name] = (key, ue8m0_of(scales))
+        cache[name] = (key, fmt.checkpoint_scales(values, scales))
     return cache[name][1]
 
 

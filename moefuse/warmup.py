@@ -75,7 +75,7 @@ def launch_signature(layer: MoELayer, num_tokens: int) -> tuple:
     w4a8 = experts_dtype == torch.uint8 and layer.activation_quant == "fp8"
     shared: object = None  # an fp8 shared expert off the slot: cuBLAS, or a one-expert fp8 grouped GEMM (an
     # unquantized one runs on cuBLAS through nn.Linear: primed by _prime_cublas)
-    if layer.shared_quant == "fp8" and layer.shared_experts is not None and not slot:
+    if layer.shared_format.quantized and layer.shared_experts is not None and not slot:
         if layer.shared_experts.runs_on_cublas(num_tokens, dtype, device):
             shared = "cublas"
         else:

@@ -12,7 +12,7 @@ from hf_blocks import load_dequantized_
 import moefuse
 from moefuse import MoELayer, moe_layer_torch
 from moefuse.config import MoEConfig
-from moefuse.formats import MXFP4, BlockFP8
+from moefuse.formats import LAYER_FORMATS, MXFP4, BlockFP8
 from moefuse.testing import assert_rel_close, rel_error
 
 BACKENDS = ["reference", "triton"]
@@ -142,8 +142,9 @@ def test_experts_interface_converts_fp32_scales_once(gen, monkeypatch):
         scales = torch.exp2(w.scales.float() - 127)
         setattr(experts, f"{name}_scale_inv", torch.nn.Parameter(scales, requires_grad=False))
     calls = []
-    convert = moefuse.hf.ue8m0_of
-    monkeypatch.setattr(moefuse.hf, "ue8m0_of", lambda s: calls.append(s) or convert(s))
+    fmt = LAYER_FORMATS["mxfp4"]
+    convert = fmt.checkpoint_scales
+    monkeypatch.setattr(fmt, "checkpoint_scales", lambda v, s: calls.append(s) or convert(v, s))
     x = torch.randn(4, H, generator=gen).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(4)])
     weights = torch.rand(4, 2, generator=gen)

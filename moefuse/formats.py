@@ -34,6 +34,13 @@ def ue8m0_to_float(exponents: torch.Tensor) -> torch.Tensor:
     return torch.where(e == 255, float("nan"), scale)
 
 
+def _block_scales(scale_inv: object) -> torch.Tensor:
+    """A checkpoint's block ``weight_scale_inv`` in fp32: ue8m0 ones converted, fp32 ones as they are."""
+    if not isinstance(scale_inv, torch.Tensor):
+        raise TypeError(f"scale_inv must be a torch.Tensor, got {type(scale_inv).__name__}")
+    return ue8m0_to_float(scale_inv) if scale_inv.dtype in (torch.float8_e8m0fnu, torch.uint8) else scale_inv
+
+
 class QuantizedWeight:
     """What the weight formats share: ``values`` and ``scales`` tensors with experts in dim 0."""
 
@@ -45,6 +52,7 @@ class QuantizedWeight:
     # The activation precisions the experts take with this format (``moe_experts(activation_quant=...)``), its
     # default first: None, activations as given (hidden's dtype); "fp8", e4m3 per token and 128 columns (SPEC §5).
     activation_quants: ClassVar[tuple[Optional[str], ...]]
+    activation_dtypes: ClassVar[tuple[torch.dtype, ...]]  # what ``hidden`` may be with this format
 
     if TYPE_CHECKING:  # what every format (a dataclass of these two fields) provides
 
@@ -118,6 +126,7 @@ class BlockFP8(QuantizedWeight):
     row_step: ClassVar[int] = BLOCK
     col_step: ClassVar[int] = BLOCK
     activation_quants: ClassVar[tuple[Optional[str], ...]] = ("fp8",)  # W8A8 only
+    activation_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float16)
 
     def __post_init__(self) -> None:
         values = _checks.check_tensor("values", self.values, dtypes=(torch.float8_e4m3fn,), ndim=3)
@@ -128,11 +137,7 @@ class BlockFP8(QuantizedWeight):
     @classmethod
     def from_checkpoint(cls, values: torch.Tensor, scale_inv: torch.Tensor) -> BlockFP8:
         """From a checkpoint's ``weight`` and ``weight_scale_inv`` (fp32, or ue8m0 as float8_e8m0fnu / uint8)."""
-        if not isinstance(scale_inv, torch.Tensor):
-            raise TypeError(f"scale_inv must be a torch.Tensor, got {type(scale_inv).__name__}")
-        if scale_inv.dtype in (torch.float8_e8m0fnu, torch.uint8):
-            scale_inv = ue8m0_to_float(scale_inv)
-        return cls(values, scale_inv)
+        return cls(values, _block_scales(scale_inv))
 
     @classmethod
     @torch.no_grad()
@@ -197,6 +202,7 @@ class MXFP4(QuantizedWeight):
     col_step: ClassVar[int] = MX_GROUP
     # W4A16 by default, at every batch size (docs/CHOICES.md); "fp8" opts in to W4A8 (SPEC §6)
     activation_quants: ClassVar[tuple[Optional[str], ...]] = (None, "fp8")
+    activation_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16,)
 
     def __post_init__(self) -> None:
         values = _checks.check_tensor("values", self.values, dtypes=(torch.int8, torch.uint8), ndim=3)
@@ -306,7 +312,7 @@ class BlockFP8Format(LayerFormat):
 
     name = "fp8"
     suffixes = ("", "_scale_inv")
-    activation_dtypes = (torch.bfloat16, torch.float16)
+    activation_dtypes = BlockFP8.activation_dtypes
     shared_width_step = BLOCK  # a checkpoint's gate and up blocks are separate: the [gate; up] seam on a block edge
     implied_shared = "fp8"
     split_step = BLOCK
@@ -325,10 +331,7 @@ class BlockFP8Format(LayerFormat):
         """fp32 scales (ue8m0 ones converted: a small new tensor; fp32 ones shared). transformers allocates at least
         two block rows for a fused gate_up projection (``min_sf_out=2``) even when 2I fits one block: the rows past
         ``ceil(N/128)`` are not part of the format and are left out."""
-        if not isinstance(scale_inv, torch.Tensor):
-            raise TypeError(f"scale_inv must be a torch.Tensor, got {type(scale_inv).__name__}")
-        scale_inv = scale_inv[..., : -(-values.shape[-2] // BLOCK), :]
-        return ue8m0_to_float(scale_inv) if scale_inv.dtype in (torch.float8_e8m0fnu, torch.uint8) else scale_inv
+        return _block_scales(scale_inv)[..., : -(-values.shape[-2] // BLOCK), :]
 
 
 class MXFP4Format(LayerFormat):
@@ -337,7 +340,7 @@ class MXFP4Format(LayerFormat):
 
     name = "mxfp4"
     suffixes = ("", "_scale_inv")
-    activation_dtypes = (torch.bfloat16,)
+    activation_dtypes = MXFP4.activation_dtypes
     width_step = MX_GROUP
     shared_width_step = None
     implied_shared = "fp8"  # as DeepSeek-V4 ships it

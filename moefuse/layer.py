@@ -24,7 +24,7 @@ from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import check_experts_shapes, configs, fp8_mlp, moe_experts, plan_block_m
-from moefuse.experts.reference import expert_mlp_torch
+from moefuse.experts.reference import expert_mlp_torch, swiglu_torch
 from moefuse.finalize import (
     DeferredFinalizeOutput,
     deferred_finalize_allowed,
@@ -47,13 +47,6 @@ from moefuse.route import moe_fused_gate, moe_fused_gate_torch, router_logits
 from moefuse.route.reference import hash_gate_torch
 
 GRAPH_MAX_TOKENS = 16  # default of MoELayer.graph_max_tokens: eager decode batches replay a captured graph
-
-
-def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    if limit is not None:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up
 
 
 class MoERouter(nn.Module):
@@ -254,7 +247,7 @@ class SharedExpert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.format.quantized:
-            return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+            return self.down_proj(swiglu_torch(self.gate_proj(x), self.up_proj(x), self.limit))
         gate_up, down = self.fp8_weights()
         if self.runs_on_cublas(x.shape[0], x.dtype, x.device):
             return fp8_mlp.fp8_mlp(x, gate_up, down, self.limit)
@@ -440,7 +433,7 @@ class MoELayer(nn.Module):
         super().__init__()
         routed = layer_format(quant)
         if shared_quant == "default":
-            shared_quant = cast(SharedQuant, routed.implied_shared)
+            shared_quant = default_shared_quant(quant)
         elif shared_quant not in SHARED_QUANTS:
             raise ValueError(f"shared_quant must be 'default' or one of {SHARED_QUANTS}, got {shared_quant!r}")
         _check_formats(config, dtype, routed, layer_format(shared_quant, "shared_quant"))

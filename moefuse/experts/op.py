@@ -109,11 +109,11 @@ def _check_weights(hidden: torch.Tensor, gate_up_proj: object, down_proj: object
         _checks.check_tensor("down_proj", down_proj, dtypes=(hidden.dtype,), ndim=3, device=device)
         E, N, K = tensor.shape
         return E, N, K
-    fmt = _FORMATS[(type(gate_up_proj), gate_up_proj.activation_quants[0])]
     if type(down_proj) is not type(gate_up_proj):
         raise TypeError(f"down_proj must be a {type(gate_up_proj).__name__} like gate_up_proj, got "
                         f"{type(down_proj).__name__}")
-    _checks.check_tensor(f"hidden (with {type(gate_up_proj).__name__} weights)", hidden, dtypes=fmt.activations)
+    _checks.check_tensor(f"hidden (with {type(gate_up_proj).__name__} weights)", hidden,
+                         dtypes=gate_up_proj.activation_dtypes)
     for name, weight in (("gate_up_proj", gate_up_proj), ("down_proj", cast(QuantizedWeight, down_proj))):
         if weight.device != device:
             raise ValueError(f"{name} is on {weight.device}, expected {device} like hidden")
@@ -189,11 +189,10 @@ def check_experts_shapes(gate_up_proj: ExpertWeight, activation_quant: Optional[
 
 def _check_w4a8(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: DispatchPlan) -> None:
     """The W4A8 kernels are Gluon kernels for Hopper: refuse, naming the argument, what they cannot run."""
-    H, I = gate_up.shape[2], down.shape[2]
-    if not mxfp4_w4a8.fits(plan.block_m, H, I):
-        raise ValueError(f"activation_quant='fp8' with MXFP4 weights (W4A8) needs H and I multiples of "
-                         f"{mxfp4_w4a8.BLOCK_K} and plan.block_m == {mxfp4_w4a8.BLOCK_M} (plan_block_m gives it), "
-                         f"got H = {H}, I = {I}, block_m = {plan.block_m}")
+    check_experts_shapes(gate_up, "fp8")
+    if plan.block_m != mxfp4_w4a8.BLOCK_M:
+        raise ValueError(f"activation_quant='fp8' with MXFP4 weights (W4A8) needs plan.block_m == "
+                         f"{mxfp4_w4a8.BLOCK_M} (plan_block_m gives it), got block_m = {plan.block_m}")
     if not mxfp4_ws.ws_eligible(hidden, gate_up, down, plan):
         raise ValueError("activation_quant='fp8' with MXFP4 weights (W4A8) runs on Hopper (sm_90) only, compiled "
                          "(not under the interpreter), on weights whose tensors are contiguous; use "
@@ -257,10 +256,10 @@ _experts_op = torch.library.custom_op("moefuse::experts", _experts_impl, mutates
 
 @dataclass(frozen=True)
 class _Format:
-    """What the op needs of a weight format: the activation dtypes it takes and its custom op (the kernels'
-    launcher and the reference behind one signature: hidden, values and scales of both weights, the plan...)."""
+    """What the op needs of a weight format and activation precision: its custom op (the kernels' launcher and the
+    reference behind one signature: hidden, values and scales of both weights, the plan...). The activation dtypes
+    the format takes are the weight class's (``activation_dtypes``)."""
 
-    activations: tuple[torch.dtype, ...]
     name: str
     impl: Callable[..., None]
 
@@ -269,7 +268,7 @@ class _Format:
         return self.impl if _runtime.direct_call() else getattr(torch.ops.moefuse, self.name)
 
 
-def _format(cls: type[QuantizedWeight], name: str, activations: tuple[torch.dtype, ...], launch: Callable[..., None],
+def _format(cls: type[QuantizedWeight], name: str, launch: Callable[..., None],
             reference: Callable[..., torch.Tensor]) -> _Format:
     """Register ``moefuse::<name>``: the experts on weights of format ``cls`` (Triton ``launch`` or ``reference``)."""
 
@@ -304,7 +303,7 @@ def _format(cls: type[QuantizedWeight], name: str, activations: tuple[torch.dtyp
     impl.__name__ = impl.__qualname__ = f"_{name}_impl"
     op = torch.library.custom_op(f"moefuse::{name}", impl, mutates_args=("out",))
     op.register_fake(lambda *args: None)
-    return _Format(activations, name, impl)
+    return _Format(name, impl)
 
 
 def _mxfp4_w4a16(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: DispatchPlan, out: torch.Tensor,
@@ -342,10 +341,9 @@ def _unit_column_stride(out: torch.Tensor) -> Iterator[torch.Tensor]:
 
 # The experts per (format, activation precision): each a custom op of its own.
 _FORMATS = {
-    (BlockFP8, "fp8"): _format(BlockFP8, "experts_fp8", (torch.bfloat16, torch.float16), experts_fp8,
-                               moe_experts_fp8_torch),
-    (MXFP4, None): _format(MXFP4, "experts_mxfp4", (torch.bfloat16,), _mxfp4_w4a16, moe_experts_torch),
-    (MXFP4, "fp8"): _format(MXFP4, "experts_mxfp4_w4a8", (torch.bfloat16,), _mxfp4_w4a8, moe_experts_w4a8_torch),
+    (BlockFP8, "fp8"): _format(BlockFP8, "experts_fp8", experts_fp8, moe_experts_fp8_torch),
+    (MXFP4, None): _format(MXFP4, "experts_mxfp4", _mxfp4_w4a16, moe_experts_torch),
+    (MXFP4, "fp8"): _format(MXFP4, "experts_mxfp4_w4a8", _mxfp4_w4a8, moe_experts_w4a8_torch),
 }
 
 

@@ -78,11 +78,7 @@ def moe_experts_torch(
     for expert, start, end, tokens in expert_segments(plan):
         x = hidden[tokens].to(dtype)  # [rows, H]
         gate_up = x @ expert_weight(gate_up_proj, expert, dtype).T  # [rows, 2I]
-        gate, up = gate_up[:, :width], gate_up[:, width:]
-        if swiglu_limit is not None:
-            gate = gate.clamp(max=swiglu_limit)
-            up = up.clamp(-swiglu_limit, swiglu_limit)
-        act = (torch.nn.functional.silu(gate) * up).to(hidden.dtype).to(dtype)  # [rows, I]
+        act = swiglu_torch(gate_up[:, :width], gate_up[:, width:], swiglu_limit).to(hidden.dtype).to(dtype)  # [rows, I]
         out[start:end] = (act @ expert_weight(down_proj, expert, dtype).T).to(out.dtype)
     return out
 
@@ -113,11 +109,7 @@ def moe_experts_fp8_torch(
     for expert, start, end, tokens in expert_segments(plan):
         x = dequantize_rows(*quantize_rows(hidden[tokens]), dtype)  # [rows, H]
         gate_up = x @ expert_weight(gate_up_proj, expert, dtype).T  # [rows, 2I]
-        gate, up = gate_up[:, :width], gate_up[:, width:]
-        if swiglu_limit is not None:
-            gate = gate.clamp(max=swiglu_limit)
-            up = up.clamp(-swiglu_limit, swiglu_limit)
-        act = torch.nn.functional.silu(gate) * up
+        act = swiglu_torch(gate_up[:, :width], gate_up[:, width:], swiglu_limit)
         if round_intermediate:
             act = act.to(hidden.dtype)
         act = dequantize_rows(*quantize_rows(act.float()), dtype)
@@ -152,7 +144,8 @@ def moe_experts_w4a8_torch(
                                  swiglu_limit=swiglu_limit, out=out, dtype=dtype, round_intermediate=True)
 
 
-def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
+def swiglu_torch(gate: torch.Tensor, up: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
+    """``SiLU(gate) * up``, with DeepSeek-V4's clamp first (gate to ``<= limit``, up to ``[-limit, limit]``)."""
     if limit is not None:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
@@ -179,7 +172,7 @@ def expert_mlp_torch(x: torch.Tensor, gate_up: ExpertWeight, down: ExpertWeight,
         w1, w2 = gate_up.to(dtype), cast(torch.Tensor, down).to(dtype)
     h = x @ w1.T
     width = h.shape[1] // 2
-    act = _swiglu(h[:, :width], h[:, width:], limit)
+    act = swiglu_torch(h[:, :width], h[:, width:], limit)
     if fp8:
         act = dequantize_rows(*quantize_rows((act.to(activation_dtype) if w4a8 else act).float()), dtype)
     return act @ w2.T

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from moefuse import formats
 from moefuse._runtime import env_override
 from moefuse.bench.report import format_table
 from moefuse.config import PRESETS, preset
@@ -25,7 +26,8 @@ from moefuse.testing import rel_error, rms_rel_error
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUANT_CHOICES = [name for name in LAYER_FORMATS if name is not None]  # --quant: the weight formats by name
 # --activation-quant's words -> MoELayer(activation_quant=...)
-ACTIVATION_QUANTS: dict[str, str | None] = {"default": "default", "none": None, "fp8": "fp8"}
+# --activation-quant: what formats.ACTIVATION_QUANTS holds, None spelled "none"
+ACTIVATION_QUANTS: dict[str, str | None] = {q or "none": q for q in formats.ACTIVATION_QUANTS}
 ACTIVATION_QUANT_HELP = ("the routed experts' activations: the weight format's default (unquantized; fp8 for fp8 "
                          "experts), none, or fp8 (per token and 128 columns: W8A8, and W4A8 with --quant mxfp4)")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Optional, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Optional, cast
 
 import torch
 from typing_extensions import Self
@@ -306,6 +306,17 @@ class LayerFormat:
         """A checkpoint's ``*_scale_inv`` of ``values`` as the layer keeps it (shared where it can be)."""
         raise ValueError(f"{self.name!r} weights have no scales")
 
+    def experts_reason(self, experts: Any) -> Optional[str]:
+        """Why a transformers experts module whose values this format stores cannot run as it, or None."""
+        return None
+
+    def shared_reason(self, projs: list[Any]) -> Optional[str]:
+        """Why a transformers shared expert (its gate, up and down modules) whose values this format stores cannot
+        run as it, or None. The plain format takes any ``nn.Linear`` s: the layer calls them."""
+        if self.shared_width_step is None:
+            return f"a shared expert in {self.name} (no checkpoint ships one)"
+        return None
+
 
 class BlockFP8Format(LayerFormat):
     """:class:`BlockFP8` (SPEC §5): e4m3 values and fp32 scales per 128 x 128 block, activations bf16 or fp16."""
@@ -326,6 +337,25 @@ class BlockFP8Format(LayerFormat):
 
     def weight(self, *tensors: torch.Tensor) -> ExpertWeight:
         return BlockFP8(*tensors)
+
+    def experts_reason(self, experts: Any) -> Optional[str]:
+        name = type(experts).__name__
+        return (_block_reason(f"fp8 experts {name}", [experts])
+                or (None if hasattr(experts, "gate_up_proj_scale_inv") else
+                    f"fp8 experts {name} without gate_up_proj_scale_inv"))
+
+    def shared_reason(self, projs: list[Any]) -> Optional[str]:
+        name = f"fp8 shared expert {type(projs[0]).__name__}"
+        if any(getattr(proj, "bias", None) is not None for proj in projs):  # the fp8 GEMMs add none
+            return f"{name} with biases"
+        reason = _block_reason(name, projs)
+        if reason is None and not all(hasattr(proj, "weight_scale_inv") for proj in projs):
+            reason = f"{name} without weight_scale_inv"
+        width = projs[0].weight.shape[0]
+        if reason is None and width % BLOCK:
+            reason = (f"{name} whose width {width} is not a multiple of {BLOCK} (its gate and up blocks are "
+                      "separate in a checkpoint)")
+        return reason
 
     def checkpoint_scales(self, values: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
         """fp32 scales (ue8m0 ones converted: a small new tensor; fp32 ones shared). transformers allocates at least
@@ -362,10 +392,35 @@ class MXFP4Format(LayerFormat):
         values, scales = tensors
         MXFP4(values, scales.view(torch.uint8))  # the exponents' range (reads the scales back to the host)
 
+    def experts_reason(self, experts: Any) -> Optional[str]:
+        name = type(experts).__name__
+        for proj in ("gate_up_proj", "down_proj"):
+            values, scales = getattr(experts, proj), getattr(experts, f"{proj}_scale_inv", None)
+            if scales is None or tuple(scales.shape) != (*values.shape[:2], 2 * values.shape[2] // MX_GROUP):
+                return f"FP4 experts {name} whose {proj} has no scale per {MX_GROUP} K values of a row"
+            if scales.dtype not in (torch.float8_e8m0fnu, torch.uint8, torch.float32):
+                return f"FP4 experts {name} with {scales.dtype} scales"
+        return None
+
     def checkpoint_scales(self, values: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
         """ue8m0 scales as the layer keeps them: a view of ue8m0 ones, fp32 powers of two converted once."""
         return ue8m0_of(scale_inv).view(torch.float8_e8m0fnu)
 
+
+def _block_reason(name: str, modules: list[Any]) -> Optional[str]:
+    """Why transformers' fp8 ``modules`` are not 128 x 128 block-scale with dynamic activation scales, or None."""
+    block_size = getattr(modules[0], "block_size", None)
+    if block_size is None or tuple(block_size) != (BLOCK, BLOCK):
+        return f"{name} with block size {block_size} (only {BLOCK} x {BLOCK} block scales)"
+    if any(getattr(module, "activation_scheme", "dynamic") != "dynamic" for module in modules):
+        return f"{name} with static activation scales (only dynamic)"
+    return None
+
+
+# What ``quant`` and ``shared_quant`` may say (the keys of :data:`LAYER_FORMATS`, spelled out for type checkers): a
+# shared expert takes the formats whose ``shared_width_step`` is not None (no checkpoint ships an MXFP4 one).
+Quant = Literal[None, "fp8", "mxfp4"]
+SharedQuant = Literal[None, "fp8"]
 
 LAYER_FORMATS: dict[Optional[str], LayerFormat] = {f.name: f for f in (LayerFormat(), BlockFP8Format(), MXFP4Format())}
 

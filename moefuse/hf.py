@@ -23,7 +23,7 @@ from torch import nn
 
 from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
-from moefuse.formats import MX_GROUP, LayerFormat, format_of_stored, layer_format
+from moefuse.formats import LayerFormat, format_of_stored, layer_format
 from moefuse.layer import MoELayer, Quant, SharedQuant, routed_experts, stack_gate_up
 
 # Block class name -> scoring function of its router ("config" = read the router's activation).
@@ -70,31 +70,17 @@ def shared_quant_of(block: HFModule) -> SharedQuant:
 
 
 def _experts_reason(experts: HFModule) -> str | None:
-    """Why a block's quantized routed experts cannot run here, or None (not quantized, or fp8 block-scale or MXFP4
-    as shipped)."""
+    """Why a block's routed experts cannot run here, or None: their format (read off the values' dtype) says."""
     weight = experts.gate_up_proj
-    if weight.element_size() != 1:
-        return None
-    name = type(experts).__name__
-    if weight.dtype == torch.int8:
-        return _mxfp4_reason(experts)
-    if weight.dtype != torch.float8_e4m3fn:
-        return f"quantized experts {name} in {weight.dtype}"
-    block_size = getattr(experts, "block_size", None)
-    if block_size is None or tuple(block_size) != (128, 128):
-        return f"fp8 experts {name} with block size {block_size} (only 128 x 128 block scales)"
-    if getattr(experts, "activation_scheme", "dynamic") != "dynamic":
-        return f"fp8 experts {name} with static activation scales (only dynamic)"
-    if not hasattr(experts, "gate_up_proj_scale_inv"):
-        return f"fp8 experts {name} without gate_up_proj_scale_inv"
-    return None
+    fmt = format_of_stored(weight.dtype)
+    if weight.element_size() == 1 and not fmt.quantized:
+        return f"quantized experts {type(experts).__name__} in {weight.dtype}"
+    return fmt.experts_reason(experts)
 
 
 def _shared_reason(block: HFModule) -> str | None:
-    """Why a block's shared expert cannot run here, or None: three plain ``nn.Linear`` s (run as they are), or three
-    FP8Linear s without biases, with 128 x 128 block scales and dynamic activation scales, whose width is a multiple
-    of 128 (their gate and up blocks are separate in a checkpoint, so the one-expert fp8 GEMM could not read
-    [gate; up] as one)."""
+    """Why a block's shared expert cannot run here, or None: three projections of one format (plain ``nn.Linear`` s
+    run as they are), which its format takes (:meth:`moefuse.formats.LayerFormat.shared_reason`)."""
     shared = getattr(block, "shared_experts", None)
     if shared is None:
         return None
@@ -103,37 +89,10 @@ def _shared_reason(block: HFModule) -> str | None:
     if len(dtypes) > 1:
         return f"shared expert projections in different formats ({sorted(map(str, dtypes))})"
     dtype = dtypes.pop()
-    if dtype.is_floating_point and dtype.itemsize > 1:  # unquantized: the layer calls the modules themselves
-        return None
-    name = type(projs[0]).__name__
-    if dtype != torch.float8_e4m3fn:
-        return f"quantized shared expert {name} in {dtype}"
-    if any(getattr(proj, "bias", None) is not None for proj in projs):  # the fp8 GEMMs add none
-        return f"fp8 shared expert {name} with biases"
-    block_size = getattr(projs[0], "block_size", None)
-    if block_size is None or tuple(block_size) != (128, 128):
-        return f"fp8 shared expert {name} with block size {block_size} (only 128 x 128 block scales)"
-    if any(getattr(proj, "activation_scheme", "dynamic") != "dynamic" for proj in projs):
-        return f"fp8 shared expert {name} with static activation scales (only dynamic)"
-    if not all(hasattr(proj, "weight_scale_inv") for proj in projs):
-        return f"fp8 shared expert {name} without weight_scale_inv"
-    width = shared.gate_proj.weight.shape[0]
-    if width % 128:
-        return (f"fp8 shared expert whose width {width} is not a multiple of 128 (its gate and up blocks are "
-                "separate in a checkpoint)")
-    return None
-
-
-def _mxfp4_reason(experts: HFModule) -> str | None:
-    """Why transformers' FP4 experts cannot run here, or None."""
-    name = type(experts).__name__
-    for proj in ("gate_up_proj", "down_proj"):
-        values, scales = getattr(experts, proj), getattr(experts, f"{proj}_scale_inv", None)
-        if scales is None or tuple(scales.shape) != (*values.shape[:2], 2 * values.shape[2] // MX_GROUP):
-            return f"FP4 experts {name} whose {proj} has no scale per 32 K values of a row"
-        if scales.dtype not in (torch.float8_e8m0fnu, torch.uint8, torch.float32):
-            return f"FP4 experts {name} with {scales.dtype} scales"
-    return None
+    fmt = format_of_stored(dtype)
+    if dtype.itemsize == 1 and not fmt.quantized:
+        return f"quantized shared expert {type(projs[0]).__name__} in {dtype}"
+    return fmt.shared_reason(projs)
 
 
 def config_from_hf(block: HFModule) -> MoEConfig:
@@ -222,12 +181,12 @@ def _activation_dtype(shared: HFModule | None, given: torch.dtype | None) -> tor
 def _stack_gate_up(shared: HFModule, fmt: LayerFormat) -> None:
     """A quantized shared expert's gate and up as one tensor each (:func:`moefuse.layer.stack_gate_up`), its scales
     as the format keeps them first."""
-    gate, up = shared.gate_proj, shared.up_proj
-    for proj in (gate, up):
-        scales = fmt.checkpoint_scales(proj.weight, proj.weight_scale_inv)
-        if scales.dtype != proj.weight_scale_inv.dtype or scales.shape != proj.weight_scale_inv.shape:
-            proj.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
-    stack_gate_up(shared)
+    name = "weight" + fmt.suffixes[-1]
+    for proj in (shared.gate_proj, shared.up_proj):
+        scales = fmt.checkpoint_scales(proj.weight, getattr(proj, name))
+        if scales.dtype != getattr(proj, name).dtype or scales.shape != getattr(proj, name).shape:
+            setattr(proj, name, nn.Parameter(scales, requires_grad=False))
+    stack_gate_up(shared, fmt)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from moefuse._checks import check_int
 from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
 from moefuse.dispatch import moe_dispatch
-from moefuse.experts import check_experts_shapes, configs, fp8_mlp, moe_experts, plan_block_m
+from moefuse.experts import check_experts_shapes, configs, cublas_mlp, mlp_on_cublas, moe_experts, plan_block_m
 from moefuse.experts.reference import expert_mlp_torch, swiglu_torch
 from moefuse.finalize import (
     DeferredFinalizeOutput,
@@ -34,10 +34,11 @@ from moefuse.finalize import (
 )
 from moefuse.formats import (
     LAYER_FORMATS,
-    BlockFP8,
     ExpertWeight,
     LayerFormat,
+    Quant,
     QuantizedWeight,
+    SharedQuant,
     layer_format,
     resolve_activation_quant,
     tile_dtype,
@@ -189,11 +190,7 @@ def add_expert_params(module: nn.Module, fmt: LayerFormat, E: int, H: int, I: in
             setattr(module, name + suffix, param)
 
 
-Quant = Literal[None, "fp8", "mxfp4"]
 QUANTS: tuple[str | None, ...] = tuple(LAYER_FORMATS)
-# The shared expert's format: None (the activations' dtype) or fp8 block-scale (a format whose shared_width_step is
-# not None). Never MXFP4: no checkpoint ships one.
-SharedQuant = Literal[None, "fp8"]
 SHARED_QUANTS: tuple[str | None, ...] = tuple(name for name, f in LAYER_FORMATS.items() if f.shared_width_step)
 
 
@@ -203,26 +200,27 @@ def default_shared_quant(quant: Quant) -> SharedQuant:
     return cast(SharedQuant, layer_format(quant).implied_shared)
 
 
-class FP8Projection(nn.Module):
-    """``weight`` and ``weight_scale_inv`` of one quantized projection (fp8: e4m3 and fp32 per 128 x 128 block),
-    named as transformers' FP8Linear names them. Not callable: :class:`MoELayer` runs it through the grouped GEMMs."""
+class ScaledProjection(nn.Module):
+    """One quantized projection's tensors, named as transformers names them: ``weight`` and one parameter per further
+    suffix of its format (block-scale fp8: ``weight_scale_inv``). Not callable: :class:`MoELayer` runs it through the
+    grouped GEMMs or cuBLAS (``experts.cublas_mlp``)."""
 
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor):
+    def __init__(self, suffixes: tuple[str, ...], *tensors: torch.Tensor):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
+        for suffix, tensor in zip(suffixes, tensors):
+            setattr(self, "weight" + suffix, nn.Parameter(tensor, requires_grad=False))
 
 
 class SharedExpert(nn.Module):
     """An ordinary SwiGLU MLP (``gate_proj``, ``up_proj``, ``down_proj``), not scaled by the routing factor.
 
-    With ``quant="fp8"`` the projections are :class:`FP8Projection` s and the module runs as a one-expert fp8 grouped
-    GEMM (SPEC §5) on ``backend``, or where ``experts.fp8_mlp.takes`` holds (prefill on Hopper) on cuBLAS's
-    block-scaled GEMMs. Their gate and up tensors lie one after the other, so the GEMMs read them as one [2I, H]
-    expert (:meth:`fp8_weights`).
+    With a quantized ``quant`` (``"fp8"``) the projections are :class:`ScaledProjection` s and the module runs as a
+    one-expert grouped GEMM in that format on ``backend``, or where ``experts.mlp_on_cublas`` holds (fp8 at prefill
+    on Hopper) on cuBLAS's GEMMs. Their gate and up tensors lie one after the other, so the GEMMs read them as one
+    [2I, H] expert (:meth:`stacked_weights`).
     """
 
-    gate_proj: Any  # nn.Linear, or FP8Projection with quant="fp8"
+    gate_proj: Any  # nn.Linear, or ScaledProjection with a quantized format
     up_proj: Any
     down_proj: Any
 
@@ -237,9 +235,10 @@ class SharedExpert(nn.Module):
         if self.format.quantized:  # [gate; up] as one tensor (and scales): the grouped GEMMs read them as one expert
             gate_up = self.format.params(1, 2 * intermediate_size, hidden_size, dtype, device)
             down = self.format.params(1, hidden_size, intermediate_size, dtype, device)
-            self.gate_proj = FP8Projection(*(t[0, : t.shape[1] // 2] for t in gate_up))
-            self.up_proj = FP8Projection(*(t[0, t.shape[1] // 2 :] for t in gate_up))
-            self.down_proj = FP8Projection(*(t[0] for t in down))
+            suffixes = self.format.suffixes
+            self.gate_proj = ScaledProjection(suffixes, *(t[0, : t.shape[1] // 2] for t in gate_up))
+            self.up_proj = ScaledProjection(suffixes, *(t[0, t.shape[1] // 2 :] for t in gate_up))
+            self.down_proj = ScaledProjection(suffixes, *(t[0] for t in down))
             return
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, device=device)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, device=device)
@@ -248,9 +247,9 @@ class SharedExpert(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.format.quantized:
             return self.down_proj(swiglu_torch(self.gate_proj(x), self.up_proj(x), self.limit))
-        gate_up, down = self.fp8_weights()
+        gate_up, down = self.stacked_weights()
         if self.runs_on_cublas(x.shape[0], x.dtype, x.device):
-            return fp8_mlp.fp8_mlp(x, gate_up, down, self.limit)
+            return cublas_mlp(x, gate_up, down, self.limit)
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
         ids = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device)
         out = routed_experts(x, gate_up, down, ones, ids, swiglu_limit=self.limit, backend=self.backend)
@@ -258,25 +257,25 @@ class SharedExpert(nn.Module):
         return out
 
     def runs_on_cublas(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether a call on ``num_tokens`` tokens of ``dtype`` on ``device`` runs on cuBLAS's block-scaled GEMMs
-        (fp8 at prefill on Hopper: ``experts.fp8_mlp.takes``) rather than the grouped GEMMs."""
-        hidden_size, width = self.down_proj.weight.shape
+        """Whether a call on ``num_tokens`` tokens of ``dtype`` on ``device`` runs a quantized MLP on cuBLAS's GEMMs
+        (``experts.mlp_on_cublas``: its weights' format decides) rather than the grouped GEMMs."""
         return (self.format.quantized and self.backend != "reference"
-                and fp8_mlp.takes(num_tokens, hidden_size, width, dtype, device))
+                and mlp_on_cublas(num_tokens, self.stacked_weights()[0], dtype, device))
 
-    def fp8_weights(self) -> tuple[BlockFP8, BlockFP8]:
-        """The fp8 projections as a one-expert stack (``[1, 2S, H]``, ``[1, H, S]``) over their own storage."""
-        parts = []
-        for name in ("weight", "weight_scale_inv"):
-            gate, up, down = (getattr(proj, name) for proj in (self.gate_proj, self.up_proj, self.down_proj))
+    def stacked_weights(self) -> tuple[ExpertWeight, ExpertWeight]:
+        """The quantized projections as a one-expert stack (``[1, 2S, H]``, ``[1, H, S]``) in the module's format,
+        over their own storage."""
+        gate_up_parts, down_parts = [], []
+        for suffix in self.format.suffixes:
+            gate, up, down = (getattr(proj, "weight" + suffix) for proj in (self.gate_proj, self.up_proj,
+                                                                            self.down_proj))
             gate_up = _stacked(gate[None], up)
             if gate_up is None:
-                raise ValueError("the fp8 shared expert's gate and up tensors must lie one after the other "
+                raise ValueError("the shared expert's gate and up tensors must lie one after the other "
                                  "(as MoELayer, from_hf and .to() put them; see moefuse.layer.stack_gate_up)")
-            parts.append((gate_up.reshape(1, -1, gate.shape[1]), down[None]))
-        (gate_up, down), (gate_up_scales, down_scales) = parts
-        return (cast(BlockFP8, self.format.weight(gate_up, gate_up_scales)),
-                cast(BlockFP8, self.format.weight(down, down_scales)))
+            gate_up_parts.append(gate_up.reshape(1, -1, gate.shape[1]))
+            down_parts.append(down[None])
+        return self.format.weight(*gate_up_parts), self.format.weight(*down_parts)
 
 
 @torch.no_grad()
@@ -297,12 +296,12 @@ def init_random_(module: nn.Module, seed: int = 0, std: float = 0.02) -> None:
 
 
 @torch.no_grad()
-def stack_gate_up(shared: nn.Module) -> None:
-    """Put a quantized shared expert's gate and up weights (and fp32 block scales) into one tensor each, gate rows
-    first, its parameters becoming views into them: the grouped GEMMs read [gate; up] as one expert. One copy when
-    they do not lie so already; the values are unchanged."""
+def stack_gate_up(shared: nn.Module, fmt: LayerFormat) -> None:
+    """Put a quantized shared expert's gate and up tensors (values and scales, the parameters ``fmt`` names) into one
+    tensor each, gate rows first, its parameters becoming views into them: the grouped GEMMs read [gate; up] as one
+    expert. One copy when they do not lie so already; the values are unchanged."""
     gate, up = shared.gate_proj, shared.up_proj
-    for name in ("weight", "weight_scale_inv"):
+    for name in ("weight" + suffix for suffix in fmt.suffixes):
         a, b = getattr(gate, name), getattr(up, name)
         if _stacked(a[None], b) is not None:
             continue
@@ -499,12 +498,12 @@ class MoELayer(nn.Module):
         return experts.format.weight(*gate_ups), experts.format.weight(*downs)
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 (nn.Module's signature)
-        """``.to()``, ``.cuda()`` and the like copy parameters one by one, so an fp8 shared expert's gate and up
+        """``.to()``, ``.cuda()`` and the like copy parameters one by one, so a quantized shared expert's gate and up
         tensors no longer lie one after the other as the grouped GEMMs read them: put them together again."""
         module = super()._apply(fn, recurse)
         shared = self.shared_experts
         if self.shared_format.quantized and shared is not None and self.shared_slot_weights() is None:
-            stack_gate_up(shared)
+            stack_gate_up(shared, self.shared_format)
         return module
 
     def uses_shared_slot(self, num_tokens: int, device: torch.device, num_token_non_padded: object = None) -> bool:
@@ -567,7 +566,7 @@ class MoELayer(nn.Module):
             if self.experts.format.quantized:
                 weights += cast(tuple[QuantizedWeight, QuantizedWeight], self.experts.weights())
             if self.shared_format.quantized:
-                weights += self.shared_fp8_weights()
+                weights += cast(tuple[QuantizedWeight, QuantizedWeight], self.shared_weights())
         gen = torch.Generator(weights[0].device).manual_seed(seed + 1)
         for weight in weights:
             for expert in range(weight.shape[0]):
@@ -588,18 +587,18 @@ class MoELayer(nn.Module):
             except ValueError as error:
                 raise ValueError(f"experts.{name}{fmt.suffixes[-1]}: {error}") from None
 
-    def shared_fp8_weights(self) -> tuple[BlockFP8, BlockFP8]:
-        """An fp8 shared expert as a one-expert stack (``[1, 2S, H]``, ``[1, H, S]``) over its own storage: expert E
-        of the stacked tensors, or its own gate and up tensors where they lie one after the other (as
-        :class:`SharedExpert` and ``from_hf`` put them)."""
+    def shared_weights(self) -> tuple[ExpertWeight, ExpertWeight]:
+        """A quantized shared expert as a one-expert stack in its format (``[1, 2S, H]``, ``[1, H, S]``) over its
+        own storage: expert E of the stacked tensors, or its own gate and up tensors where they lie one after the
+        other (as :class:`SharedExpert` and ``from_hf`` put them)."""
         if not self.shared_format.quantized:
             raise ValueError(f"the layer's shared expert is not quantized (shared_quant={self.shared_quant!r})")
         stacked = self.shared_slot_weights()
         if stacked is not None:
             E = self.config.num_experts
-            return cast(BlockFP8, stacked[0][E:]), cast(BlockFP8, stacked[1][E:])
+            return stacked[0][E:], stacked[1][E:]
         assert self.shared_experts is not None, "the layer has no shared expert"
-        return self.shared_experts.fp8_weights()
+        return self.shared_experts.stacked_weights()
 
     @property
     def activation_quant(self) -> str | None:
@@ -738,7 +737,7 @@ def moe_layer_torch(layer: MoELayer, hidden_states: torch.Tensor, num_token_non_
         out.index_add_(0, token, y * weights[token, slot].to(dtype)[:, None])
     if layer.shared_experts is not None:
         if layer.shared_format.quantized:
-            gate_up_s, down_s = layer.shared_fp8_weights()
+            gate_up_s, down_s = layer.shared_weights()
             out += expert_mlp_torch(x, gate_up_s[0], down_s[0], c.swiglu_limit, layer.activation_dtype, dtype)
         else:
             s = layer.shared_experts

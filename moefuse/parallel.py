@@ -175,7 +175,7 @@ class ShardedMoELayer(nn.Module):
                 dst.up_proj.weight.copy_(shard_up[0, width:])
                 dst.down_proj.weight.copy_(shard_down[0])
             else:  # one-expert fp8 stacks, [gate; up] over the shared expert's own storage
-                (src_up, src_down), (dst_up, dst_down) = layer.shared_fp8_weights(), dst.fp8_weights()
+                (src_up, src_down), (dst_up, dst_down) = layer.shared_weights(), dst.stacked_weights()
                 _copy(dst_up, _gate_up_cols(src_up, S, rows))
                 _copy(dst_down, _cut(src_down, 2, rows))
         return sharded

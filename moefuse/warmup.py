@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from moefuse.dispatch.kernel import launch_shape as dispatch_shape
-from moefuse.experts import configs, plan_block_m
+from moefuse.experts import configs, launch_variant, plan_block_m
 from moefuse.finalize.kernel import finalize_tile
 from moefuse.formats import tile_dtype
 from moefuse.layer import MoELayer
@@ -68,20 +68,19 @@ def launch_signature(layer: MoELayer, num_tokens: int) -> tuple:
     block_m = plan_block_m(num_tokens, gate_up, c.top_k, dtype, layer.activation_quant, arch)
     tiles = configs.pick(num_tokens, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, experts_dtype, arch,
                          block_m=block_m)
-    fp8 = torch.float8_e4m3fn
-    # fp8: whether GEMM1 quantizes its activations itself or reads them from the quantization pass; MXFP4: W4A8
-    # (the layer's choice, the same at every size, but a layer of another choice launches other kernels).
-    prequantized = experts_dtype == fp8 and num_tokens * top_k >= configs.FP8_PREQUANTIZE_MIN_ROWS
-    w4a8 = experts_dtype == torch.uint8 and layer.activation_quant == "fp8"
-    shared: object = None  # an fp8 shared expert off the slot: cuBLAS, or a one-expert fp8 grouped GEMM (an
+    # What else the experts op keys its kernels on (its weights' format decides: experts.launch_variant).
+    variant = launch_variant(gate_up, num_tokens * top_k, layer.activation_quant)
+    shared: object = None  # a quantized shared expert off the slot: cuBLAS, or a one-expert grouped GEMM (an
     # unquantized one runs on cuBLAS through nn.Linear: primed by _prime_cublas)
     if layer.shared_format.quantized and layer.shared_experts is not None and not slot:
         if layer.shared_experts.runs_on_cublas(num_tokens, dtype, device):
             shared = "cublas"
         else:
-            shared_tiles = configs.pick(num_tokens, 1, c.hidden_size, c.shared_intermediate_size, 1, fp8, arch)
+            shared_up = layer.shared_weights()[0]
+            shared_tiles = configs.pick(num_tokens, 1, c.hidden_size, c.shared_intermediate_size, 1,
+                                        tile_dtype(shared_up, dtype), arch)
             shared = (shared_tiles, dispatch_shape(num_tokens, 1, shared_tiles.block_m),
-                      num_tokens >= configs.FP8_PREQUANTIZE_MIN_ROWS)
+                      launch_variant(shared_up, num_tokens, "default"))
     return (
         num_tokens if num_tokens <= layer.graphs.max_tokens else None,
         slot,
@@ -90,8 +89,7 @@ def launch_signature(layer: MoELayer, num_tokens: int) -> tuple:
         gate_kernel.launch_config(num_tokens, c.num_experts, c.num_expert_group),
         dispatch_shape(num_tokens * top_k, c.num_experts + slot, tiles.block_m),
         tiles,
-        prequantized,
-        w4a8,
+        variant,
         shared,
         finalize_tile(num_tokens, c.hidden_size, dtype),
     )
@@ -169,7 +167,7 @@ def warmup(module: nn.Module, max_tokens: int = 4096, *, progress: bool = True) 
     done: dict[tuple, list[int]] = {}
     compiled = Compilations()
     for i, layer in enumerate(layers, 1):
-        layer.check_weights()  # what the forward does not check (MXFP4 exponents): before any request
+        layer.check_weights()  # what the forward does not check (e.g. MXFP4 exponents): before any request
         weight = layer.experts.gate_up_proj
         shape = (layer.config, weight.dtype, weight.device, layer.graphs.max_tokens, layer.shared_slot_max_tokens,
                  layer.shared_slot_weights() is not None, layer.shared_quant, layer.activation_quant,

@@ -152,7 +152,7 @@ def load_dequantized_(dense: nn.Module, block: nn.Module, layer: nn.Module) -> n
     if layer.shared_experts is None:
         return dense
     if layer.shared_quant == "fp8":
-        shared_up, shared_down = (w.dequantize(torch.float64)[0] for w in layer.shared_fp8_weights())
+        shared_up, shared_down = (w.dequantize(torch.float64)[0] for w in layer.shared_weights())
         width = shared_up.shape[0] // 2
         weights = {"gate_proj": shared_up[:width], "up_proj": shared_up[width:], "down_proj": shared_down}
     else:

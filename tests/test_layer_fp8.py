@@ -79,7 +79,7 @@ def test_fp8_shared_expert_module_runs_itself(backend, gen, device):
     """The fp8 shared expert called on its own: a one-expert fp8 grouped GEMM, as inside the layer."""
     layer = _layer(backend, 0, device)
     x = torch.randn(5, CONFIG.hidden_size, generator=gen).bfloat16().to(device)
-    gate_up, down = layer.shared_fp8_weights()
+    gate_up, down = layer.shared_weights()
     with torch.no_grad():
         got = layer.shared_experts(x)
         want = expert_mlp_torch(x, gate_up[0], down[0], CONFIG.swiglu_limit, torch.bfloat16, torch.float64)
@@ -139,7 +139,7 @@ def test_fp8_shared_expert_on_cublas_matches_float64(extra, dtype, gen):
     x = torch.randn(tokens, WIDE.hidden_size, generator=gen).to(cuda, dtype)
     x[5] = float("nan")
     x[7] = 0.0
-    gate_up, down = layer.shared_fp8_weights()
+    gate_up, down = layer.shared_weights()
     with torch.no_grad():
         got = layer.shared_experts(x)
         want = expert_mlp_torch(x, gate_up[0], down[0], WIDE.swiglu_limit, dtype, torch.float64)

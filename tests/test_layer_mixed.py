@@ -41,11 +41,11 @@ def test_every_mix_matches_float64(routed, shared, gen, device):
     assert isinstance(layer.experts.weights()[0], routed_type)
     assert layer.quant == routed and layer.shared_quant == shared
     if shared == "fp8":
-        assert isinstance(layer.shared_fp8_weights()[0], BlockFP8)
+        assert isinstance(layer.shared_weights()[0], BlockFP8)
     else:
         assert layer.shared_experts.gate_proj.weight.dtype == torch.bfloat16
         with pytest.raises(ValueError, match="not quantized"):
-            layer.shared_fp8_weights()
+            layer.shared_weights()
     x = torch.randn(5, layer.config.hidden_size, generator=gen).bfloat16().to(device)
     with torch.no_grad():
         got = layer(x)
@@ -180,7 +180,7 @@ def test_w4a8_reference_numerics(shared, gen):
         slots = rows[plan.expanded_to_permuted.long()].view(6, c.top_k, c.hidden_size)
         want = (slots * weights.double()[..., None]).sum(1)
         s = layer.shared_experts
-        gate_up, down = ((w[0] for w in layer.shared_fp8_weights()) if shared == "fp8" else
+        gate_up, down = ((w[0] for w in layer.shared_weights()) if shared == "fp8" else
                          (torch.cat([s.gate_proj.weight, s.up_proj.weight]), s.down_proj.weight))
         want += expert_mlp_torch(x.double(), gate_up, down, c.swiglu_limit, torch.bfloat16, torch.float64)
         reference = moe_layer_torch(layer, x, route_dtype=torch.float32)

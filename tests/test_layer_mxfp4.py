@@ -25,7 +25,7 @@ CONFIG = MoEConfig(96, 128, 6, 3, num_shared_experts=1, routed_scaling_factor=1.
 @pytest.mark.parametrize("tokens", [1, 9])
 def test_layer_matches_float64(backend, tokens, gen, device):
     layer = MoELayer(CONFIG, quant="mxfp4", device=device, backend=backend).init_random_(seed=3, std=0.1)
-    assert isinstance(layer.experts.weights()[0], MXFP4) and isinstance(layer.shared_fp8_weights()[0], BlockFP8)
+    assert isinstance(layer.experts.weights()[0], MXFP4) and isinstance(layer.shared_weights()[0], BlockFP8)
     assert layer.experts.gate_up_proj.dtype == torch.int8
     assert layer.experts.gate_up_proj_scale_inv.dtype == torch.float8_e8m0fnu
     x = torch.randn(tokens, CONFIG.hidden_size, generator=gen).bfloat16().to(device)

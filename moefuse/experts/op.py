@@ -17,6 +17,7 @@ from . import configs
 from .bf16 import gemm1_swiglu, gemm2
 from .configs import Arch, GemmTiles, pick_block_m
 from .fp8 import experts_fp8
+from .fp8 import mlp as fp8_mlp
 from .mxfp4 import experts_mxfp4
 from .mxfp4 import w4a8 as mxfp4_w4a8
 from .mxfp4 import ws as mxfp4_ws
@@ -214,6 +215,36 @@ def plan_block_m(
         return mxfp4_w4a8.BLOCK_M
     E, two_width, H = gate_up_proj.shape
     return pick_block_m(num_tokens, E, H, two_width // 2, top_k, tile_dtype(gate_up_proj, hidden_dtype), arch)
+
+
+def launch_variant(gate_up_proj: ExpertWeight, num_rows: int, activation_quant: Optional[str]) -> tuple:
+    """What besides the tiles decides which kernels ``moe_experts`` compiles for a plan of ``num_rows`` rows on these
+    weights and (resolved) ``activation_quant``: fp8 block-scale's activation quantization pass (GEMM1 quantizes its
+    own tiles below ``configs.FP8_PREQUANTIZE_MIN_ROWS`` rows), MXFP4's W4A8 kernels. Warm-up keys on it."""
+    if isinstance(gate_up_proj, BlockFP8):
+        return ("prequantized", num_rows >= configs.FP8_PREQUANTIZE_MIN_ROWS)
+    if isinstance(gate_up_proj, MXFP4):
+        return ("activations", activation_quant)
+    return ()
+
+
+def mlp_on_cublas(num_tokens: int, gate_up_proj: ExpertWeight, hidden_dtype: torch.dtype, device: torch.device
+                  ) -> bool:
+    """Whether :func:`cublas_mlp` takes a one-expert MLP on ``num_tokens`` tokens with these weights (``[1, 2S, H]``)
+    rather than the grouped GEMMs: fp8 block-scale at prefill on Hopper (``fp8_mlp.takes``). A host decision on
+    shapes alone. Plain weights are not asked: an ``nn.Linear`` runs them on cuBLAS already."""
+    if not isinstance(gate_up_proj, BlockFP8):
+        return False
+    _, two_width, hidden_size = gate_up_proj.shape
+    return fp8_mlp.takes(num_tokens, hidden_size, two_width // 2, hidden_dtype, device)
+
+
+def cublas_mlp(x: torch.Tensor, gate_up_proj: ExpertWeight, down_proj: ExpertWeight,
+               swiglu_limit: Optional[float]) -> torch.Tensor:
+    """One expert's SwiGLU MLP on cuBLAS's GEMMs, where :func:`mlp_on_cublas` holds."""
+    if not (isinstance(gate_up_proj, BlockFP8) and isinstance(down_proj, BlockFP8)):
+        raise TypeError(f"cublas_mlp takes BlockFP8 weights, got {type(gate_up_proj).__name__}")
+    return fp8_mlp.fp8_mlp(x, gate_up_proj, down_proj, swiglu_limit)
 
 
 def _tiles_to_list(tiles: GemmTiles) -> list[int]:

@@ -87,6 +87,13 @@ def pdl_enabled(enable_pdl: bool | None, device: torch.device) -> bool:
     return supported if enable_pdl is None else bool(enable_pdl) and supported
 
 
+def persistent_enabled() -> bool:
+    """Whether 16-bit prefill runs the persistent warp-specialized GEMMs (``experts/persistent.py``) where they
+    apply: ``MOEFUSE_PERSISTENT=1``. Off by default: on one H200 they are 7-38% slower than the ``tl`` kernels on
+    DeepSeek-V3 shapes (docs/PERF-NOTES.md, twenty-second session)."""
+    return os.environ.get("MOEFUSE_PERSISTENT", "0") not in ("", "0")
+
+
 def checks_enabled(device: torch.device) -> bool:
     """Whether value checks that need a host sync (index ranges) run: always off CUDA, else ``MOEFUSE_CHECK=1``."""
     return device.type != "cuda" or os.environ.get("MOEFUSE_CHECK", "0") not in ("", "0")

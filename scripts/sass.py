@@ -3,6 +3,7 @@
     python scripts/sass.py router [--dump DIR] [--check]
     python scripts/sass.py experts [--preset NAME ...] [--dtype bf16 fp32] [--check]
     python scripts/sass.py mxfp4-ws [--check]
+    python scripts/sass.py persistent [--check]
 
 ``router``: per model config and rows per program (BLOCK_M from ``launch_config`` at M = 8192, and 1): SASS
 instructions (NOPs and the out-of-line slow paths after the last EXIT left out), instructions per row, SHFL and
@@ -53,6 +54,7 @@ from moefuse import _runtime  # noqa: E402
 from moefuse.config import PRESETS  # noqa: E402
 from moefuse.experts import bf16 as experts_bf16  # noqa: E402
 from moefuse.experts import configs  # noqa: E402
+from moefuse.experts import persistent as experts_persistent  # noqa: E402
 from moefuse.experts.fp8 import kernels as experts_fp8  # noqa: E402
 from moefuse.experts.mxfp4 import kernels as experts_mxfp4  # noqa: E402
 from moefuse.experts.mxfp4 import w4a8 as experts_mxfp4_w4a8  # noqa: E402
@@ -328,6 +330,24 @@ def compile_mxfp4_w4a8_gemm(gemm: int, block_m: int, has_limit: bool):
     return compile_gluon(fn, types, constexprs, shape.maxnreg)
 
 
+def compile_persistent_gemm(gemm: int, has_limit: bool, dtype: str = "bf16"):
+    """The persistent warp-specialized GEMM1 or GEMM2 (``experts/persistent.py``, Gluon) as ``experts_persistent``
+    launches it on sm_90: a producer warp, two 64-row consumers, 64-deep steps, ``STAGES`` slots."""
+    from triton.experimental.gluon import language as gl
+
+    p = experts_persistent
+    constexprs = {"GEMM1": gemm == 1, "HAS_LIMIT": has_limit, "STAGES": p.STAGES,
+                  "PRODUCER_REGS": p.PRODUCER_REGS, "CONSUMER_REGS": p.CONSUMER_REGS}
+    gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    a_box, w_box = [p.BLOCK_M // 2, p.BLOCK_K], [p.BOX, p.BLOCK_K]
+    a_layout = gl.NVMMASharedLayout.get_default_for(a_box, gl_dtype)
+    w_layout = gl.NVMMASharedLayout.get_default_for(w_box, gl_dtype)
+    types = {"a_desc": f"tensordesc<{dtype}[{a_box[0]}, {a_box[1]}],{a_layout!r}>",
+             "w_desc": f"tensordesc<{dtype}[{w_box[0]}, {w_box[1]}],{w_layout!r}>",
+             "out_ptr": f"*{dtype}", "limit": "fp32"}
+    return compile_gluon(p._persistent_kernel, types, constexprs, p.MAXNREG)
+
+
 def compiled_stats(where: str, problems: list[str], build: Callable[[], Any]) -> Optional[tuple[str, dict, int]]:
     """``build()``'s kernel: its SASS, ``sass_stats`` and shared memory bytes, or None when it does not compile.
     A compile error, or more shared memory than a Hopper block may have, goes into ``problems``."""
@@ -426,6 +446,25 @@ def mxfp4_ws(args: argparse.Namespace) -> list[str]:
     return problems
 
 
+def persistent(args: argparse.Namespace) -> list[str]:
+    """The persistent prefill GEMMs (``experts/persistent.py``): one launch shape for every model (widths are
+    run-time arguments), bf16 and fp16, with and without the SwiGLU clamp."""
+    problems = []
+    print(f"{'dtype':5s} {'GEMM':4s} {'clamp':>5s} {'smem':>6s} {'regs':>4s} {'stack':>5s} {'HGMMA':>5s}")
+    for dtype in ("bf16", "fp16"):
+        for gemm, has_limit in ((1, False), (1, True), (2, False)):
+            where = f"persistent {dtype} GEMM{gemm}, clamp {has_limit}"
+            result = compiled_stats(where, problems, lambda: compile_persistent_gemm(gemm, has_limit, dtype))
+            if result is None:
+                continue
+            _, s, smem = result
+            print(f"{dtype:5s} {gemm:4d} {str(has_limit):>5s} {smem:6d} {s['regs']:4d} {s['stack']:5d} "
+                  f"{s['hgmma']:5d}", flush=True)
+            if s["stack"] or not s["hgmma"]:
+                problems.append(f"{where}: {s['stack']} bytes of stack, {s['hgmma']} wgmma")
+    return problems
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="kernel", required=True)
@@ -438,12 +477,13 @@ def main() -> int:
                            help="activation dtypes (fp16 compiles like bf16; the table serves both); fp8: "
                                 "block-scale e4m3 weights with bf16 activations")
     p_ws = sub.add_parser("mxfp4-ws", help="the warp-specialized MXFP4 GEMMs (Gluon), per tile height")
-    for p in (p_router, p_experts, p_ws):
+    p_persistent = sub.add_parser("persistent", help="the persistent prefill GEMMs (Gluon), bf16 and fp16")
+    for p in (p_router, p_experts, p_ws, p_persistent):
         p.add_argument("--check", action="store_true", help="exit 1 on a kernel that would fail on an H200")
     args = parser.parse_args()
     if _runtime.interpreting():
         parser.error("TRITON_INTERPRET is set: the kernels must be compiled, not interpreted")
-    problems = {"router": router, "experts": experts, "mxfp4-ws": mxfp4_ws}[args.kernel](args)
+    problems = {"router": router, "experts": experts, "mxfp4-ws": mxfp4_ws, "persistent": persistent}[args.kernel](args)
     for problem in problems:
         print(f"PROBLEM: {problem}")
     return 1 if args.check and problems else 0

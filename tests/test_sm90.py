@@ -38,3 +38,9 @@ def test_router_configs_fit_sm90():
 def test_mxfp4_warp_specialized_kernels_fit_sm90():
     """The Gluon kernels (``experts/mxfp4/ws.py`` and ``w4a8.py``): compiled at every tile height, none spills."""
     run_check("mxfp4-ws")
+
+
+def test_persistent_kernels_fit_sm90():
+    """The persistent prefill GEMMs (``experts/persistent.py``, Gluon): bf16 and fp16, with and without the clamp,
+    none spills."""
+    run_check("persistent")

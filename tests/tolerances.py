@@ -32,8 +32,11 @@ _TABLE = {
     ("fp8", "tall"): (5e-2, 1e-2),  # 2.9e-2 / 4.4e-3: wgmma's fp8 sums flip e4m3 roundings of the intermediate
     ("mxfp4", "short"): (1e-2, 5e-3),  # 3.4e-3 / 1.7e-3
     ("mxfp4", "tall"): (1e-2, 5e-3),  # the same (fp32 sums on every tile height)
-    ("w4a8", "short"): (5e-2, 1e-2),  # W4A8 runs on 128-row tiles only; as "tall"
-    ("w4a8", "tall"): (5e-2, 1e-2),  # 1.9e-2 / 3.7e-3: as fp8's tall tiles
+    # 1.9e-2 / 3.7e-3 in the table (H, I >= 512). At the narrowest widths W4A8 takes, a row's 128 e4m3-rounded
+    # activations average out less: the GPU fuzz run met 1.10e-2 RMS on one row of E = 1, H = I = 128 (seed 157,
+    # twenty-second session), with a max of 1.09e-2: the RMS of one short row is about its max.
+    ("w4a8", "short"): (5e-2, 2e-2),  # W4A8 runs on 128-row tiles only; as "tall"
+    ("w4a8", "tall"): (5e-2, 2e-2),
 }
 
 

@@ -13,7 +13,7 @@ import torch
 from .. import _checks, _runtime
 from ..dispatch import DispatchPlan
 from ..formats import MXFP4, BlockFP8, ExpertWeight, QuantizedWeight, resolve_activation_quant, tile_dtype
-from . import configs
+from . import configs, persistent
 from .bf16 import gemm1_swiglu, gemm2
 from .configs import Arch, GemmTiles, pick_block_m
 from .fp8 import experts_fp8
@@ -276,6 +276,9 @@ def _experts_impl(
                         expanded_to_permuted, tile_expert, tile_row_start)
     if backend != "triton":
         moe_experts_torch(hidden, gate_up_proj, down_proj, plan, swiglu_limit=swiglu_limit, out=out)
+        return
+    if _runtime.persistent_enabled() and persistent.eligible(hidden, gate_up_proj, down_proj, plan, out):
+        persistent.experts_persistent(hidden, gate_up_proj, down_proj, plan, out, swiglu_limit)
         return
     intermediate = torch.empty(plan.num_rows, gate_up_proj.shape[1] // 2, dtype=hidden.dtype, device=hidden.device)
     gemm1_swiglu(hidden, gate_up_proj, plan, intermediate, GemmTiles(*tiles[:5]), swiglu_limit, use_pdl=use_pdl)

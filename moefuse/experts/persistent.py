@@ -1,0 +1,305 @@
+"""Persistent, warp-specialized grouped GEMMs for prefill on Hopper, in Gluon (sm_90 only; ``bf16.py`` runs
+elsewhere and below ``BLOCK_M``-row tiles).
+
+Same contract and numerics as ``bf16.py``'s GEMM1 + SwiGLU and GEMM2 (SPEC §3-4: fp32 sums of 16-bit products,
+SwiGLU in fp32, the intermediate rounded to the activations' dtype). What differs is the structure, the one the
+non-persistent kernels could not reach (docs/PERF-NOTES.md, issue 39):
+
+- one program per SM, walking the work items ``pid, pid + grid, ...``; an item is one plan tile (``BLOCK_M`` rows
+  of one expert) and one column block. Items go tile by tile, so the programs running at once share a few tiles'
+  activation rows and, where an expert has several tiles, its weight boxes through L2;
+- a producer warp that streams each 64-deep step of the item's activation rows (two 64-row boxes) and its four
+  64-row weight boxes through TMA into a ring of slots, running ahead across items (it fills the next item's steps
+  while the consumers finish the last one's epilogue);
+- two 4-warp consumers (one warp group each), one per 64-row half of the tile, each against all four weight boxes:
+  per step they wait for the slot, issue one wgmma per box (A and B from shared memory), keep that step in flight
+  while waiting for the one before, and free its slot (the slot's empty barrier counts both consumers). A half
+  that lies wholly past its expert's end (a tile's remainder of at most 64 rows) issues no wgmma: ragged routing
+  leaves about one such remainder per expert, and on full-height MMAs they cost more tensor-core time than the
+  weights' stream leaves to spare (PERF-NOTES, twenty-second session).
+
+GEMM1's boxes are the gate and the up rows of the same 64 intermediate columns, two pairs an item, so SwiGLU is
+elementwise on a pair of accumulators. GEMM2's are 256 consecutive output columns. GEMM1 reads the plan's rows of
+``hidden`` gathered into plan order first (TMA reads contiguous rows; Hopper's TMA has no row gather).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _runtime
+from ..dispatch import DispatchPlan
+
+try:  # Gluon ships with Triton >= 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - every supported Triton has it
+    gluon = None
+
+BLOCK_M = 128  # rows per item: the plan's tile height at prefill
+BLOCK_K = 64  # 128 bytes of 16-bit values: one swizzled box row
+BOX = 64  # weight rows per TMA box and wgmma N
+STAGES = 4  # ring slots: 48 KB each (one 16 KB activation box, four 8 KB weight boxes)
+MAXNREG = 168  # registers a thread at launch: 12 warps in an SM's 64K
+PRODUCER_REGS = 40  # after the hand-over (setmaxnreg): at 24 Triton 3.6 spills GEMM2's box addresses (8 bytes)
+CONSUMER_REGS = 232  # two [128, 64] fp32 accumulators (128 registers) and the epilogue
+GEMM1_COLS = 2 * BOX  # intermediate columns an item of GEMM1 computes (both consumers)
+GEMM2_COLS = 4 * BOX  # output columns an item of GEMM2 computes
+
+if gluon is not None:
+    # Triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 async_load (the old name a deprecated alias).
+    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    _BK: gl.constexpr = gl.constexpr(BLOCK_K)
+    _BOX: gl.constexpr = gl.constexpr(BOX)
+    _HALF: gl.constexpr = gl.constexpr(BLOCK_M // 2)  # a consumer's rows: one wgmma M
+
+    @gluon.jit
+    def _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr):
+        """Work item ``item``: tile ``item // col_blocks`` of the plan, column block ``item % col_blocks``; its
+        expert (-1: an unused tile), its first row and its expert's end."""
+        tile = item // col_blocks
+        expert = gl.load(tile_expert_ptr + tile)
+        row_start = gl.load(tile_row_start_ptr + tile)
+        row_end = gl.load(expert_offsets_ptr + gl.maximum(expert, 0) + 1)
+        return expert, item % col_blocks, row_start, row_end
+
+    @gluon.jit
+    def _produce(a_desc, w_desc, a_smem, w_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
+                 expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, pair_rows, box_rows,
+                 k_steps, STAGES: gl.constexpr):
+        """The producer warp: for every step of every item of this program, the two 64-row activation boxes and
+        the four weight boxes (box b at rows ``item_cols * block + (b // 2) * pair_rows + (b % 2) * box_rows`` of
+        the expert's) into slot ``i % STAGES``."""
+        i = 0
+        for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+            expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
+                                                      expert_offsets_ptr)
+            if expert >= 0:
+                w_row = expert * rows_per_expert + block * item_cols
+                for k in range(k_steps):
+                    s = i % STAGES
+                    mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first pass finds every slot free
+                    mbarrier.expect(ready.index(s), 2 * a_desc.block_type.nbytes + 4 * w_desc.block_type.nbytes)
+                    for h in gl.static_range(2):
+                        _tma_load(a_desc, [row_start + h * _HALF, k * _BK], ready.index(s), a_smem.index(2 * s + h))
+                    for b in gl.static_range(4):
+                        _tma_load(w_desc, [w_row + (b // 2) * pair_rows + (b % 2) * box_rows, k * _BK],
+                                  ready.index(s), w_smem.index(4 * s + b))
+                    i += 1
+
+    @gluon.jit
+    def _store(acc, out_ptr, row0, row_end, col0, stride_om, MMA: gl.constexpr):
+        """``out[row0 + m, col0 + n] = acc[m, n]`` in ``out``'s dtype, for the rows of the expert."""
+        m = row0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, MMA))
+        n = col0 + gl.arange(0, _BOX, layout=gl.SliceLayout(0, MMA))
+        ptrs = out_ptr + gl.expand_dims(m.to(gl.int64) * stride_om, 1) + gl.expand_dims(n, 0)
+        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(m < row_end, 1))
+
+    @gluon.jit
+    def _swiglu(gate, up, limit, HAS_LIMIT: gl.constexpr):
+        """SiLU(gate) * up in fp32 after DeepSeek-V4's clamp (as ``common._swiglu``; NaN stays NaN)."""
+        if HAS_LIMIT:
+            gate = gl.where(gate > limit, limit, gate)
+            up = gl.where(up > limit, limit, gl.where(up < -limit, -limit, up))
+        return gate * (1.0 / (1.0 + gl.exp(-gate))) * up
+
+    @gluon.jit
+    def _consume(a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                 num_items, col_blocks, item_cols, k_steps, stride_om, limit, C: gl.constexpr,
+                 GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr):
+        """Consumer ``C``: rows ``64 C ..`` of every item against its four weight boxes, [64, 64] fp32 accumulators
+        each. A consumer whose rows all lie past the expert's end (a tile's remainder of at most 64 rows) issues
+        no wgmma for the item: it only frees the slots. GEMM1 stores SwiGLU(box 0, box 1) and SwiGLU(box 2, box 3)
+        at the item's columns 0 and 64; GEMM2 box b at 64 b."""
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, _BOX, 16])
+        i = 0
+        for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+            expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
+                                                      expert_offsets_ptr)
+            row0 = row_start + C * _HALF
+            if expert >= 0:
+                if row0 < row_end:
+                    acc0 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
+                    acc1 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
+                    acc2 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
+                    acc3 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
+                    for k in range(k_steps):
+                        s = i % STAGES
+                        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                        a = a_smem.index(2 * s + C)
+                        acc0 = warpgroup_mma(a, w_smem.index(4 * s).permute((1, 0)), acc0, is_async=True)
+                        acc1 = warpgroup_mma(a, w_smem.index(4 * s + 1).permute((1, 0)), acc1, is_async=True)
+                        acc2 = warpgroup_mma(a, w_smem.index(4 * s + 2).permute((1, 0)), acc2, is_async=True)
+                        acc3 = warpgroup_mma(a, w_smem.index(4 * s + 3).permute((1, 0)), acc3, is_async=True)
+                        # This step's wgmmas stay in flight; the step before is done, so its slot is free.
+                        acc0, acc1, acc2, acc3 = warpgroup_mma_wait(4, deps=[acc0, acc1, acc2, acc3])
+                        if k > 0:
+                            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
+                        i += 1
+                    acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3])
+                    mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
+                    col0 = block * item_cols
+                    if GEMM1:
+                        _store(_swiglu(acc0, acc1, limit, HAS_LIMIT), out_ptr, row0, row_end, col0, stride_om, MMA)
+                        _store(_swiglu(acc2, acc3, limit, HAS_LIMIT), out_ptr, row0, row_end, col0 + _BOX,
+                               stride_om, MMA)
+                    else:
+                        _store(acc0, out_ptr, row0, row_end, col0, stride_om, MMA)
+                        _store(acc1, out_ptr, row0, row_end, col0 + _BOX, stride_om, MMA)
+                        _store(acc2, out_ptr, row0, row_end, col0 + 2 * _BOX, stride_om, MMA)
+                        _store(acc3, out_ptr, row0, row_end, col0 + 3 * _BOX, stride_om, MMA)
+                else:
+                    for _k in range(k_steps):
+                        s = i % STAGES
+                        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                        mbarrier.arrive(empty.index(s))
+                        i += 1
+
+    @gluon.jit
+    def _consume0(a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                  num_items, col_blocks, item_cols, k_steps, stride_om, limit, GEMM1: gl.constexpr,
+                  HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr):
+        _consume(a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                 num_items, col_blocks, item_cols, k_steps, stride_om, limit, 0, GEMM1, HAS_LIMIT, STAGES)
+
+    @gluon.jit
+    def _consume1(a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                  num_items, col_blocks, item_cols, k_steps, stride_om, limit, GEMM1: gl.constexpr,
+                  HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr):
+        _consume(a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                 num_items, col_blocks, item_cols, k_steps, stride_om, limit, 1, GEMM1, HAS_LIMIT, STAGES)
+
+    @gluon.jit
+    def _persistent_kernel(a_desc, w_desc, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                           num_items, col_blocks, rows_per_expert, item_cols, pair_rows, box_rows, K,
+                           stride_om, limit, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr,
+                           PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """GEMM1 + SwiGLU (``GEMM1``: out = intermediate [rows, I], W = gate_up [E·2I, H]) or GEMM2 (out [rows, H],
+        W = down [E·H, I]) over the plan's items, this program's share of them."""
+        a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, _HALF, _BK], a_desc.layout)
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [4 * STAGES, _BOX, _BK], w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        k_steps = gl.cdiv(K, _BK)
+        gl.warp_specialize([
+            (_consume0, (a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr,
+                         expert_offsets_ptr, num_items, col_blocks, item_cols, k_steps, stride_om, limit, GEMM1,
+                         HAS_LIMIT, STAGES)),
+            (_produce, (a_desc, w_desc, a_smem, w_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
+                        expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, pair_rows,
+                        box_rows, k_steps, STAGES)),
+            (_consume1, (a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr,
+                         expert_offsets_ptr, num_items, col_blocks, item_cols, k_steps, stride_om, limit, GEMM1,
+                         HAS_LIMIT, STAGES)),
+        ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
+
+
+@triton.jit
+def _gather_kernel(hidden_ptr, p2e_ptr, out_ptr, H, top_k, stride_hm, stride_hk, stride_om, BLOCK: tl.constexpr):
+    """out[r, :] = hidden[permuted_to_expanded[r] // top_k, :]; zeros for the rows past the valid ones (-1)."""
+    row = tl.program_id(0)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    expanded = tl.load(p2e_ptr + row)
+    token = (tl.maximum(expanded, 0) // top_k).to(tl.int64)
+    x = tl.load(hidden_ptr + token * stride_hm + col * stride_hk, mask=col < tl.where(expanded >= 0, H, 0),
+                other=0.0)
+    tl.store(out_ptr + row.to(tl.int64) * stride_om + col, x, mask=col < H)
+
+
+def gather_rows(hidden: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """The plan's rows of ``hidden`` in plan order: [plan.num_rows, H] (GEMM1's activations for TMA)."""
+    rows, width = plan.num_rows, hidden.shape[1]
+    out = torch.empty(rows, width, dtype=hidden.dtype, device=hidden.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(width))
+        _gather_kernel[(rows, triton.cdiv(width, block))](
+            hidden, plan.permuted_to_expanded, out, width, plan.top_k, hidden.stride(0), hidden.stride(1),
+            out.stride(0), BLOCK=block)
+    return out
+
+
+def eligible(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, plan: DispatchPlan,
+             out: torch.Tensor) -> bool:
+    """Whether :func:`experts_persistent` runs these experts: 16-bit weights and activations of one dtype on an sm_90
+    GPU (not the interpreter), the plan's tiles ``BLOCK_M`` rows, I a multiple of 128 and H of 256 (whole items: no
+    column masks), K steps whole (H and I multiples of 64 follow), weights TMA can read as [E·N, K] rows, and an
+    ``out`` with unit column stride (the epilogue's stores)."""
+    return (gluon is not None and hidden.is_cuda and not _runtime.interpreting()
+            and hidden.dtype in (torch.bfloat16, torch.float16) and gate_up.dtype == down.dtype == hidden.dtype
+            and _runtime.capability(hidden.device) == (9, 0) and plan.block_m == BLOCK_M
+            and widths_fit(gate_up.shape[2], gate_up.shape[1] // 2)
+            and gate_up.is_contiguous() and down.is_contiguous() and out.stride(1) == 1)
+
+
+def widths_fit(hidden_size: int, width: int) -> bool:
+    """Whether experts of model width H and intermediate width I are whole items of both GEMMs."""
+    return width > 0 and width % GEMM1_COLS == 0 and hidden_size % GEMM2_COLS == 0
+
+
+def _gl_dtype(dtype: torch.dtype):  # noqa: ANN202 (a Gluon dtype)
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+
+def _descriptors(rows: torch.Tensor, weight: torch.Tensor) -> tuple[object, object]:
+    """TMA descriptors of an item's activation boxes ([BLOCK_M / 2, BLOCK_K] of ``rows``) and of a weight box ([64,
+    BLOCK_K] of ``weight`` [E, N, K] seen as [E·N, K])."""
+    E, N, K = weight.shape
+    dtype = _gl_dtype(rows.dtype)
+    a_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, BLOCK_K], dtype)
+    w_layout = gl.NVMMASharedLayout.get_default_for([BOX, BLOCK_K], dtype)
+    return (TensorDescriptor.from_tensor(rows, [BLOCK_M // 2, BLOCK_K], a_layout),
+            TensorDescriptor.from_tensor(weight.view(E * N, K), [BOX, BLOCK_K], w_layout))
+
+
+def _programs(device: torch.device, num_items: int) -> int:
+    return max(1, min(num_items, torch.cuda.get_device_properties(device).multi_processor_count))
+
+
+def launch(gemm1: bool, rows: torch.Tensor, weight: torch.Tensor, plan: DispatchPlan, out: torch.Tensor,
+           swiglu_limit: Optional[float] = None) -> None:
+    """One persistent GEMM over the plan's items: GEMM1 + SwiGLU (``rows`` [R, H] in plan order, ``weight``
+    gate_up [E, 2I, H], ``out`` the intermediate [R, I]) or GEMM2 (``rows`` the intermediate, ``weight`` down
+    [E, H, I], ``out`` [R, H])."""
+    E, N, K = weight.shape
+    width = N // 2 if gemm1 else N
+    item_cols = GEMM1_COLS if gemm1 else GEMM2_COLS
+    col_blocks = width // item_cols
+    items = plan.tile_expert.numel() * col_blocks
+    if items == 0:
+        return
+    # GEMM1: boxes 2j and 2j + 1 are the gate and the up rows of the item's columns 64j ..; GEMM2: box b is the
+    # item's output columns 64b ..
+    pair_rows, box_rows = (BOX, width) if gemm1 else (2 * BOX, BOX)
+    a_desc, w_desc = _descriptors(rows, weight)
+    _persistent_kernel[(_programs(rows.device, items),)](
+        a_desc, w_desc, out, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
+        items, col_blocks, N, item_cols, pair_rows, box_rows, K, out.stride(0),
+        0.0 if swiglu_limit is None else float(swiglu_limit), GEMM1=gemm1, HAS_LIMIT=swiglu_limit is not None,
+        STAGES=STAGES, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
+
+
+def experts_persistent(
+    hidden: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    plan: DispatchPlan,
+    out: torch.Tensor,
+    swiglu_limit: Optional[float] = None,
+) -> None:
+    """Gather GEMM1's rows, then GEMM1 + SwiGLU and GEMM2 with the persistent kernels, into ``out`` [rows, H].
+    Call only where :func:`eligible` holds."""
+    if plan.tile_expert.numel() == 0:
+        return
+    rows = gather_rows(hidden, plan)
+    inter = torch.empty(plan.num_rows, down.shape[2], dtype=hidden.dtype, device=hidden.device)
+    launch(True, rows, gate_up, plan, inter, swiglu_limit)
+    launch(False, inter, down, plan, out)

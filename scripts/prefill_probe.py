@@ -122,6 +122,11 @@ def time_all(device: torch.device) -> list[dict]:
                "tl_gemm2": timing.time_or_none([lambda: gemm2(inter, w2, plan, out, tiles.gemm2)]),
                "p_gemm1": timing.time_or_none([lambda: persistent.launch(True, gathered, w1, plan, inter)]),
                "p_gemm2": timing.time_or_none([lambda: persistent.launch(False, inter, w2, plan, out)]),
+               # issue 39's open experiment: the tl kernels' item order, persistent and one item a program
+               "p_by_expert": timing.time_or_none([lambda: persistent.experts_persistent(
+                   x, w1, w2, plan, out, by_expert=True)]),
+               "p_by_expert_grid": timing.time_or_none([lambda: persistent.experts_persistent(
+                   x, w1, w2, plan, out, by_expert=True, programs=1 << 30)]),
                "floor_us": int(torch.unique(ids).numel()) * 3 * H * I * 2 / 4.29e12 * 1e6}
         if routing == "balanced":
             row["cublas_bmm"] = dense_us(M, device)
@@ -141,7 +146,7 @@ def routed_ids(M: int, routing: str, device: torch.device, gen: torch.Generator)
     return _routing(M, E, K, device, gen, {"uniform": 0.0, "zipf-0.6": 0.6, "zipf-1.0": 1.0}[routing])[1]
 
 
-def ncu_launch(kernel: str, routing: str, device: torch.device) -> None:
+def ncu_launch(kernel: str, routing: str, device: torch.device, by_expert: bool = False) -> None:
     """Three GEMM1 launches at 4,096 tokens (ncu skips the first two: compile and warm-up)."""
     w1, w2 = weights(E, H, I, device)
     gen = torch.Generator(device).manual_seed(1)
@@ -154,7 +159,7 @@ def ncu_launch(kernel: str, routing: str, device: torch.device) -> None:
         if kernel == "tl":
             gemm1_swiglu(x, w1, plan, inter, tiles.gemm1)
         else:
-            persistent.launch(True, rows, w1, plan, inter)
+            persistent.launch(True, rows, w1, plan, inter, by_expert=by_expert)
     torch.cuda.synchronize()
 
 
@@ -164,11 +169,12 @@ def main() -> int:
     parser.add_argument("--time", action="store_true")
     parser.add_argument("--ncu-kernel", choices=["tl", "persistent"])
     parser.add_argument("--routing", default="balanced", choices=["balanced", "uniform", "zipf-0.6", "zipf-1.0"])
+    parser.add_argument("--by-expert", action="store_true", help="--ncu-kernel persistent: items in tl's order")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device("cuda")
     if args.ncu_kernel:
-        ncu_launch(args.ncu_kernel, args.routing, device)
+        ncu_launch(args.ncu_kernel, args.routing, device, args.by_expert)
         return 0
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if args.check:

@@ -4,7 +4,7 @@ Shapes are chosen to hit the edges: widths that are not multiples of any tile, -
 strided hidden state, 128-row tiles with short tails, the shared expert as a slot, and the layer's own graphs;
 then the quantized experts (SPEC §5, §6): fp8 block-scale, MXFP4 on the Triton kernels (widths not multiples of 128) and
 on the warp-specialized Gluon kernels at every tile height they launch (sm_90; W4A8 on 128-row tiles), and the fp8
-and MXFP4 layers with their fp8 shared experts.
+and MXFP4 layers with their fp8 shared experts; then the persistent prefill GEMMs (sm_90).
 
     compute-sanitizer --tool memcheck python scripts/sanitize.py
 """
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moefuse import MoEConfig, MoELayer  # noqa: E402
 from moefuse.dispatch import moe_dispatch  # noqa: E402
-from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts  # noqa: E402
+from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts, persistent  # noqa: E402
 from moefuse.experts.mxfp4 import ws as mxfp4_ws  # noqa: E402
 from moefuse.finalize import moe_finalize_fuse_shared  # noqa: E402
 from moefuse.formats import MXFP4, BlockFP8, ExpertWeight, tile_dtype  # noqa: E402
@@ -60,8 +60,27 @@ def main() -> None:
             layer(h)
             layer.shared_slot_max_tokens = None
     quantized()
+    persistent_gemms()
     torch.cuda.synchronize()
     print("sanitize: every stage ran")
+
+
+def persistent_gemms() -> None:
+    """The persistent prefill GEMMs (``experts/persistent.py``, sm_90 only): ragged and empty experts, partial
+    tiles of every height, an I that is not a power of two, a strided hidden state, each item order and grid."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        return
+    dev, bf16 = "cuda", torch.bfloat16
+    E, H, I, K = 10, 512, 384, 3
+    x = torch.randn(300, 2 * H, device=dev, dtype=bf16)[:, ::2]
+    w1 = torch.randn(E, 2 * I, H, device=dev, dtype=bf16) * 0.05
+    w2 = torch.randn(E, H, I, device=dev, dtype=bf16) * 0.05
+    ids = _ids(300, E, K)
+    ids[:200, 0] = 2  # one expert of two tiles and a remainder
+    plan = moe_dispatch(ids, E, persistent.BLOCK_M)
+    out = torch.empty(plan.num_rows, H, device=dev, dtype=bf16)
+    for by_expert, programs in ((False, None), (True, None), (True, 1 << 30)):
+        persistent.experts_persistent(x, w1, w2, plan, out, 7.0, by_expert=by_expert, programs=programs)
 
 
 def _ids(tokens: int, E: int, K: int) -> torch.Tensor:

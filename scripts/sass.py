@@ -330,13 +330,13 @@ def compile_mxfp4_w4a8_gemm(gemm: int, block_m: int, has_limit: bool):
     return compile_gluon(fn, types, constexprs, shape.maxnreg)
 
 
-def compile_persistent_gemm(gemm: int, has_limit: bool, dtype: str = "bf16"):
+def compile_persistent_gemm(gemm: int, has_limit: bool, dtype: str = "bf16", by_expert: bool = False):
     """The persistent warp-specialized GEMM1 or GEMM2 (``experts/persistent.py``, Gluon) as ``experts_persistent``
     launches it on sm_90: a producer warp, two 64-row consumers, 64-deep steps, ``STAGES`` slots."""
     from triton.experimental.gluon import language as gl
 
     p = experts_persistent
-    constexprs = {"GEMM1": gemm == 1, "HAS_LIMIT": has_limit, "STAGES": p.STAGES,
+    constexprs = {"GEMM1": gemm == 1, "HAS_LIMIT": has_limit, "STAGES": p.STAGES, "BY_EXPERT": by_expert,
                   "PRODUCER_REGS": p.PRODUCER_REGS, "CONSUMER_REGS": p.CONSUMER_REGS}
     gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
     a_box, w_box = [p.BLOCK_M // 2, p.BLOCK_K], [p.BOX, p.BLOCK_K]
@@ -450,18 +450,22 @@ def persistent(args: argparse.Namespace) -> list[str]:
     """The persistent prefill GEMMs (``experts/persistent.py``): one launch shape for every model (widths are
     run-time arguments), bf16 and fp16, with and without the SwiGLU clamp."""
     problems = []
-    print(f"{'dtype':5s} {'GEMM':4s} {'clamp':>5s} {'smem':>6s} {'regs':>4s} {'stack':>5s} {'HGMMA':>5s}")
+    print(f"{'dtype':5s} {'order':9s} {'GEMM':4s} {'clamp':>5s} {'smem':>6s} {'regs':>4s} {'stack':>5s} "
+          f"{'HGMMA':>5s}")
     for dtype in ("bf16", "fp16"):
-        for gemm, has_limit in ((1, False), (1, True), (2, False)):
-            where = f"persistent {dtype} GEMM{gemm}, clamp {has_limit}"
-            result = compiled_stats(where, problems, lambda: compile_persistent_gemm(gemm, has_limit, dtype))
-            if result is None:
-                continue
-            _, s, smem = result
-            print(f"{dtype:5s} {gemm:4d} {str(has_limit):>5s} {smem:6d} {s['regs']:4d} {s['stack']:5d} "
-                  f"{s['hgmma']:5d}", flush=True)
-            if s["stack"] or not s["hgmma"]:
-                problems.append(f"{where}: {s['stack']} bytes of stack, {s['hgmma']} wgmma")
+        for by_expert in (False, True):
+            order = "by expert" if by_expert else "tiles"
+            for gemm, has_limit in ((1, False), (1, True), (2, False)):
+                where = f"persistent {dtype} GEMM{gemm}, items {order}, clamp {has_limit}"
+                result = compiled_stats(where, problems,
+                                        lambda: compile_persistent_gemm(gemm, has_limit, dtype, by_expert))
+                if result is None:
+                    continue
+                _, s, smem = result
+                print(f"{dtype:5s} {order:9s} {gemm:4d} {str(has_limit):>5s} {smem:6d} {s['regs']:4d} "
+                      f"{s['stack']:5d} {s['hgmma']:5d}", flush=True)
+                if s["stack"] or not s["hgmma"]:
+                    problems.append(f"{where}: {s['stack']} bytes of stack, {s['hgmma']} wgmma")
     return problems
 
 

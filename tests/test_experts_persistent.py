@@ -91,3 +91,19 @@ def test_op_runs_them_when_asked(gen, monkeypatch):
     got = moe_experts(x, w1, w2, plan)
     n = int(plan.expert_offsets[-1])
     assert calls and torch.equal(got[:n], expected[:n])
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] != "uniform"], ids=lambda c: f"E{c[0]}-M{c[4]}-{c[5]}")
+def test_item_orders_and_grids_give_the_same_bits(case, gen):
+    """The experiment switches of ``persistent.launch`` (items by expert; one item a program) change which program
+    computes an item, never what it computes."""
+    E, H, I, K, M, routing, limit = case
+    x, w1, w2, ids = _inputs(E, H, I, K, M, routing, torch.bfloat16, gen)
+    plan = moe_dispatch(ids, E, persistent.BLOCK_M)
+    n = int(plan.expert_offsets[-1])
+    outs = []
+    for by_expert, programs in ((False, None), (True, None), (True, 1 << 30), (False, 3)):
+        out = torch.full((plan.num_rows, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        persistent.experts_persistent(x, w1, w2, plan, out, limit, by_expert=by_expert, programs=programs)
+        outs.append(out[:n])
+    assert all(torch.equal(outs[0], other) for other in outs[1:])

@@ -59,26 +59,41 @@ if gluon is not None:
     _HALF: gl.constexpr = gl.constexpr(BLOCK_M // 2)  # a consumer's rows: one wgmma M
 
     @gluon.jit
-    def _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr):
-        """Work item ``item``: tile ``item // col_blocks`` of the plan, column block ``item % col_blocks``; its
-        expert (-1: an unused tile), its first row and its expert's end."""
+    def _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, BY_EXPERT: gl.constexpr):
+        """Work item ``item``: its expert (-1: an unused tile), column block, first row and its expert's end.
+
+        Tile-major (``BY_EXPERT`` False): tile ``item // col_blocks``, column block ``item % col_blocks``. By expert:
+        the ``tl`` kernels' order (``common._tile_and_col`` with GROUP_M 0): the items of one expert's tiles for one
+        column block are adjacent, so the programs that take them in one round read its weight boxes at about the
+        same time (one DRAM read, the rest from L2)."""
         tile = item // col_blocks
+        block = item % col_blocks
+        if BY_EXPERT:
+            probe = item // col_blocks
+            expert = gl.load(tile_expert_ptr + probe)
+            if expert >= 0:
+                expert_start = gl.load(expert_offsets_ptr + expert)
+                first_tile = probe - (gl.load(tile_row_start_ptr + probe) - expert_start) // (2 * _HALF)
+                group_size = gl.cdiv(gl.load(expert_offsets_ptr + expert + 1) - expert_start, 2 * _HALF)
+                local = item - first_tile * col_blocks
+                tile = first_tile + local % group_size
+                block = local // group_size
         expert = gl.load(tile_expert_ptr + tile)
         row_start = gl.load(tile_row_start_ptr + tile)
         row_end = gl.load(expert_offsets_ptr + gl.maximum(expert, 0) + 1)
-        return expert, item % col_blocks, row_start, row_end
+        return expert, block, row_start, row_end
 
     @gluon.jit
     def _produce(a_desc, w_desc, a_smem, w_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
                  expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, pair_rows, box_rows,
-                 k_steps, STAGES: gl.constexpr):
+                 k_steps, STAGES: gl.constexpr, BY_EXPERT: gl.constexpr):
         """The producer warp: for every step of every item of this program, the two 64-row activation boxes and
         the four weight boxes (box b at rows ``item_cols * block + (b // 2) * pair_rows + (b % 2) * box_rows`` of
         the expert's) into slot ``i % STAGES``."""
         i = 0
         for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
             expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
-                                                      expert_offsets_ptr)
+                                                      expert_offsets_ptr, BY_EXPERT)
             if expert >= 0:
                 w_row = expert * rows_per_expert + block * item_cols
                 for k in range(k_steps):
@@ -111,7 +126,7 @@ if gluon is not None:
     @gluon.jit
     def _consume(a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                  num_items, col_blocks, item_cols, k_steps, stride_om, limit, C: gl.constexpr,
-                 GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr):
+                 GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr, BY_EXPERT: gl.constexpr):
         """Consumer ``C``: rows ``64 C ..`` of every item against its four weight boxes, [64, 64] fp32 accumulators
         each. A consumer whose rows all lie past the expert's end (a tile's remainder of at most 64 rows) issues
         no wgmma for the item: it only frees the slots. GEMM1 stores SwiGLU(box 0, box 1) and SwiGLU(box 2, box 3)
@@ -121,7 +136,7 @@ if gluon is not None:
         i = 0
         for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
             expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
-                                                      expert_offsets_ptr)
+                                                      expert_offsets_ptr, BY_EXPERT)
             row0 = row_start + C * _HALF
             if expert >= 0:
                 if row0 < row_end:
@@ -164,22 +179,24 @@ if gluon is not None:
     @gluon.jit
     def _consume0(a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                   num_items, col_blocks, item_cols, k_steps, stride_om, limit, GEMM1: gl.constexpr,
-                  HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr):
+                  HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr, BY_EXPERT: gl.constexpr):
         _consume(a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-                 num_items, col_blocks, item_cols, k_steps, stride_om, limit, 0, GEMM1, HAS_LIMIT, STAGES)
+                 num_items, col_blocks, item_cols, k_steps, stride_om, limit, 0, GEMM1, HAS_LIMIT, STAGES,
+                 BY_EXPERT)
 
     @gluon.jit
     def _consume1(a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                   num_items, col_blocks, item_cols, k_steps, stride_om, limit, GEMM1: gl.constexpr,
-                  HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr):
+                  HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr, BY_EXPERT: gl.constexpr):
         _consume(a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-                 num_items, col_blocks, item_cols, k_steps, stride_om, limit, 1, GEMM1, HAS_LIMIT, STAGES)
+                 num_items, col_blocks, item_cols, k_steps, stride_om, limit, 1, GEMM1, HAS_LIMIT, STAGES,
+                 BY_EXPERT)
 
     @gluon.jit
     def _persistent_kernel(a_desc, w_desc, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                            num_items, col_blocks, rows_per_expert, item_cols, pair_rows, box_rows, K,
                            stride_om, limit, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr,
-                           PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                           BY_EXPERT: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """GEMM1 + SwiGLU (``GEMM1``: out = intermediate [rows, I], W = gate_up [E·2I, H]) or GEMM2 (out [rows, H],
         W = down [E·H, I]) over the plan's items, this program's share of them."""
         a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, _HALF, _BK], a_desc.layout)
@@ -193,13 +210,13 @@ if gluon is not None:
         gl.warp_specialize([
             (_consume0, (a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr,
                          expert_offsets_ptr, num_items, col_blocks, item_cols, k_steps, stride_om, limit, GEMM1,
-                         HAS_LIMIT, STAGES)),
+                         HAS_LIMIT, STAGES, BY_EXPERT)),
             (_produce, (a_desc, w_desc, a_smem, w_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
                         expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, pair_rows,
-                        box_rows, k_steps, STAGES)),
+                        box_rows, k_steps, STAGES, BY_EXPERT)),
             (_consume1, (a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr,
                          expert_offsets_ptr, num_items, col_blocks, item_cols, k_steps, stride_om, limit, GEMM1,
-                         HAS_LIMIT, STAGES)),
+                         HAS_LIMIT, STAGES, BY_EXPERT)),
         ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -265,10 +282,14 @@ def _programs(device: torch.device, num_items: int) -> int:
 
 
 def launch(gemm1: bool, rows: torch.Tensor, weight: torch.Tensor, plan: DispatchPlan, out: torch.Tensor,
-           swiglu_limit: Optional[float] = None) -> None:
+           swiglu_limit: Optional[float] = None, *, by_expert: bool = False, programs: Optional[int] = None
+           ) -> None:
     """One persistent GEMM over the plan's items: GEMM1 + SwiGLU (``rows`` [R, H] in plan order, ``weight``
     gate_up [E, 2I, H], ``out`` the intermediate [R, I]) or GEMM2 (``rows`` the intermediate, ``weight`` down
-    [E, H, I], ``out`` [R, H])."""
+    [E, H, I], ``out`` [R, H]). ``by_expert``: the items in the ``tl`` kernels' order (``_item``); ``programs``:
+    the grid (default one program per SM; the item count gives one item a program, the non-persistent launch).
+    Both are issue 39's open experiment (docs/PERF-NOTES.md, twenty-second session); the defaults are what was
+    measured."""
     E, N, K = weight.shape
     width = N // 2 if gemm1 else N
     item_cols = GEMM1_COLS if gemm1 else GEMM2_COLS
@@ -280,11 +301,13 @@ def launch(gemm1: bool, rows: torch.Tensor, weight: torch.Tensor, plan: Dispatch
     # item's output columns 64b ..
     pair_rows, box_rows = (BOX, width) if gemm1 else (2 * BOX, BOX)
     a_desc, w_desc = _descriptors(rows, weight)
-    _persistent_kernel[(_programs(rows.device, items),)](
+    grid = _programs(rows.device, items) if programs is None else max(1, min(programs, items))
+    _persistent_kernel[(grid,)](
         a_desc, w_desc, out, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
         items, col_blocks, N, item_cols, pair_rows, box_rows, K, out.stride(0),
         0.0 if swiglu_limit is None else float(swiglu_limit), GEMM1=gemm1, HAS_LIMIT=swiglu_limit is not None,
-        STAGES=STAGES, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
+        STAGES=STAGES, BY_EXPERT=by_expert, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
+        maxnreg=MAXNREG)
 
 
 def experts_persistent(
@@ -294,12 +317,15 @@ def experts_persistent(
     plan: DispatchPlan,
     out: torch.Tensor,
     swiglu_limit: Optional[float] = None,
+    *,
+    by_expert: bool = False,
+    programs: Optional[int] = None,
 ) -> None:
     """Gather GEMM1's rows, then GEMM1 + SwiGLU and GEMM2 with the persistent kernels, into ``out`` [rows, H].
-    Call only where :func:`eligible` holds."""
+    Call only where :func:`eligible` holds. ``by_expert``, ``programs``: as :func:`launch` takes them."""
     if plan.tile_expert.numel() == 0:
         return
     rows = gather_rows(hidden, plan)
     inter = torch.empty(plan.num_rows, down.shape[2], dtype=hidden.dtype, device=hidden.device)
-    launch(True, rows, gate_up, plan, inter, swiglu_limit)
-    launch(False, inter, down, plan, out)
+    launch(True, rows, gate_up, plan, inter, swiglu_limit, by_expert=by_expert, programs=programs)
+    launch(False, inter, down, plan, out, by_expert=by_expert, programs=programs)

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moefuse.bench import timing  # noqa: E402
-from moefuse.bench.experts import _routing  # noqa: E402
+from moefuse.bench.experts import _cublas_dense_equivalent, _routing  # noqa: E402
 from moefuse.dispatch import moe_dispatch  # noqa: E402
 from moefuse.experts import configs, moe_experts, persistent  # noqa: E402
 from moefuse.experts.bf16 import gemm1_swiglu, gemm2  # noqa: E402
@@ -86,16 +86,6 @@ def check(device: torch.device) -> list[dict]:
     return rows
 
 
-def dense_us(M: int, device: torch.device) -> float | None:
-    t = M * K // E
-    a = torch.randn(E, t, H, device=device, dtype=torch.bfloat16)
-    w1 = torch.randn(E, H, 2 * I, device=device, dtype=torch.bfloat16)
-    h = torch.randn(E, t, I, device=device, dtype=torch.bfloat16)
-    w2 = torch.randn(E, I, H, device=device, dtype=torch.bfloat16)
-    up, out = torch.empty(E, t, 2 * I, device=device, dtype=torch.bfloat16), torch.empty_like(a)
-    return timing.time_or_none([lambda: (torch.bmm(a, w1, out=up), torch.bmm(h, w2, out=out))])
-
-
 def time_all(device: torch.device) -> list[dict]:
     w1, w2 = weights(E, H, I, device)
     gen = torch.Generator(device).manual_seed(1)
@@ -129,7 +119,7 @@ def time_all(device: torch.device) -> list[dict]:
                    x, w1, w2, plan, out, by_expert=True, programs=1 << 30)]),
                "floor_us": int(torch.unique(ids).numel()) * 3 * H * I * 2 / 4.29e12 * 1e6}
         if routing == "balanced":
-            row["cublas_bmm"] = dense_us(M, device)
+            row["cublas_bmm"] = _cublas_dense_equivalent(M, E, H, I, K, device)
         best_tl = min(v for v in (row["tl_128"], row["tl_table"]) if v)
         row["persistent_vs_tl"] = row["persistent"] / best_tl if row["persistent"] else None
         if row.get("cublas_bmm"):

@@ -15,7 +15,7 @@ import moefuse.experts.mxfp4.w4a8 as mxfp4_w4a8
 import moefuse.experts.mxfp4.ws as mxfp4_ws
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts, moe_experts_torch
-from moefuse.experts.common import weight_descriptor
+from moefuse.experts.common import gather_rows, weight_descriptor
 from moefuse.experts.fp8 import quantize_rows_into
 from moefuse.experts.reference import moe_experts_w4a8_torch, w4a8_weight
 from moefuse.formats import MXFP4, MXFP4_EXPONENTS, BlockFP8, quantize_rows
@@ -407,15 +407,18 @@ def test_activations_outside_fp16_range(scale, gen, device):
 
 # --- the warp-specialized decode kernels (Gluon, sm_90 only) ---------------------------------------------------
 
-def test_gather_paired(gen, device):
-    """GEMM1's activation rows for the Gluon kernels: the plan's rows of hidden with each group of 32 columns in the
-    MMA's K order (``mxfp4.kernels._paired``), zeros for the rows past the valid ones (-1 slots)."""
+@pytest.mark.parametrize("paired", [False, True], ids=["plain", "paired"])
+def test_gather_rows(paired, gen, device):
+    """The Gluon GEMMs' activation rows (``common.gather_rows``): the plan's rows of hidden, zeros for the rows past
+    the valid ones (-1 slots); ``paired`` (the MXFP4 kernels) with each group of 32 columns in the MMA's K order
+    (``mxfp4.kernels._paired``), plain for the persistent 16-bit GEMMs."""
     x, _, _, ids = _inputs(gen, 9, 3, 4, 96, 32, invalid=0.3, device=device)
     plan = moe_dispatch(ids, 4, 16, backend="triton")
-    got = mxfp4_ws.gather_paired(x.t().contiguous().t(), plan)  # column-major hidden: strides are honoured
+    got = gather_rows(x.t().contiguous().t(), plan, paired)  # column-major hidden: strides are honoured
     expanded = plan.permuted_to_expanded.long()
-    natural = torch.where((expanded >= 0)[:, None], x[expanded.clamp(min=0) // 3], 0.0)
-    want = natural.view(-1, 3, 4, 2, 4).permute(0, 1, 4, 2, 3).reshape(-1, 96)
+    want = torch.where((expanded >= 0)[:, None], x[expanded.clamp(min=0) // 3], 0.0)
+    if paired:
+        want = want.view(-1, 3, 4, 2, 4).permute(0, 1, 4, 2, 3).reshape(-1, 96)
     assert int(plan.expert_offsets[-1]) < plan.num_rows and torch.equal(got, want)
 
 

@@ -24,6 +24,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import _runtime
+from ..dispatch import DispatchPlan
 
 
 @triton.jit
@@ -145,3 +146,35 @@ def rows_descriptor(rows: torch.Tensor, block_m: int, block_k: int) -> Optional[
     """A TMA descriptor of a [R, C] tensor of a tile's contiguous rows (plan order) with [block_m, block_k] boxes,
     or None where :func:`weight_descriptor` would give none."""
     return weight_descriptor(rows[None], block_m, block_k)
+
+
+@triton.jit
+def _gather_kernel(hidden_ptr, p2e_ptr, out_ptr, H, top_k, stride_hm, stride_hk, stride_om, PAIRED: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """out[r, p] = hidden[token(r), n(p)]: the plan's rows (token = permuted_to_expanded // top_k; zeros for the
+    rows past the valid ones, whose entry is -1). n(p) = p, or with ``PAIRED`` column 8t + 4b + j of each group of
+    32 at position 8j + 2t + b (the MXFP4 MMA's K order, ``mxfp4.kernels._paired``). One program per row and BLOCK
+    columns."""
+    row = tl.program_id(0)
+    p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    n = p
+    if PAIRED:
+        n = (p & ~31) | (((p >> 1) & 3) << 3) | ((p & 1) << 2) | ((p >> 3) & 3)
+    expanded = tl.load(p2e_ptr + row)
+    token = (tl.maximum(expanded, 0) // top_k).to(tl.int64)
+    x = tl.load(hidden_ptr + token * stride_hm + n * stride_hk, mask=p < tl.where(expanded >= 0, H, 0), other=0.0)
+    tl.store(out_ptr + row.to(tl.int64) * stride_om + p, x, mask=p < H)
+
+
+def gather_rows(hidden: torch.Tensor, plan: DispatchPlan, paired: bool = False) -> torch.Tensor:
+    """The plan's rows of ``hidden`` (any strides) in plan order, [plan.num_rows, H], zeros past the valid rows: the
+    activations of the Gluon GEMMs, which read contiguous rows through TMA. ``paired``: each group of 32 columns in
+    the MXFP4 MMA's K order."""
+    rows, width = plan.num_rows, hidden.shape[1]
+    out = torch.empty(rows, width, dtype=hidden.dtype, device=hidden.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(width))
+        _gather_kernel[(rows, triton.cdiv(width, block))](
+            hidden, plan.permuted_to_expanded, out, width, plan.top_k, hidden.stride(0), hidden.stride(1),
+            out.stride(0), PAIRED=paired, BLOCK=block)
+    return out

@@ -27,11 +27,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
 
 from .. import _runtime
 from ..dispatch import DispatchPlan
+from .common import gather_rows
 
 try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
@@ -177,22 +176,6 @@ if gluon is not None:
                         i += 1
 
     @gluon.jit
-    def _consume0(a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-                  num_items, col_blocks, item_cols, k_steps, stride_om, limit, GEMM1: gl.constexpr,
-                  HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr, BY_EXPERT: gl.constexpr):
-        _consume(a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-                 num_items, col_blocks, item_cols, k_steps, stride_om, limit, 0, GEMM1, HAS_LIMIT, STAGES,
-                 BY_EXPERT)
-
-    @gluon.jit
-    def _consume1(a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-                  num_items, col_blocks, item_cols, k_steps, stride_om, limit, GEMM1: gl.constexpr,
-                  HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr, BY_EXPERT: gl.constexpr):
-        _consume(a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-                 num_items, col_blocks, item_cols, k_steps, stride_om, limit, 1, GEMM1, HAS_LIMIT, STAGES,
-                 BY_EXPERT)
-
-    @gluon.jit
     def _persistent_kernel(a_desc, w_desc, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                            num_items, col_blocks, rows_per_expert, item_cols, pair_rows, box_rows, K,
                            stride_om, limit, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr,
@@ -208,40 +191,16 @@ if gluon is not None:
             mbarrier.init(empty.index(s), count=2)
         k_steps = gl.cdiv(K, _BK)
         gl.warp_specialize([
-            (_consume0, (a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr,
-                         expert_offsets_ptr, num_items, col_blocks, item_cols, k_steps, stride_om, limit, GEMM1,
-                         HAS_LIMIT, STAGES, BY_EXPERT)),
+            (_consume, (a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr,
+                        expert_offsets_ptr, num_items, col_blocks, item_cols, k_steps, stride_om, limit, 0, GEMM1,
+                        HAS_LIMIT, STAGES, BY_EXPERT)),
             (_produce, (a_desc, w_desc, a_smem, w_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
                         expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, pair_rows,
                         box_rows, k_steps, STAGES, BY_EXPERT)),
-            (_consume1, (a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr,
-                         expert_offsets_ptr, num_items, col_blocks, item_cols, k_steps, stride_om, limit, GEMM1,
-                         HAS_LIMIT, STAGES, BY_EXPERT)),
+            (_consume, (a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr,
+                        expert_offsets_ptr, num_items, col_blocks, item_cols, k_steps, stride_om, limit, 1, GEMM1,
+                        HAS_LIMIT, STAGES, BY_EXPERT)),
         ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
-
-
-@triton.jit
-def _gather_kernel(hidden_ptr, p2e_ptr, out_ptr, H, top_k, stride_hm, stride_hk, stride_om, BLOCK: tl.constexpr):
-    """out[r, :] = hidden[permuted_to_expanded[r] // top_k, :]; zeros for the rows past the valid ones (-1)."""
-    row = tl.program_id(0)
-    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    expanded = tl.load(p2e_ptr + row)
-    token = (tl.maximum(expanded, 0) // top_k).to(tl.int64)
-    x = tl.load(hidden_ptr + token * stride_hm + col * stride_hk, mask=col < tl.where(expanded >= 0, H, 0),
-                other=0.0)
-    tl.store(out_ptr + row.to(tl.int64) * stride_om + col, x, mask=col < H)
-
-
-def gather_rows(hidden: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-    """The plan's rows of ``hidden`` in plan order: [plan.num_rows, H] (GEMM1's activations for TMA)."""
-    rows, width = plan.num_rows, hidden.shape[1]
-    out = torch.empty(rows, width, dtype=hidden.dtype, device=hidden.device)
-    if rows:
-        block = min(1024, triton.next_power_of_2(width))
-        _gather_kernel[(rows, triton.cdiv(width, block))](
-            hidden, plan.permuted_to_expanded, out, width, plan.top_k, hidden.stride(0), hidden.stride(1),
-            out.stride(0), BLOCK=block)
-    return out
 
 
 def eligible(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, plan: DispatchPlan,

@@ -19,7 +19,7 @@ an SM (``LAUNCH``). DeepSeek-V4-Flash experts on one H200 (µs, CUDA-graph repla
 session).
 
 The tiles' activations come through TMA, so they must be contiguous rows in the MMA's K order: GEMM1's are
-gathered first (``_gather_paired``: the plan's rows of ``hidden``, columns permuted within each group of 32 as
+gathered first (``common.gather_rows``: the plan's rows of ``hidden``, columns permuted within each group of 32 as
 ``kernels._paired`` does in registers), and GEMM1 writes the intermediate in that order for GEMM2 to read as it is.
 SwiGLU pairs a gate row with the up row of the same column, which the other consumer holds: the up consumer hands
 its accumulator over through shared memory and an mbarrier, and the gate consumer finishes the tile.
@@ -30,12 +30,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
 
 from ... import _runtime
 from ...dispatch import DispatchPlan
 from ...formats import MXFP4
+from ..common import gather_rows
 from .kernels import _unpack_asm
 
 try:  # Gluon ships with Triton >= 3.5; without it (or off Hopper) the Triton kernels run
@@ -252,33 +251,6 @@ if gluon is not None:
             ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
-@triton.jit
-def _gather_paired(hidden_ptr, p2e_ptr, out_ptr, H, top_k, stride_hm, stride_hk, stride_om, BLOCK: tl.constexpr):
-    """out[r, p] = hidden[token(r), n(p)]: the plan's rows (token = permuted_to_expanded // top_k; zeros for the
-    rows past the valid ones, whose entry is -1), column 8t + 4b + j of each group of 32 at position 8j + 2t + b.
-    One program per row and BLOCK columns."""
-    row = tl.program_id(0)
-    p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    n = (p & ~31) | (((p >> 1) & 3) << 3) | ((p & 1) << 2) | ((p >> 3) & 3)
-    expanded = tl.load(p2e_ptr + row)
-    token = (tl.maximum(expanded, 0) // top_k).to(tl.int64)
-    x = tl.load(hidden_ptr + token * stride_hm + n * stride_hk, mask=p < tl.where(expanded >= 0, H, 0), other=0.0)
-    tl.store(out_ptr + row.to(tl.int64) * stride_om + p, x, mask=p < H)
-
-
-def gather_paired(hidden: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-    """GEMM1's activations for :func:`experts_mxfp4_ws`: [plan.num_rows, H], rows in the plan's order, columns in
-    the MMA's K order (``kernels._paired``)."""
-    rows, width = plan.num_rows, hidden.shape[1]
-    out = torch.empty(rows, width, dtype=hidden.dtype, device=hidden.device)
-    if rows:
-        block = min(1024, triton.next_power_of_2(width))
-        _gather_paired[(rows, triton.cdiv(width, block))](
-            hidden, plan.permuted_to_expanded, out, width, plan.top_k, hidden.stride(0), hidden.stride(1),
-            out.stride(0), BLOCK=block)
-    return out
-
-
 def ws_eligible(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: DispatchPlan) -> bool:
     """Whether :func:`experts_mxfp4_ws` runs these experts: tiles of a height in ``LAUNCH`` on an sm_90 GPU (not the
     interpreter), H and I multiples of 128 (whole steps and column blocks: no masks), and weights whose bytes are
@@ -328,7 +300,7 @@ def experts_mxfp4_ws(
     width, hidden_size = down.shape[2], hidden.shape[1]
     if num_tiles == 0:
         return
-    rows = gather_paired(hidden, plan)
+    rows = gather_rows(hidden, plan, paired=True)
     inter = torch.empty(plan.num_rows, width, dtype=hidden.dtype, device=hidden.device)
     w1, w2 = gate_up.values.view(torch.int32), down.values.view(torch.int32)  # [E, N, K/8], eight codes a word
     s1, s2 = _exponent_words(gate_up.scales), _exponent_words(down.scales)

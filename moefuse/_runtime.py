@@ -88,9 +88,10 @@ def pdl_enabled(enable_pdl: bool | None, device: torch.device) -> bool:
 
 
 def persistent_enabled() -> bool:
-    """Whether 16-bit prefill runs the persistent warp-specialized GEMMs (``experts/persistent.py``) where they
-    apply: ``MOEFUSE_PERSISTENT=1``. Off by default: on one H200 they are 7-38% slower than the ``tl`` kernels on
-    DeepSeek-V3 shapes (docs/PERF-NOTES.md, twenty-second session)."""
+    """Whether prefill runs the persistent warp-specialized GEMMs (``experts/persistent.py``: 16-bit and fp8
+    block-scale weights) where they apply: ``MOEFUSE_PERSISTENT=1``. Off by default: on one H200 the 16-bit ones are
+    7-38% slower than the ``tl`` kernels on DeepSeek-V3 shapes, and the fp8 ones have not run on a GPU yet
+    (docs/PERF-NOTES.md, twenty-second session)."""
     return os.environ.get("MOEFUSE_PERSISTENT", "0") not in ("", "0")
 
 

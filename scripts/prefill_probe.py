@@ -1,14 +1,17 @@
 """Issue 39's probe: the persistent warp-specialized grouped GEMMs (``experts/persistent.py``) against the ``tl``
 kernels (``experts/bf16.py``, the plan's 128-row tiles and the table's) and cuBLAS on the same work, on one GPU.
 
-    python scripts/prefill_probe.py [--check] [--time] [--ncu-kernel tl|persistent] [--json FILE]
+    python scripts/prefill_probe.py [--check] [--time] [--fp8] [--ncu-kernel tl|persistent] [--json FILE]
 
 ``--check``: the persistent kernels against the ``tl`` kernels and the float64 reference on DeepSeek-V3 shapes and
 on narrow, ragged, clamped and empty-expert cases (max relative error per case). ``--time``: µs under CUDA-graph
 replay, GEMMs only (the gather included for the persistent path), DeepSeek-V3 experts at 2,048 / 4,096 / 8,192 tokens
 with exactly balanced routing (every expert M·K/E rows), random uniform routing and Zipf 0.6 / 1.0 at 4,096, beside
-cuBLAS ``bmm`` on the same work as dense batches. ``--ncu-kernel``: one GEMM1 launch of that kernel at 4,096
-tokens with ``--routing``, for Nsight Compute (``ncu --launch-skip 2 --launch-count 1``).
+cuBLAS ``bmm`` on the same work as dense batches; each with the items in tile order and by expert, persistent and one
+item a program (issue 39's open experiment). ``--fp8``: the same for fp8 block-scale weights (``tl`` against
+persistent), and the persistent kernels' error against SPEC §5's float64 emulation. ``--ncu-kernel``: one GEMM1
+launch of that kernel at 4,096 tokens with ``--routing``, for Nsight Compute (``ncu --launch-skip 2
+--launch-count 1``).
 """
 from __future__ import annotations
 
@@ -26,8 +29,9 @@ from moefuse.bench.experts import _cublas_dense_equivalent, _routing  # noqa: E4
 from moefuse.dispatch import moe_dispatch  # noqa: E402
 from moefuse.experts import configs, moe_experts, persistent  # noqa: E402
 from moefuse.experts.bf16 import gemm1_swiglu, gemm2  # noqa: E402
-from moefuse.experts.reference import moe_experts_torch  # noqa: E402
-from moefuse.testing import rel_error  # noqa: E402
+from moefuse.experts.reference import moe_experts_fp8_torch, moe_experts_torch  # noqa: E402
+from moefuse.formats import BlockFP8  # noqa: E402
+from moefuse.testing import rel_error, rms_rel_error  # noqa: E402
 
 E, H, I, K = 256, 7168, 2048, 8  # DeepSeek-V3
 
@@ -130,6 +134,39 @@ def time_all(device: torch.device) -> list[dict]:
     return rows
 
 
+def time_fp8(device: torch.device) -> list[dict]:
+    """fp8 block-scale (SPEC §5): the ``tl`` kernels (128-row plan) against the persistent ones, DeepSeek-V3, and
+    the persistent kernels' error against the float64 spec emulation on 256 tokens."""
+    w1, w2 = weights(E, H, I, device)
+    q1, q2 = BlockFP8.quantize(w1), BlockFP8.quantize(w2)
+    del w1, w2
+    gen = torch.Generator(device).manual_seed(2)
+    rows = []
+    for M, routing in [(4096, "balanced"), (4096, "uniform"), (8192, "uniform"), (4096, "zipf-1.0"),
+                       (1024, "uniform")]:
+        x = torch.randn(M, H, device=device, generator=gen).bfloat16()
+        plan = moe_dispatch(routed_ids(M, routing, device, gen), E, persistent.BLOCK_M)
+        out = torch.empty(plan.num_rows, H, dtype=torch.bfloat16, device=device)
+        row = {"M": M, "routing": routing,
+               "tl_fp8": timing.time_or_none([lambda: moe_experts(x, q1, q2, plan, out=out)]),
+               "p_fp8": timing.time_or_none([lambda: persistent.experts_persistent_fp8(x, q1, q2, plan, out)]),
+               "p_fp8_by_expert": timing.time_or_none([lambda: persistent.experts_persistent_fp8(
+                   x, q1, q2, plan, out, by_expert=True)]),
+               "read_floor_us": int(torch.unique(plan.tile_expert[plan.tile_expert >= 0]).numel()) * 3 * H * I
+               / 4.29e12 * 1e6}
+        if M == 1024:  # the error against the spec's float64 emulation, on 256 of these tokens
+            small = moe_dispatch(routed_ids(256, routing, device, gen), E, persistent.BLOCK_M)
+            n = int(small.expert_offsets[-1])
+            got = torch.empty(small.num_rows, H, dtype=torch.bfloat16, device=device)
+            persistent.experts_persistent_fp8(x[:256], q1, q2, small, got)
+            ref = moe_experts_fp8_torch(x[:256], q1, q2, small, dtype=torch.float64)
+            row["err_vs_spec_256"] = rel_error(got[:n], ref[:n])
+            row["rms_vs_spec_256"] = rms_rel_error(got[:n], ref[:n])
+        rows.append(row)
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    return rows
+
+
 def routed_ids(M: int, routing: str, device: torch.device, gen: torch.Generator) -> torch.Tensor:
     if routing == "balanced":
         return balanced_ids(M, E, K, device)
@@ -157,6 +194,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--time", action="store_true")
+    parser.add_argument("--fp8", action="store_true", help="time the fp8 block-scale kernels too")
     parser.add_argument("--ncu-kernel", choices=["tl", "persistent"])
     parser.add_argument("--routing", default="balanced", choices=["balanced", "uniform", "zipf-0.6", "zipf-1.0"])
     parser.add_argument("--by-expert", action="store_true", help="--ncu-kernel persistent: items in tl's order")
@@ -171,6 +209,8 @@ def main() -> int:
         result["check"] = check(device)
     if args.time:
         result["time"] = time_all(device)
+    if args.fp8:
+        result["fp8"] = time_fp8(device)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

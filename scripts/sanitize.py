@@ -66,7 +66,8 @@ def main() -> None:
 
 
 def persistent_gemms() -> None:
-    """The persistent prefill GEMMs (``experts/persistent.py``, sm_90 only): ragged and empty experts, partial
+    """The persistent prefill GEMMs (``experts/persistent.py``, sm_90 only; bf16 and fp8 block-scale): ragged and
+    empty experts, partial
     tiles of every height, an I that is not a power of two, a strided hidden state, each item order and grid."""
     if torch.cuda.get_device_capability() != (9, 0):
         return
@@ -79,8 +80,10 @@ def persistent_gemms() -> None:
     ids[:200, 0] = 2  # one expert of two tiles and a remainder
     plan = moe_dispatch(ids, E, persistent.BLOCK_M)
     out = torch.empty(plan.num_rows, H, device=dev, dtype=bf16)
+    q1, q2 = BlockFP8.quantize(w1), BlockFP8.quantize(w2)
     for by_expert, programs in ((False, None), (True, None), (True, 1 << 30)):
         persistent.experts_persistent(x, w1, w2, plan, out, 7.0, by_expert=by_expert, programs=programs)
+        persistent.experts_persistent_fp8(x, q1, q2, plan, out, 7.0, by_expert=by_expert, programs=programs)
 
 
 def _ids(tokens: int, E: int, K: int) -> torch.Tensor:

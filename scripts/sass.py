@@ -332,12 +332,23 @@ def compile_mxfp4_w4a8_gemm(gemm: int, block_m: int, has_limit: bool):
 
 def compile_persistent_gemm(gemm: int, has_limit: bool, dtype: str = "bf16", by_expert: bool = False):
     """The persistent warp-specialized GEMM1 or GEMM2 (``experts/persistent.py``, Gluon) as ``experts_persistent``
-    launches it on sm_90: a producer warp, two 64-row consumers, 64-deep steps, ``STAGES`` slots."""
+    (``dtype`` bf16 or fp16) or ``experts_persistent_fp8`` (``dtype`` fp8: e4m3 operands, bf16 output) launches it
+    on sm_90: a producer warp, two 64-row consumers, ``STAGES`` slots."""
     from triton.experimental.gluon import language as gl
 
     p = experts_persistent
     constexprs = {"GEMM1": gemm == 1, "HAS_LIMIT": has_limit, "STAGES": p.STAGES, "BY_EXPERT": by_expert,
                   "PRODUCER_REGS": p.PRODUCER_REGS, "CONSUMER_REGS": p.CONSUMER_REGS}
+    if dtype == "fp8":
+        box = [p.BLOCK_M // 2, p.FP8_BLOCK_K]
+        layout = gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)
+        desc = f"tensordesc<fp8e4nv[{box[0]}, {box[1]}],{layout!r}>"
+        types = {"a_desc": desc, "w_desc": desc, "as_ptr": "*fp32", "ws_ptr": "*fp32", "limit": "fp32",
+                 # GEMM1 writes the intermediate quantized (values, scales); GEMM2 passes its output twice
+                 "out_ptr": "*fp8e4nv" if gemm == 1 else "*bf16", "os_ptr": "*fp32" if gemm == 1 else "*bf16"}
+        constexprs = {**{k: v for k, v in constexprs.items() if not k.endswith("_REGS")},
+                      "FP8_CONSUMER_REGS": p.FP8_CONSUMER_REGS}
+        return compile_gluon(p._persistent_fp8_kernel, types, constexprs, p.MAXNREG)
     gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
     a_box, w_box = [p.BLOCK_M // 2, p.BLOCK_K], [p.BOX, p.BLOCK_K]
     a_layout = gl.NVMMASharedLayout.get_default_for(a_box, gl_dtype)
@@ -448,11 +459,11 @@ def mxfp4_ws(args: argparse.Namespace) -> list[str]:
 
 def persistent(args: argparse.Namespace) -> list[str]:
     """The persistent prefill GEMMs (``experts/persistent.py``): one launch shape for every model (widths are
-    run-time arguments), bf16 and fp16, with and without the SwiGLU clamp."""
+    run-time arguments), bf16, fp16 and fp8 block-scale, each item order, with and without the SwiGLU clamp."""
     problems = []
     print(f"{'dtype':5s} {'order':9s} {'GEMM':4s} {'clamp':>5s} {'smem':>6s} {'regs':>4s} {'stack':>5s} "
           f"{'HGMMA':>5s}")
-    for dtype in ("bf16", "fp16"):
+    for dtype in ("bf16", "fp16", "fp8"):
         for by_expert in (False, True):
             order = "by expert" if by_expert else "tiles"
             for gemm, has_limit in ((1, False), (1, True), (2, False)):
@@ -481,7 +492,7 @@ def main() -> int:
                            help="activation dtypes (fp16 compiles like bf16; the table serves both); fp8: "
                                 "block-scale e4m3 weights with bf16 activations")
     p_ws = sub.add_parser("mxfp4-ws", help="the warp-specialized MXFP4 GEMMs (Gluon), per tile height")
-    p_persistent = sub.add_parser("persistent", help="the persistent prefill GEMMs (Gluon), bf16 and fp16")
+    p_persistent = sub.add_parser("persistent", help="the persistent prefill GEMMs (Gluon), bf16, fp16 and fp8")
     for p in (p_router, p_experts, p_ws, p_persistent):
         p.add_argument("--check", action="store_true", help="exit 1 on a kernel that would fail on an H200")
     args = parser.parse_args()

@@ -1,8 +1,9 @@
-"""The persistent warp-specialized prefill GEMMs (``experts/persistent.py``, Gluon, sm_90 only): against the float64
-reference within bf16's and fp16's tolerances (``tests/tolerances.py``, tall tiles), and bit for bit against the
+"""The persistent warp-specialized prefill GEMMs (``experts/persistent.py``, Gluon, sm_90 only). 16-bit: against the
+float64 reference within bf16's and fp16's tolerances (``tests/tolerances.py``, tall tiles), and bit for bit against the
 ``tl`` kernels on the same plan: the spec does not require it, but both sum the same products in fp32 in the same
 64-deep K order on wgmma, and one H200 gave equal bits on every case here, so a difference is a finding. Ragged, skewed
-and empty experts, the clamp, NaN, odd expert counts, widths that are not powers of two. CI compiles these kernels
+and empty experts, the clamp, NaN, odd expert counts, widths that are not powers of two. fp8 block-scale: against
+the float64 emulation of SPEC §5 within fp8's tolerance. CI compiles these kernels
 for sm_90 (``tests/test_sm90.py``); they run here only on a Hopper GPU."""
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from tolerances import experts_tolerance
 from moefuse import _runtime
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import moe_experts, moe_experts_torch, persistent
+from moefuse.experts.reference import moe_experts_fp8_torch
+from moefuse.formats import BlockFP8
 from moefuse.testing import rel_error, rms_rel_error
 
 pytestmark = pytest.mark.skipif(
@@ -107,3 +110,37 @@ def test_item_orders_and_grids_give_the_same_bits(case, gen):
         persistent.experts_persistent(x, w1, w2, plan, out, limit, by_expert=by_expert, programs=programs)
         outs.append(out[:n])
     assert all(torch.equal(outs[0], other) for other in outs[1:])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}-H{c[1]}-I{c[2]}-K{c[3]}-M{c[4]}-{c[5]}-{c[6]}")
+def test_persistent_fp8_matches_the_spec(case, gen):
+    """fp8 block-scale (SPEC §5): against the float64 emulation of the spec within fp8's tall-tile tolerance
+    (wgmma's fp8 sums, as the ``tl`` kernels' 64- and 128-row tiles), and against the ``tl`` kernels within the
+    same (they may differ by the e4m3 roundings of the intermediate that those sums flip)."""
+    E, H, I, K, M, routing, limit = case
+    x, w1, w2, ids = _inputs(E, H, I, K, M, routing, torch.bfloat16, gen)
+    q1, q2 = BlockFP8.quantize(w1), BlockFP8.quantize(w2)
+    plan = moe_dispatch(ids, E, persistent.BLOCK_M)
+    n = int(plan.expert_offsets[-1])
+    out = torch.full((plan.num_rows, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert persistent.eligible_fp8(x, q1, q2, plan, out)
+    persistent.experts_persistent_fp8(x, q1, q2, plan, out, limit)
+    ref = moe_experts_fp8_torch(x, q1, q2, plan, swiglu_limit=limit, dtype=torch.float64)
+    max_tol, rms_tol = experts_tolerance("fp8", persistent.BLOCK_M)
+    assert rel_error(out[:n], ref[:n]) <= max_tol
+    assert rms_rel_error(out[:n], ref[:n]) <= rms_tol
+    assert out[n:].isnan().all(), "rows with no token must be left unwritten"
+    tl_out = moe_experts(x, q1, q2, plan, swiglu_limit=limit)
+    assert rel_error(out[:n], tl_out[:n]) <= max_tol
+
+
+def test_fp8_nan_stays_in_its_token(gen):
+    x, w1, w2, ids = _inputs(9, 256, 128, 2, 200, "uniform", torch.bfloat16, gen)
+    x[5, 17] = float("nan")
+    q1, q2 = BlockFP8.quantize(w1), BlockFP8.quantize(w2)
+    plan = moe_dispatch(ids, 9, persistent.BLOCK_M)
+    out = torch.empty(plan.num_rows, 256, dtype=torch.bfloat16, device="cuda")
+    persistent.experts_persistent_fp8(x, q1, q2, plan, out, 0.5)
+    rows = plan.expanded_to_permuted.view(200, 2)
+    others = torch.cat([rows[:5], rows[6:]]).flatten().long()
+    assert out[rows[5].long()].isnan().all() and not out[others].isnan().any()

@@ -340,6 +340,16 @@ def _format(cls: type[QuantizedWeight], name: str, launch: Callable[..., None],
     return _Format(name, impl)
 
 
+def _fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, plan: DispatchPlan, out: torch.Tensor,
+         gemm1_tiles: GemmTiles, gemm2_tiles: GemmTiles, swiglu_limit: Optional[float], *,
+         use_pdl: bool = False) -> None:
+    """W8A8: the ``tl`` kernels, or with ``MOEFUSE_PERSISTENT=1`` the persistent ones where they take the shapes."""
+    if _runtime.persistent_enabled() and persistent.eligible_fp8(hidden, gate_up, down, plan, out):
+        persistent.experts_persistent_fp8(hidden, gate_up, down, plan, out, swiglu_limit)
+    else:
+        experts_fp8(hidden, gate_up, down, plan, out, gemm1_tiles, gemm2_tiles, swiglu_limit, use_pdl=use_pdl)
+
+
 def _mxfp4_w4a16(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: DispatchPlan, out: torch.Tensor,
                  gemm1_tiles: GemmTiles, gemm2_tiles: GemmTiles, swiglu_limit: Optional[float], *,
                  use_pdl: bool = False) -> None:
@@ -375,7 +385,7 @@ def _unit_column_stride(out: torch.Tensor) -> Iterator[torch.Tensor]:
 
 # The experts per (format, activation precision): each a custom op of its own.
 _FORMATS = {
-    (BlockFP8, "fp8"): _format(BlockFP8, "experts_fp8", experts_fp8, moe_experts_fp8_torch),
+    (BlockFP8, "fp8"): _format(BlockFP8, "experts_fp8", _fp8, moe_experts_fp8_torch),
     (MXFP4, None): _format(MXFP4, "experts_mxfp4", _mxfp4_w4a16, moe_experts_torch),
     (MXFP4, "fp8"): _format(MXFP4, "experts_mxfp4_w4a8", _mxfp4_w4a8, moe_experts_w4a8_torch),
 }

@@ -1,9 +1,11 @@
-"""Persistent, warp-specialized grouped GEMMs for prefill on Hopper, in Gluon (sm_90 only; ``bf16.py`` runs
-elsewhere and below ``BLOCK_M``-row tiles).
+"""Persistent, warp-specialized grouped GEMMs for prefill on Hopper, in Gluon (sm_90 only; the ``tl`` kernels run
+elsewhere and below ``BLOCK_M``-row tiles). Opt-in (``MOEFUSE_PERSISTENT=1``) until they are faster.
 
 Same contract and numerics as ``bf16.py``'s GEMM1 + SwiGLU and GEMM2 (SPEC §3-4: fp32 sums of 16-bit products,
-SwiGLU in fp32, the intermediate rounded to the activations' dtype). What differs is the structure, the one the
-non-persistent kernels could not reach (docs/PERF-NOTES.md, issue 39):
+SwiGLU in fp32, the intermediate rounded to the activations' dtype), and on fp8 block-scale weights as
+``fp8/kernels.py``'s (SPEC §5: 128-deep steps, each box's product promoted into fp32 times the rows' activation
+scales and its weight-block scale; GEMM1 quantizes the intermediate per row and 128 columns, from fp32). What
+differs is the structure, the one the non-persistent kernels could not reach (docs/PERF-NOTES.md, issue 39):
 
 - one program per SM, walking the work items ``pid, pid + grid, ...``; an item is one plan tile (``BLOCK_M`` rows
   of one expert) and one column block. Items go tile by tile, so the programs running at once share a few tiles'
@@ -27,26 +29,36 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import triton.language as tl
 
 from .. import _runtime
 from ..dispatch import DispatchPlan
+from ..formats import BlockFP8
 from .common import gather_rows
+from .fp8.quantize import quantize_rows_into, quantized_rows
 
 try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .mxfp4.w4a8 import _e4m3, _max_keeping_nan  # the e4m3 quantization in Gluon, as W4A8's epilogue has it
 except ImportError:  # pragma: no cover - every supported Triton has it
     gluon = None
 
 BLOCK_M = 128  # rows per item: the plan's tile height at prefill
 BLOCK_K = 64  # 128 bytes of 16-bit values: one swizzled box row
+FP8_BLOCK_K = 128  # fp8 steps: one activation scale and one weight-block scale a row and step (SPEC §5)
 BOX = 64  # weight rows per TMA box and wgmma N
 STAGES = 4  # ring slots: 48 KB each (one 16 KB activation box, four 8 KB weight boxes)
 MAXNREG = 168  # registers a thread at launch: 12 warps in an SM's 64K
 PRODUCER_REGS = 40  # after the hand-over (setmaxnreg): at 24 Triton 3.6 spills GEMM2's box addresses (8 bytes)
-CONSUMER_REGS = 232  # two [128, 64] fp32 accumulators (128 registers) and the epilogue
+CONSUMER_REGS = 232  # four [64, 64] fp32 accumulators (128 registers) and the epilogue
+# fp8: a step's fresh product (32 more registers) beside the four accumulators. Both consumers are workers there
+# (the producer takes the default partition): at 232 the consumers spilled 48 bytes (Triton 3.9), at 256 the
+# partitions no longer fit an SM's registers (592 bytes of stack), at 240 nothing spills.
+FP8_CONSUMER_REGS = 240
 GEMM1_COLS = 2 * BOX  # intermediate columns an item of GEMM1 computes (both consumers)
 GEMM2_COLS = 4 * BOX  # output columns an item of GEMM2 computes
 
@@ -56,6 +68,8 @@ if gluon is not None:
     _BK: gl.constexpr = gl.constexpr(BLOCK_K)
     _BOX: gl.constexpr = gl.constexpr(BOX)
     _HALF: gl.constexpr = gl.constexpr(BLOCK_M // 2)  # a consumer's rows: one wgmma M
+    _BK8: gl.constexpr = gl.constexpr(FP8_BLOCK_K)
+    _NAN: gl.constexpr = gl.constexpr(tl.PropagateNan.ALL)
 
     @gluon.jit
     def _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, BY_EXPERT: gl.constexpr):
@@ -85,10 +99,10 @@ if gluon is not None:
     @gluon.jit
     def _produce(a_desc, w_desc, a_smem, w_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
                  expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, pair_rows, box_rows,
-                 k_steps, STAGES: gl.constexpr, BY_EXPERT: gl.constexpr):
-        """The producer warp: for every step of every item of this program, the two 64-row activation boxes and
-        the four weight boxes (box b at rows ``item_cols * block + (b // 2) * pair_rows + (b % 2) * box_rows`` of
-        the expert's) into slot ``i % STAGES``."""
+                 k_steps, BK: gl.constexpr, STAGES: gl.constexpr, BY_EXPERT: gl.constexpr):
+        """The producer warp: for every ``BK``-deep step of every item of this program, the two 64-row activation
+        boxes and the four weight boxes (box b at rows ``item_cols * block + (b // 2) * pair_rows + (b % 2) *
+        box_rows`` of the expert's) into slot ``i % STAGES``."""
         i = 0
         for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
             expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
@@ -100,9 +114,9 @@ if gluon is not None:
                     mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first pass finds every slot free
                     mbarrier.expect(ready.index(s), 2 * a_desc.block_type.nbytes + 4 * w_desc.block_type.nbytes)
                     for h in gl.static_range(2):
-                        _tma_load(a_desc, [row_start + h * _HALF, k * _BK], ready.index(s), a_smem.index(2 * s + h))
+                        _tma_load(a_desc, [row_start + h * _HALF, k * BK], ready.index(s), a_smem.index(2 * s + h))
                     for b in gl.static_range(4):
-                        _tma_load(w_desc, [w_row + (b // 2) * pair_rows + (b % 2) * box_rows, k * _BK],
+                        _tma_load(w_desc, [w_row + (b // 2) * pair_rows + (b % 2) * box_rows, k * BK],
                                   ready.index(s), w_smem.index(4 * s + b))
                     i += 1
 
@@ -196,12 +210,119 @@ if gluon is not None:
                         HAS_LIMIT, STAGES, BY_EXPERT)),
             (_produce, (a_desc, w_desc, a_smem, w_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
                         expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, pair_rows,
-                        box_rows, k_steps, STAGES, BY_EXPERT)),
+                        box_rows, k_steps, _BK, STAGES, BY_EXPERT)),
             (_consume, (a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr,
                         expert_offsets_ptr, num_items, col_blocks, item_cols, k_steps, stride_om, limit, 1, GEMM1,
                         HAS_LIMIT, STAGES, BY_EXPERT)),
         ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
+
+    @gluon.jit
+    def _promote(acc, a, w, scale):
+        """``acc + (a @ w^T) · scale[row]``: one 128-deep step of fp8 products into a fresh accumulator, added in
+        fp32 times the rows' activation scales and the box's weight-block scale (SPEC §5's promotion)."""
+        part = warpgroup_mma(a, w.permute((1, 0)), acc, use_acc=False, is_async=True)
+        part = warpgroup_mma_wait(0, deps=[part])
+        return acc + part * gl.expand_dims(scale, 1)
+
+    @gluon.jit
+    def _consume_fp8(a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, os_ptr, tile_expert_ptr,
+                     tile_row_start_ptr, expert_offsets_ptr, num_items, col_blocks, num_rows, item_cols, pair_rows,
+                     box_rows, k_steps, stride_am, stride_ag, stride_se, stride_sn, stride_sk, stride_om, stride_os,
+                     limit, C: gl.constexpr, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr,
+                     BY_EXPERT: gl.constexpr):
+        """Consumer ``C`` of the fp8 GEMMs (SPEC §5): as :func:`_consume`, with 128-deep steps promoted one box at a
+        time (:func:`_promote`; each box's 64 rows lie in one 128-row weight block, I and H being multiples of 128).
+        GEMM1 quantizes its 128 SwiGLU columns per row from fp32 (as ``fp8.quantize._quantize``) into ``out_ptr``
+        (e4m3) and ``os_ptr`` (the scales, group ``block``); GEMM2 stores ``out_ptr``'s dtype."""
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, _BOX, 32])
+        i = 0
+        for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+            expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
+                                                      expert_offsets_ptr, BY_EXPERT)
+            row0 = row_start + C * _HALF
+            if expert >= 0:
+                if row0 < row_end:
+                    m = row0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, MMA))
+                    as_ptrs = as_ptr + gl.minimum(m, num_rows - 1).to(gl.int64) * stride_am  # past the plan: unstored
+                    w_row = block * item_cols  # the item's first weight row within the expert's
+                    ws_expert = ws_ptr + expert.to(gl.int64) * stride_se
+                    ws0 = ws_expert + (w_row // 128) * stride_sn
+                    ws1 = ws_expert + ((w_row + box_rows) // 128) * stride_sn
+                    ws2 = ws_expert + ((w_row + pair_rows) // 128) * stride_sn
+                    ws3 = ws_expert + ((w_row + pair_rows + box_rows) // 128) * stride_sn
+                    acc0 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
+                    acc1 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
+                    acc2 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
+                    acc3 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
+                    for k in range(k_steps):
+                        s = i % STAGES
+                        a_scale = gl.load(as_ptrs + k * stride_ag)
+                        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                        a = a_smem.index(2 * s + C)
+                        acc0 = _promote(acc0, a, w_smem.index(4 * s), a_scale * gl.load(ws0 + k * stride_sk))
+                        acc1 = _promote(acc1, a, w_smem.index(4 * s + 1), a_scale * gl.load(ws1 + k * stride_sk))
+                        acc2 = _promote(acc2, a, w_smem.index(4 * s + 2), a_scale * gl.load(ws2 + k * stride_sk))
+                        acc3 = _promote(acc3, a, w_smem.index(4 * s + 3), a_scale * gl.load(ws3 + k * stride_sk))
+                        mbarrier.arrive(empty.index(s))
+                        i += 1
+                    col0 = block * item_cols
+                    if GEMM1:
+                        act0 = _swiglu(acc0, acc1, limit, HAS_LIMIT)
+                        act1 = _swiglu(acc2, acc3, limit, HAS_LIMIT)
+                        amax = gl.maximum(gl.reduce(gl.abs(act0), 1, _max_keeping_nan),
+                                          gl.reduce(gl.abs(act1), 1, _max_keeping_nan), propagate_nan=_NAN)
+                        full = gl.full(amax.shape, 448.0, gl.float32, amax.type.layout)
+                        inv = gl.expand_dims(gl.where(amax > 0, gl.div_rn(full, amax), 0.0), 1)
+                        _store(_e4m3(act0 * inv), out_ptr, row0, row_end, col0, stride_om, MMA)
+                        _store(_e4m3(act1 * inv), out_ptr, row0, row_end, col0 + _BOX, stride_om, MMA)
+                        gl.store(os_ptr + m.to(gl.int64) * stride_os + block, gl.div_rn(amax, full), mask=m < row_end)
+                    else:
+                        _store(acc0, out_ptr, row0, row_end, col0, stride_om, MMA)
+                        _store(acc1, out_ptr, row0, row_end, col0 + _BOX, stride_om, MMA)
+                        _store(acc2, out_ptr, row0, row_end, col0 + 2 * _BOX, stride_om, MMA)
+                        _store(acc3, out_ptr, row0, row_end, col0 + 3 * _BOX, stride_om, MMA)
+                else:
+                    for _k in range(k_steps):
+                        s = i % STAGES
+                        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                        mbarrier.arrive(empty.index(s))
+                        i += 1
+
+    @gluon.jit
+    def _persistent_fp8_kernel(a_desc, w_desc, as_ptr, ws_ptr, out_ptr, os_ptr, tile_expert_ptr, tile_row_start_ptr,
+                               expert_offsets_ptr, num_items, col_blocks, num_rows, rows_per_expert, item_cols,
+                               pair_rows, box_rows, K, stride_am, stride_ag, stride_se, stride_sn, stride_sk, stride_om,
+                               stride_os, limit, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr,
+                               BY_EXPERT: gl.constexpr, FP8_CONSUMER_REGS: gl.constexpr):
+        """:func:`_persistent_kernel` on fp8 block-scale operands (SPEC §5): e4m3 activation rows with fp32 scales
+        per 128 columns (``as_ptr``), e4m3 weights with fp32 scales per 128 x 128 block (``ws_ptr``); GEMM1 writes
+        the intermediate quantized (``out_ptr`` e4m3, ``os_ptr`` scales), GEMM2 ``out_ptr`` in the activations'
+        dtype."""
+        a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, _HALF, _BK8], a_desc.layout)
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [4 * STAGES, _BOX, _BK8], w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        k_steps = gl.cdiv(K, _BK8)
+        # The producer is the default partition here (4 warps, one thread issuing), so that both consumers are
+        # workers with FP8_CONSUMER_REGS (see there).
+        gl.warp_specialize([
+            (_produce, (a_desc, w_desc, a_smem, w_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
+                        expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, pair_rows,
+                        box_rows, k_steps, _BK8, STAGES, BY_EXPERT)),
+            (_consume_fp8, (a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, os_ptr, tile_expert_ptr,
+                            tile_row_start_ptr, expert_offsets_ptr, num_items, col_blocks, num_rows, item_cols,
+                            pair_rows, box_rows, k_steps, stride_am, stride_ag, stride_se, stride_sn, stride_sk,
+                            stride_om, stride_os, limit, 0, GEMM1, HAS_LIMIT, STAGES, BY_EXPERT)),
+            (_consume_fp8, (a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, os_ptr, tile_expert_ptr,
+                            tile_row_start_ptr, expert_offsets_ptr, num_items, col_blocks, num_rows, item_cols,
+                            pair_rows, box_rows, k_steps, stride_am, stride_ag, stride_se, stride_sn, stride_sk,
+                            stride_om, stride_os, limit, 1, GEMM1, HAS_LIMIT, STAGES, BY_EXPERT)),
+        ], [4, 4], [FP8_CONSUMER_REGS, FP8_CONSUMER_REGS])
 
 def eligible(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, plan: DispatchPlan,
              out: torch.Tensor) -> bool:
@@ -288,3 +409,73 @@ def experts_persistent(
     inter = torch.empty(plan.num_rows, down.shape[2], dtype=hidden.dtype, device=hidden.device)
     launch(True, rows, gate_up, plan, inter, swiglu_limit, by_expert=by_expert, programs=programs)
     launch(False, inter, down, plan, out, by_expert=by_expert, programs=programs)
+
+
+def eligible_fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, plan: DispatchPlan,
+                 out: torch.Tensor) -> bool:
+    """Whether :func:`experts_persistent_fp8` runs these fp8 block-scale experts: as :func:`eligible` (bf16 or fp16
+    activations), with values and scales contiguous (TMA reads [E·N, K] values; the scales are indexed by strides,
+    one block a box since I and H are multiples of 128)."""
+    return (gluon is not None and hidden.is_cuda and not _runtime.interpreting()
+            and hidden.dtype in (torch.bfloat16, torch.float16) and _runtime.capability(hidden.device) == (9, 0)
+            and plan.block_m == BLOCK_M and widths_fit(gate_up.shape[2], gate_up.shape[1] // 2)
+            and all(w.values.is_contiguous() for w in (gate_up, down)) and out.stride(1) == 1)
+
+
+def _fp8_descriptors(rows: torch.Tensor, values: torch.Tensor) -> tuple[object, object]:
+    """TMA descriptors of the e4m3 activation boxes ([64, 128] of ``rows``) and weight boxes ([64, 128] of
+    ``values`` [E, N, K] seen as [E·N, K])."""
+    E, N, K = values.shape
+    box = [BLOCK_M // 2, FP8_BLOCK_K]
+    layout = gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)
+    return (TensorDescriptor.from_tensor(rows, box, layout),
+            TensorDescriptor.from_tensor(values.view(E * N, K), [BOX, FP8_BLOCK_K], layout))
+
+
+def launch_fp8(gemm1: bool, rows: torch.Tensor, row_scales: torch.Tensor, weight: BlockFP8, plan: DispatchPlan,
+               out: torch.Tensor, out_scales: Optional[torch.Tensor], swiglu_limit: Optional[float] = None, *,
+               by_expert: bool = False, programs: Optional[int] = None) -> None:
+    """:func:`launch` on fp8 block-scale operands: ``rows`` e4m3 [R, K] with ``row_scales`` [R, K/128]; GEMM1 writes
+    ``out`` e4m3 [R, I] and ``out_scales`` [R, I/128], GEMM2 ``out`` [R, H] in the activations' dtype."""
+    E, N, K = weight.shape
+    width = N // 2 if gemm1 else N
+    item_cols = GEMM1_COLS if gemm1 else GEMM2_COLS
+    col_blocks = width // item_cols
+    items = plan.tile_expert.numel() * col_blocks
+    if items == 0:
+        return
+    pair_rows, box_rows = (BOX, width) if gemm1 else (2 * BOX, BOX)
+    a_desc, w_desc = _fp8_descriptors(rows, weight.values)
+    scales = out if out_scales is None else out_scales  # GEMM2 has none: the kernel never touches it
+    grid = _programs(rows.device, items) if programs is None else max(1, min(programs, items))
+    _persistent_fp8_kernel[(grid,)](
+        a_desc, w_desc, row_scales, weight.scales, out, scales, plan.tile_expert, plan.tile_row_start,
+        plan.expert_offsets, items, col_blocks, plan.num_rows, N, item_cols, pair_rows, box_rows, K,
+        row_scales.stride(0), row_scales.stride(1), *weight.scales.stride(), out.stride(0), scales.stride(0),
+        0.0 if swiglu_limit is None else float(swiglu_limit), GEMM1=gemm1, HAS_LIMIT=swiglu_limit is not None,
+        STAGES=STAGES, BY_EXPERT=by_expert, FP8_CONSUMER_REGS=FP8_CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
+
+
+def experts_persistent_fp8(
+    hidden: torch.Tensor,
+    gate_up: BlockFP8,
+    down: BlockFP8,
+    plan: DispatchPlan,
+    out: torch.Tensor,
+    swiglu_limit: Optional[float] = None,
+    *,
+    by_expert: bool = False,
+    programs: Optional[int] = None,
+) -> None:
+    """The fp8 block-scale experts (SPEC §5) with the persistent kernels: one pass quantizes the plan's rows of
+    ``hidden`` (``fp8.quantize``, gathering them), GEMM1 + SwiGLU writes the intermediate quantized, GEMM2 ``out``.
+    Call only where :func:`eligible_fp8` holds."""
+    if plan.tile_expert.numel() == 0:
+        return
+    hidden_size, width = gate_up.shape[2], down.shape[2]
+    rows, row_scales = quantized_rows(plan, hidden_size, hidden.device)
+    quantize_rows_into(hidden, rows, row_scales, plan, gather=True)
+    inter, inter_scales = quantized_rows(plan, width, hidden.device)
+    launch_fp8(True, rows, row_scales, gate_up, plan, inter, inter_scales, swiglu_limit, by_expert=by_expert,
+               programs=programs)
+    launch_fp8(False, inter, inter_scales, down, plan, out, None, by_expert=by_expert, programs=programs)

@@ -189,7 +189,9 @@ if gluon is not None:
                         mbarrier.arrive(empty.index(s))
                         i += 1
 
-    @gluon.jit
+    # num_items and num_rows follow the token count: left specialized (1, multiples of 16), a token count could need
+    # a variant warm-up did not compile
+    @gluon.jit(do_not_specialize=["num_items"])
     def _persistent_kernel(a_desc, w_desc, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                            num_items, col_blocks, rows_per_expert, item_cols, pair_rows, box_rows, K,
                            stride_om, limit, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr,
@@ -290,7 +292,7 @@ if gluon is not None:
                         mbarrier.arrive(empty.index(s))
                         i += 1
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["num_items", "num_rows"])
     def _persistent_fp8_kernel(a_desc, w_desc, as_ptr, ws_ptr, out_ptr, os_ptr, tile_expert_ptr, tile_row_start_ptr,
                                expert_offsets_ptr, num_items, col_blocks, num_rows, rows_per_expert, item_cols,
                                pair_rows, box_rows, K, stride_am, stride_ag, stride_se, stride_sn, stride_sk, stride_om,

@@ -285,6 +285,7 @@ class LayerFormat:
     split_step: ClassVar[int] = 1  # where I may be cut between ranks (expert TP) without splitting a scale
     stored_dtype: ClassVar[Optional[torch.dtype]] = None  # a checkpoint's values (None: any float dtype)
     values_per_element: ClassVar[int] = 1  # K values per stored element along K (packed formats)
+    weight_type: ClassVar[type] = torch.Tensor  # the class :meth:`weight` returns
 
     @property
     def quantized(self) -> bool:
@@ -328,6 +329,7 @@ class BlockFP8Format(LayerFormat):
     implied_shared = "fp8"
     split_step = BLOCK
     stored_dtype = torch.float8_e4m3fn
+    weight_type = BlockFP8
 
     def params(self, E: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str | None
                ) -> tuple[torch.nn.Parameter, ...]:
@@ -377,6 +379,7 @@ class MXFP4Format(LayerFormat):
     split_step = MX_GROUP
     stored_dtype = torch.int8  # as transformers stores packed e2m1
     values_per_element = 2
+    weight_type = MXFP4
 
     def params(self, E: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str | None
                ) -> tuple[torch.nn.Parameter, ...]:

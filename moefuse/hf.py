@@ -183,8 +183,9 @@ def _stack_gate_up(shared: HFModule, fmt: LayerFormat) -> None:
     as the format keeps them first."""
     name = "weight" + fmt.suffixes[-1]
     for proj in (shared.gate_proj, shared.up_proj):
-        scales = fmt.checkpoint_scales(proj.weight, getattr(proj, name))
-        if scales.dtype != getattr(proj, name).dtype or scales.shape != getattr(proj, name).shape:
+        stored = getattr(proj, name)
+        scales = fmt.checkpoint_scales(proj.weight, stored)
+        if scales.dtype != stored.dtype or scales.shape != stored.shape:
             setattr(proj, name, nn.Parameter(scales, requires_grad=False))
     stack_gate_up(shared, fmt)
 

@@ -259,8 +259,9 @@ class SharedExpert(nn.Module):
     def runs_on_cublas(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a call on ``num_tokens`` tokens of ``dtype`` on ``device`` runs a quantized MLP on cuBLAS's GEMMs
         (``experts.mlp_on_cublas``: its weights' format decides) rather than the grouped GEMMs."""
+        hidden_size, width = self.down_proj.weight.shape
         return (self.format.quantized and self.backend != "reference"
-                and mlp_on_cublas(num_tokens, self.stacked_weights()[0], dtype, device))
+                and mlp_on_cublas(num_tokens, self.format.weight_type, hidden_size, width, dtype, device))
 
     def stacked_weights(self) -> tuple[ExpertWeight, ExpertWeight]:
         """The quantized projections as a one-expert stack (``[1, 2S, H]``, ``[1, H, S]``) in the module's format,

@@ -55,5 +55,6 @@ def test_layer_formats_own_their_parameters():
     with pytest.raises(ValueError, match="scales"):
         mxfp4.check(values, scales)
     assert mxfp4.shared_width_step is None and fp8.shared_width_step == 128 and mxfp4.implied_shared == "fp8"
+    assert (plain.weight_type, fp8.weight_type, mxfp4.weight_type) == (torch.Tensor, BlockFP8, MXFP4)
     with pytest.raises(ValueError, match="shared_quant"):
         layer_format("int4", "shared_quant")

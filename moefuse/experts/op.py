@@ -228,15 +228,12 @@ def launch_variant(gate_up_proj: ExpertWeight, num_rows: int, activation_quant: 
     return ()
 
 
-def mlp_on_cublas(num_tokens: int, gate_up_proj: ExpertWeight, hidden_dtype: torch.dtype, device: torch.device
-                  ) -> bool:
-    """Whether :func:`cublas_mlp` takes a one-expert MLP on ``num_tokens`` tokens with these weights (``[1, 2S, H]``)
-    rather than the grouped GEMMs: fp8 block-scale at prefill on Hopper (``fp8_mlp.takes``). A host decision on
-    shapes alone. Plain weights are not asked: an ``nn.Linear`` runs them on cuBLAS already."""
-    if not isinstance(gate_up_proj, BlockFP8):
-        return False
-    _, two_width, hidden_size = gate_up_proj.shape
-    return fp8_mlp.takes(num_tokens, hidden_size, two_width // 2, hidden_dtype, device)
+def mlp_on_cublas(num_tokens: int, weight_type: type, hidden_size: int, width: int, hidden_dtype: torch.dtype,
+                  device: torch.device) -> bool:
+    """Whether :func:`cublas_mlp` takes a one-expert MLP of ``width`` on ``num_tokens`` tokens with weights of
+    ``weight_type`` rather than the grouped GEMMs: fp8 block-scale at prefill on Hopper (``fp8_mlp.takes``). A host
+    decision on shapes alone. Plain weights are not asked: an ``nn.Linear`` runs them on cuBLAS already."""
+    return weight_type is BlockFP8 and fp8_mlp.takes(num_tokens, hidden_size, width, hidden_dtype, device)
 
 
 def cublas_mlp(x: torch.Tensor, gate_up_proj: ExpertWeight, down_proj: ExpertWeight,

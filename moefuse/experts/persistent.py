@@ -26,6 +26,7 @@ elementwise on a pair of accumulators. GEMM2's are 256 consecutive output column
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -137,6 +138,38 @@ if gluon is not None:
         return gate * (1.0 / (1.0 + gl.exp(-gate))) * up
 
     @gluon.jit
+    def _store_boxes(acc0, acc1, acc2, acc3, out_ptr, row0, row_end, col0, stride_om, MMA: gl.constexpr):
+        """GEMM2's four boxes of a consumer's rows, side by side from column ``col0``."""
+        _store(acc0, out_ptr, row0, row_end, col0, stride_om, MMA)
+        _store(acc1, out_ptr, row0, row_end, col0 + _BOX, stride_om, MMA)
+        _store(acc2, out_ptr, row0, row_end, col0 + 2 * _BOX, stride_om, MMA)
+        _store(acc3, out_ptr, row0, row_end, col0 + 3 * _BOX, stride_om, MMA)
+
+    @gluon.jit
+    def _pass_over(ready, empty, i, k_steps, STAGES: gl.constexpr):
+        """An item whose rows for this consumer all lie past the expert's end: wait for each of its steps' slots
+        and free them (the other consumer needs them), issuing nothing. Returns the ring position after it."""
+        for _k in range(k_steps):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            mbarrier.arrive(empty.index(s))
+            i += 1
+        return i
+
+    @gluon.jit
+    def _ring(a_desc, w_desc, BK: gl.constexpr, STAGES: gl.constexpr):
+        """The slots (two 64-row activation boxes and four weight boxes, ``BK`` deep) and their barriers: ``ready``
+        completes with a slot's bytes, ``empty`` when both consumers have freed it."""
+        a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, _HALF, BK], a_desc.layout)
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [4 * STAGES, _BOX, BK], w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        return a_smem, w_smem, ready, empty
+
+    @gluon.jit
     def _consume(a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                  num_items, col_blocks, item_cols, k_steps, stride_om, limit, C: gl.constexpr,
                  GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr, BY_EXPERT: gl.constexpr):
@@ -178,16 +211,9 @@ if gluon is not None:
                         _store(_swiglu(acc2, acc3, limit, HAS_LIMIT), out_ptr, row0, row_end, col0 + _BOX,
                                stride_om, MMA)
                     else:
-                        _store(acc0, out_ptr, row0, row_end, col0, stride_om, MMA)
-                        _store(acc1, out_ptr, row0, row_end, col0 + _BOX, stride_om, MMA)
-                        _store(acc2, out_ptr, row0, row_end, col0 + 2 * _BOX, stride_om, MMA)
-                        _store(acc3, out_ptr, row0, row_end, col0 + 3 * _BOX, stride_om, MMA)
+                        _store_boxes(acc0, acc1, acc2, acc3, out_ptr, row0, row_end, col0, stride_om, MMA)
                 else:
-                    for _k in range(k_steps):
-                        s = i % STAGES
-                        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-                        mbarrier.arrive(empty.index(s))
-                        i += 1
+                    i = _pass_over(ready, empty, i, k_steps, STAGES)
 
     # num_items and num_rows follow the token count: left specialized (1, multiples of 16), a token count could need
     # a variant warm-up did not compile
@@ -198,13 +224,7 @@ if gluon is not None:
                            BY_EXPERT: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """GEMM1 + SwiGLU (``GEMM1``: out = intermediate [rows, I], W = gate_up [E·2I, H]) or GEMM2 (out [rows, H],
         W = down [E·H, I]) over the plan's items, this program's share of them."""
-        a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, _HALF, _BK], a_desc.layout)
-        w_smem = gl.allocate_shared_memory(w_desc.dtype, [4 * STAGES, _BOX, _BK], w_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)
+        a_smem, w_smem, ready, empty = _ring(a_desc, w_desc, _BK, STAGES)
         k_steps = gl.cdiv(K, _BK)
         gl.warp_specialize([
             (_consume, (a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr,
@@ -281,16 +301,9 @@ if gluon is not None:
                         _store(_e4m3(act1 * inv), out_ptr, row0, row_end, col0 + _BOX, stride_om, MMA)
                         gl.store(os_ptr + m.to(gl.int64) * stride_os + block, gl.div_rn(amax, full), mask=m < row_end)
                     else:
-                        _store(acc0, out_ptr, row0, row_end, col0, stride_om, MMA)
-                        _store(acc1, out_ptr, row0, row_end, col0 + _BOX, stride_om, MMA)
-                        _store(acc2, out_ptr, row0, row_end, col0 + 2 * _BOX, stride_om, MMA)
-                        _store(acc3, out_ptr, row0, row_end, col0 + 3 * _BOX, stride_om, MMA)
+                        _store_boxes(acc0, acc1, acc2, acc3, out_ptr, row0, row_end, col0, stride_om, MMA)
                 else:
-                    for _k in range(k_steps):
-                        s = i % STAGES
-                        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-                        mbarrier.arrive(empty.index(s))
-                        i += 1
+                    i = _pass_over(ready, empty, i, k_steps, STAGES)
 
     @gluon.jit(do_not_specialize=["num_items", "num_rows"])
     def _persistent_fp8_kernel(a_desc, w_desc, as_ptr, ws_ptr, out_ptr, os_ptr, tile_expert_ptr, tile_row_start_ptr,
@@ -302,13 +315,7 @@ if gluon is not None:
         per 128 columns (``as_ptr``), e4m3 weights with fp32 scales per 128 x 128 block (``ws_ptr``); GEMM1 writes
         the intermediate quantized (``out_ptr`` e4m3, ``os_ptr`` scales), GEMM2 ``out_ptr`` in the activations'
         dtype."""
-        a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, _HALF, _BK8], a_desc.layout)
-        w_smem = gl.allocate_shared_memory(w_desc.dtype, [4 * STAGES, _BOX, _BK8], w_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)
+        a_smem, w_smem, ready, empty = _ring(a_desc, w_desc, _BK8, STAGES)
         k_steps = gl.cdiv(K, _BK8)
         # The producer is the default partition here (4 warps, one thread issuing), so that both consumers are
         # workers with FP8_CONSUMER_REGS (see there).
@@ -332,11 +339,17 @@ def eligible(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, pl
     GPU (not the interpreter), the plan's tiles ``BLOCK_M`` rows, I a multiple of 128 and H of 256 (whole items: no
     column masks), K steps whole (H and I multiples of 64 follow), weights TMA can read as [E·N, K] rows, and an
     ``out`` with unit column stride (the epilogue's stores)."""
+    return (_runs_here(hidden, gate_up.shape, plan, out) and gate_up.dtype == down.dtype == hidden.dtype
+            and gate_up.is_contiguous() and down.is_contiguous())
+
+
+def _runs_here(hidden: torch.Tensor, gate_up_shape: torch.Size, plan: DispatchPlan, out: torch.Tensor) -> bool:
+    """What both weight types need: bf16 or fp16 activations on an sm_90 GPU (not the interpreter), the plan's
+    tiles ``BLOCK_M`` rows, whole items of both GEMMs, an ``out`` with unit column stride."""
     return (gluon is not None and hidden.is_cuda and not _runtime.interpreting()
-            and hidden.dtype in (torch.bfloat16, torch.float16) and gate_up.dtype == down.dtype == hidden.dtype
-            and _runtime.capability(hidden.device) == (9, 0) and plan.block_m == BLOCK_M
-            and widths_fit(gate_up.shape[2], gate_up.shape[1] // 2)
-            and gate_up.is_contiguous() and down.is_contiguous() and out.stride(1) == 1)
+            and hidden.dtype in (torch.bfloat16, torch.float16) and _runtime.capability(hidden.device) == (9, 0)
+            and plan.block_m == BLOCK_M and widths_fit(gate_up_shape[2], gate_up_shape[1] // 2)
+            and out.stride(1) == 1)
 
 
 def widths_fit(hidden_size: int, width: int) -> bool:
@@ -359,8 +372,31 @@ def _descriptors(rows: torch.Tensor, weight: torch.Tensor) -> tuple[object, obje
             TensorDescriptor.from_tensor(weight.view(E * N, K), [BOX, BLOCK_K], w_layout))
 
 
-def _programs(device: torch.device, num_items: int) -> int:
-    return max(1, min(num_items, torch.cuda.get_device_properties(device).multi_processor_count))
+@dataclass(frozen=True)
+class _Items:
+    """One GEMM's work items over a plan and where an item's four weight boxes lie: box b at rows ``cols * block +
+    (b // 2) * pair_rows + (b % 2) * box_rows`` of its expert's. GEMM1: boxes 2j and 2j + 1 are the gate and the up
+    rows of the item's intermediate columns 64j ..; GEMM2: box b is the item's output columns 64b .."""
+
+    cols: int  # output columns an item computes
+    col_blocks: int
+    count: int
+    pair_rows: int
+    box_rows: int
+    grid: int
+
+    @classmethod
+    def of(cls, gemm1: bool, weight_rows: int, plan: DispatchPlan, device: torch.device,
+           programs: Optional[int]) -> _Items:
+        """``weight_rows``: N of the weight [E, N, K] (2I for GEMM1); ``programs``: as :func:`launch` takes it."""
+        width = weight_rows // 2 if gemm1 else weight_rows
+        cols = GEMM1_COLS if gemm1 else GEMM2_COLS
+        col_blocks = width // cols
+        count = plan.tile_expert.numel() * col_blocks
+        sms = _runtime.sm_count(device) if count else 1
+        grid = max(1, min(count, sms if programs is None else programs))
+        pair_rows, box_rows = (BOX, width) if gemm1 else (2 * BOX, BOX)
+        return cls(cols, col_blocks, count, pair_rows, box_rows, grid)
 
 
 def launch(gemm1: bool, rows: torch.Tensor, weight: torch.Tensor, plan: DispatchPlan, out: torch.Tensor,
@@ -373,20 +409,13 @@ def launch(gemm1: bool, rows: torch.Tensor, weight: torch.Tensor, plan: Dispatch
     Both are issue 39's open experiment (docs/PERF-NOTES.md, twenty-second session); the defaults are what was
     measured."""
     E, N, K = weight.shape
-    width = N // 2 if gemm1 else N
-    item_cols = GEMM1_COLS if gemm1 else GEMM2_COLS
-    col_blocks = width // item_cols
-    items = plan.tile_expert.numel() * col_blocks
-    if items == 0:
+    items = _Items.of(gemm1, N, plan, rows.device, programs)
+    if items.count == 0:
         return
-    # GEMM1: boxes 2j and 2j + 1 are the gate and the up rows of the item's columns 64j ..; GEMM2: box b is the
-    # item's output columns 64b ..
-    pair_rows, box_rows = (BOX, width) if gemm1 else (2 * BOX, BOX)
     a_desc, w_desc = _descriptors(rows, weight)
-    grid = _programs(rows.device, items) if programs is None else max(1, min(programs, items))
-    _persistent_kernel[(grid,)](
+    _persistent_kernel[(items.grid,)](
         a_desc, w_desc, out, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
-        items, col_blocks, N, item_cols, pair_rows, box_rows, K, out.stride(0),
+        items.count, items.col_blocks, N, items.cols, items.pair_rows, items.box_rows, K, out.stride(0),
         0.0 if swiglu_limit is None else float(swiglu_limit), GEMM1=gemm1, HAS_LIMIT=swiglu_limit is not None,
         STAGES=STAGES, BY_EXPERT=by_expert, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
         maxnreg=MAXNREG)
@@ -418,10 +447,8 @@ def eligible_fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, plan: 
     """Whether :func:`experts_persistent_fp8` runs these fp8 block-scale experts: as :func:`eligible` (bf16 or fp16
     activations), with values and scales contiguous (TMA reads [E·N, K] values; the scales are indexed by strides,
     one block a box since I and H are multiples of 128)."""
-    return (gluon is not None and hidden.is_cuda and not _runtime.interpreting()
-            and hidden.dtype in (torch.bfloat16, torch.float16) and _runtime.capability(hidden.device) == (9, 0)
-            and plan.block_m == BLOCK_M and widths_fit(gate_up.shape[2], gate_up.shape[1] // 2)
-            and all(w.values.is_contiguous() for w in (gate_up, down)) and out.stride(1) == 1)
+    return (_runs_here(hidden, gate_up.shape, plan, out)
+            and all(w.values.is_contiguous() for w in (gate_up, down)))
 
 
 def _fp8_descriptors(rows: torch.Tensor, values: torch.Tensor) -> tuple[object, object]:
@@ -440,19 +467,15 @@ def launch_fp8(gemm1: bool, rows: torch.Tensor, row_scales: torch.Tensor, weight
     """:func:`launch` on fp8 block-scale operands: ``rows`` e4m3 [R, K] with ``row_scales`` [R, K/128]; GEMM1 writes
     ``out`` e4m3 [R, I] and ``out_scales`` [R, I/128], GEMM2 ``out`` [R, H] in the activations' dtype."""
     E, N, K = weight.shape
-    width = N // 2 if gemm1 else N
-    item_cols = GEMM1_COLS if gemm1 else GEMM2_COLS
-    col_blocks = width // item_cols
-    items = plan.tile_expert.numel() * col_blocks
-    if items == 0:
+    items = _Items.of(gemm1, N, plan, rows.device, programs)
+    if items.count == 0:
         return
-    pair_rows, box_rows = (BOX, width) if gemm1 else (2 * BOX, BOX)
     a_desc, w_desc = _fp8_descriptors(rows, weight.values)
     scales = out if out_scales is None else out_scales  # GEMM2 has none: the kernel never touches it
-    grid = _programs(rows.device, items) if programs is None else max(1, min(programs, items))
-    _persistent_fp8_kernel[(grid,)](
+    _persistent_fp8_kernel[(items.grid,)](
         a_desc, w_desc, row_scales, weight.scales, out, scales, plan.tile_expert, plan.tile_row_start,
-        plan.expert_offsets, items, col_blocks, plan.num_rows, N, item_cols, pair_rows, box_rows, K,
+        plan.expert_offsets, items.count, items.col_blocks, plan.num_rows, N, items.cols, items.pair_rows,
+        items.box_rows, K,
         row_scales.stride(0), row_scales.stride(1), *weight.scales.stride(), out.stride(0), scales.stride(0),
         0.0 if swiglu_limit is None else float(swiglu_limit), GEMM1=gemm1, HAS_LIMIT=swiglu_limit is not None,
         STAGES=STAGES, BY_EXPERT=by_expert, FP8_CONSUMER_REGS=FP8_CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)

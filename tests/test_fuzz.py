@@ -16,7 +16,8 @@ or fp32 weights; ``BlockFP8`` with bf16 or fp16 activations and fp32 scales or u
   column-major; ``swiglu_limit`` None or in [0.1, 20]; ``out`` not given, or given contiguous, row-padded or of inner
   stride 2 and filled with NaN; ``activation_quant`` "default", None or "fp8" (MXFP4 with "fp8" is W4A8; on a GPU
   half the MXFP4 examples have H and I multiples of 128, which Hopper runs on Gluon kernels, and most W4A8 ones,
-  on 128-row tiles; a combination refused, one time in seven).
+  on 128-row tiles; a combination refused, one time in seven); on Hopper, half the bf16, fp16 and fp8 examples run
+  the persistent prefill GEMMs (``MOEFUSE_PERSISTENT=1``) at the widths and tile height they take.
 
 The plan must equal the reference dispatch's; the rows a plan computes (``n_valid = plan.expert_offsets[-1]``) are
 compared in max and RMS relative error with the float64 oracle of the numerics that ran (plain and MXFP4 W4A16:
@@ -55,6 +56,7 @@ from hypothesis import strategies as st
 from tolerances import experts_tolerance
 
 from moefuse import MoEConfig, MoELayer, moe_layer_torch
+from moefuse._runtime import env_override
 from moefuse.config import SCORING_FUNCS
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import moe_experts, pick_block_m
@@ -155,13 +157,19 @@ def experts_cases(draw: st.DrawFn, fmt: str) -> dict:
     whole = GPU and fmt == "mxfp4" and draw(st.sampled_from((True, True, True, False)) if aq == "fp8" else
                                            st.booleans())
     w4a8 = whole and aq == "fp8"
+    # On Hopper the persistent prefill GEMMs (MOEFUSE_PERSISTENT=1) take 16-bit and fp8 block-scale weights on
+    # 128-row plans with H a multiple of 256 and I of 128: half of those formats' examples there run them
+    persistent = HOPPER and fmt in ("bf16", "fp16", "fp8") and draw(st.booleans())
     E = draw(st.sampled_from(EXPERTS))
     many = E > 8
-    step = 128 if whole else 32 if fmt == "mxfp4" else 1
+    step = 128 if whole or persistent else 32 if fmt == "mxfp4" else 1
     most = WIDTH_MANY if many else WIDTH
-    H = draw(_width(step, min(most, WEIGHTS // (E * step))))
+    if persistent:  # whole 256-column items of GEMM2
+        H = draw(st.integers(1, max(1, min(most, WEIGHTS // (E * step)) // 256)).map(lambda n: 256 * n))
+    else:
+        H = draw(_width(step, min(most, WEIGHTS // (E * step))))
     I = draw(_width(step, min(most, WEIGHTS // (E * H))))
-    block_m = 128 if w4a8 else draw(st.sampled_from(FP8_TILES if fmt == "fp8" else TILES))
+    block_m = 128 if w4a8 or persistent else draw(st.sampled_from(FP8_TILES if fmt == "fp8" else TILES))
     M = draw(_tokens(TOKENS_MANY if many else TOKENS))
     rows = ROWS_FP8 if fmt == "fp8" else ROWS
     K = draw(st.integers(1, max(1, min(E, 8, rows // max(M, 1)))))
@@ -175,7 +183,7 @@ def experts_cases(draw: st.DrawFn, fmt: str) -> dict:
         ids=draw(st.sampled_from(("int32", "int64"))),
         hidden=hidden, hidden_pad=hidden_pad, out=out, out_pad=out_pad,
         limit=draw(st.one_of(st.none(), st.floats(0.1, 20.0))),
-        activation_quant=aq,
+        activation_quant=aq, persistent=persistent,
         seed=draw(st.integers(0, 2**32 - 1)),
     )
 
@@ -285,7 +293,8 @@ def check_experts(c: dict) -> None:
         return
     storage = None if c["out"] == "none" else _out(M * K, H, dtype, c["out"], c["out_pad"])
     out = None if storage is None else _view(storage, H, c["out"])
-    got = moe_experts(x, w1, w2, plan, out=out, **kwargs)
+    with env_override("MOEFUSE_PERSISTENT", "1" if c.get("persistent") else "0"):
+        got = moe_experts(x, w1, w2, plan, out=out, **kwargs)
     assert got.shape == (M * K, H) and got.dtype == dtype and got.device == x.device, c
     assert out is None or got is out, c
     oracle, key = _oracle(c)

@@ -2,12 +2,16 @@
 
 For every format (plain bf16 / fp16 / fp32 weights; BlockFP8 with bf16 activations, W8A8; MXFP4 with bf16
 activations, W4A16; MXFP4 with ``activation_quant="fp8"``, W4A8), every tile height the plan can take (16, 32, 64,
-128 rows; W4A8 runs on 128) and three widths (the tests' narrow ones, a Qwen3-like and DeepSeek-V3's), many seeds
+128 rows; W4A8 runs on 128), each kernel family (the ``tl`` kernels; on Hopper also the persistent ones of 16-bit
+and fp8 weights, on 128 rows) and four widths (the tests' narrow ones, a Qwen3-like and DeepSeek-V3's), many seeds
 of fresh random inputs (-1 slots, the clamp on every other seed): ``moe_experts`` on the Triton backend against its
 float64 oracle, max and RMS relative error over the rows the plan computes. ``tests/tolerances.py`` takes its
 tolerances from this table (the largest error seen, with headroom).
 
-    python scripts/error_table.py [--seeds 12] [--out results]
+    python scripts/error_table.py [--seeds 12] [--out results] [--only FORMAT[:SHAPE[:PATH]] ...]
+
+``--only`` measures those cells and keeps the other rows of ``OUT/errors.json`` (a run cut short is completed cell by
+cell); the header then names both dates.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from moefuse import _runtime  # noqa: E402
 from moefuse.bench.timing import environment  # noqa: E402
 from moefuse.dispatch import moe_dispatch  # noqa: E402
 from moefuse.experts import moe_experts  # noqa: E402
@@ -48,6 +53,7 @@ SHAPES = [
     ("deepseek-v3", 8, 7168, 2048, 128, 8),
 ]
 BLOCK_MS = (16, 32, 64, 128)
+PERSISTENT = ("bf16", "fp16", "fp8")  # formats the persistent kernels take (128-row tiles, Hopper)
 
 
 def accepts(fmt: str, H: int, I: int, block_m: int) -> bool:
@@ -73,8 +79,19 @@ def oracle(fmt: str):
     return {"fp8": moe_experts_fp8_torch, "w4a8": moe_experts_w4a8_torch}.get(fmt, moe_experts_torch)
 
 
+def paths(fmt: str, block_m: int, device: str) -> list[str]:
+    """The kernel families a cell runs: the ``tl`` kernels, and the persistent ones where they apply."""
+    hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+    return ["tl", "persistent"] if hopper and fmt in PERSISTENT and block_m == 128 else ["tl"]
+
+
+def wanted(only: list[str], fmt: str, shape: str, path: str) -> bool:
+    """``--only`` entries are FORMAT, FORMAT:SHAPE or FORMAT:SHAPE:PATH."""
+    return not only or any((fmt, shape, path)[: len(o.split(":"))] == tuple(o.split(":")) for o in only)
+
+
 def measure(fmt: str, dtype: torch.dtype, quant: str | None, shape: tuple, block_m: int, seed: int,
-            device: str) -> tuple[float, float]:
+            device: str, path: str) -> tuple[float, float]:
     _, E, H, I, M, K = shape
     gen = torch.Generator().manual_seed(seed)
     w1, w2 = weights(fmt, E, H, I, dtype, gen, device)
@@ -83,7 +100,8 @@ def measure(fmt: str, dtype: torch.dtype, quant: str | None, shape: tuple, block
     ids = torch.where(torch.rand(M, K, generator=gen) < 0.1, -1, ids).to(device)
     limit = 7.0 if seed % 2 else None
     plan = moe_dispatch(ids, E, block_m)
-    out = moe_experts(x, w1, w2, plan, swiglu_limit=limit, activation_quant=quant, backend="triton")
+    with _runtime.env_override("MOEFUSE_PERSISTENT", "1" if path == "persistent" else "0"):
+        out = moe_experts(x, w1, w2, plan, swiglu_limit=limit, activation_quant=quant, backend="triton")
     ref = oracle(fmt)(x, w1, w2, plan, swiglu_limit=limit, dtype=torch.float64,
                       out=torch.zeros(plan.num_rows, H, dtype=torch.float64, device=device))
     n = int(plan.expert_offsets[-1])
@@ -94,8 +112,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=12, help="seeds per narrow cell (a third of it on wide ones)")
     parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--only", nargs="*", default=[], help="FORMAT[:SHAPE[:PATH]] cells; other rows are kept")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    kept, dates = [], [time.strftime("%Y-%m-%d")]
+    if args.only and (args.out / "errors.json").exists():
+        old = json.loads((args.out / "errors.json").read_text())
+        kept = [r for r in old["rows"] if not wanted(args.only, r["format"], r["shape"], r.get("path", "tl"))]
+        dates = sorted({*old["meta"]["date"].split(" and "), *dates})
     rows, start = [], time.time()
     for fmt, dtype, quant in FORMATS:
         for shape in SHAPES:
@@ -103,28 +127,34 @@ def main() -> None:
             for block_m in BLOCK_MS:
                 if not accepts(fmt, shape[2], shape[3], block_m):
                     continue
-                try:
-                    errors = [measure(fmt, dtype, quant, shape, block_m, seed, device) for seed in range(seeds)]
-                except Exception as exc:  # noqa: BLE001 (a valid input that fails is reported, not skipped)
-                    print(f"{fmt:6} {shape[0]:12} bm={block_m:3}  FAILED: {type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:200]}", flush=True)
-                    rows.append({"format": fmt, "shape": shape[0], "E_H_I": shape[1:4], "block_m": block_m,
-                                 "failed": f"{type(exc).__name__}"})
-                    continue
-                maxes, rmses = [e[0] for e in errors], [e[1] for e in errors]
-                rows.append({"format": fmt, "shape": shape[0], "E_H_I": shape[1:4], "block_m": block_m,
-                             "seeds": seeds, "max": max(maxes), "median_max": statistics.median(maxes),
-                             "rms": max(rmses)})
-                print(f"{fmt:6} {shape[0]:12} bm={block_m:3}  max {max(maxes):.2e}  median "
-                      f"{statistics.median(maxes):.2e}  rms {max(rmses):.2e}  ({time.time() - start:.0f}s)",
-                      flush=True)
-                write(rows, args.out)  # after every cell: a run cut short keeps what it measured
+                for path in paths(fmt, block_m, device):
+                    if not wanted(args.only, fmt, shape[0], path):
+                        continue
+                    cell = {"format": fmt, "shape": shape[0], "E_H_I": shape[1:4], "block_m": block_m, "path": path}
+                    try:
+                        errors = [measure(fmt, dtype, quant, shape, block_m, seed, device, path)
+                                  for seed in range(seeds)]
+                    except Exception as exc:  # noqa: BLE001 (a valid input that fails is reported, not skipped)
+                        print(f"{fmt:6} {shape[0]:12} bm={block_m:3} {path:10}  FAILED: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:200]}", flush=True)
+                        rows.append({**cell, "failed": f"{type(exc).__name__}"})
+                        continue
+                    maxes, rmses = [e[0] for e in errors], [e[1] for e in errors]
+                    rows.append({**cell, "seeds": seeds, "max": max(maxes), "median_max": statistics.median(maxes),
+                                 "rms": max(rmses)})
+                    print(f"{fmt:6} {shape[0]:12} bm={block_m:3} {path:10}  max {max(maxes):.2e}  median "
+                          f"{statistics.median(maxes):.2e}  rms {max(rmses):.2e}  ({time.time() - start:.0f}s)",
+                          flush=True)
+                    write(kept, rows, args.out, dates)  # after every cell: a run cut short keeps what it measured
 
 
-def write(rows: list[dict], out: Path) -> None:
-    """``errors.json`` and ``errors.md`` in ``out``."""
+def write(kept: list[dict], rows: list[dict], out: Path, dates: list[str]) -> None:
+    """``errors.json`` and ``errors.md`` in ``out``: the kept rows and the measured ones, in the table's order."""
+    order = {(f, s[0], p): i for i, (f, s, p) in enumerate(
+        (f[0], s, p) for f in FORMATS for s in SHAPES for p in ("tl", "persistent"))}
+    rows = sorted(kept + rows, key=lambda r: (order[r["format"], r["shape"], r.get("path", "tl")], r["block_m"]))
     out.mkdir(exist_ok=True)
-    meta = {"date": time.strftime("%Y-%m-%d"), **environment()}
+    meta = {"date": " and ".join(dates), **environment()}
     (out / "errors.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [
         "# Experts: error against the float64 spec emulation, per format and tile path",
@@ -133,10 +163,10 @@ def write(rows: list[dict], out: Path) -> None:
         + ". Relative to the largest |reference| over the rows a plan computes (max), and RMS; the largest over "
         "the seeds, and the median of the max. `tests/tolerances.py` sets each tolerance from these.",
         "",
-        "| format | shape (E, H, I) | rows a tile | seeds | max | median max | RMS |",
-        "|---|---|---|---|---|---|---|",
+        "| format | shape (E, H, I) | rows a tile | kernels | seeds | max | median max | RMS |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    lines += [f"| {r['format']} | {r['shape']} {tuple(r['E_H_I'])} | {r['block_m']} | "
+    lines += [f"| {r['format']} | {r['shape']} {tuple(r['E_H_I'])} | {r['block_m']} | {r.get('path', 'tl')} | "
               + (f"{r['seeds']} | {r['max']:.2e} | {r['median_max']:.2e} | {r['rms']:.2e} |" if "max" in r
                  else f"- | failed: {r['failed']} | | |") for r in rows]
     (out / "errors.md").write_text("\n".join(lines) + "\n")

@@ -19,6 +19,7 @@ import torch
 from moefuse import formats
 from moefuse._runtime import env_override
 from moefuse.bench.report import format_table
+from moefuse.bench.run import STAGES as BENCH_STAGES
 from moefuse.config import PRESETS, preset
 from moefuse.formats import LAYER_FORMATS, resolve_activation_quant
 from moefuse.testing import rel_error, rms_rel_error
@@ -207,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     warm.add_argument("--activation-quant", default="default", choices=sorted(ACTIVATION_QUANTS),
                       help=ACTIVATION_QUANT_HELP)
     bench = sub.add_parser("bench", help="GPU benchmarks: tables, results file and plot")
-    bench.add_argument("stages", nargs="*", default=["router", "finalize", "experts", "layer", "quant", "host"])
+    bench.add_argument("stages", nargs="*", default=list(BENCH_STAGES),
+                       help=f"any of {', '.join(BENCH_STAGES)} (default: all)")
     bench.add_argument("--quick", action="store_true", help="fewer sizes")
     bench.add_argument("--results-dir", default="results", help="where <stage>.json, RESULTS.md and the plot go")
     args = parser.parse_args(argv)

@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moefuse.bench import timing  # noqa: E402
-from moefuse.bench.experts import _cublas_dense_equivalent, _routing  # noqa: E402
+from moefuse.bench.experts import _routing  # noqa: E402
+from moefuse.bench.prefill import cublas_dense_equivalent  # noqa: E402
 from moefuse.dispatch import moe_dispatch  # noqa: E402
 from moefuse.experts import configs, moe_experts, persistent  # noqa: E402
 from moefuse.experts.bf16 import gemm1_swiglu, gemm2  # noqa: E402
@@ -123,7 +124,7 @@ def time_all(device: torch.device) -> list[dict]:
                    x, w1, w2, plan, out, by_expert=True, programs=1 << 30)]),
                "floor_us": int(torch.unique(ids).numel()) * 3 * H * I * 2 / 4.29e12 * 1e6}
         if routing == "balanced":
-            row["cublas_bmm"] = _cublas_dense_equivalent(M, E, H, I, K, device)
+            row["cublas_bmm"] = cublas_dense_equivalent(M, E, H, I, K, device)
         best_tl = min(v for v in (row["tl_128"], row["tl_table"]) if v)
         row["persistent_vs_tl"] = row["persistent"] / best_tl if row["persistent"] else None
         if row.get("cublas_bmm"):
@@ -152,6 +153,8 @@ def time_fp8(device: torch.device) -> list[dict]:
                "p_fp8": timing.time_or_none([lambda: persistent.experts_persistent_fp8(x, q1, q2, plan, out)]),
                "p_fp8_by_expert": timing.time_or_none([lambda: persistent.experts_persistent_fp8(
                    x, q1, q2, plan, out, by_expert=True)]),
+               "p_fp8_by_expert_grid": timing.time_or_none([lambda: persistent.experts_persistent_fp8(
+                   x, q1, q2, plan, out, by_expert=True, programs=1 << 30)]),
                "read_floor_us": int(torch.unique(plan.tile_expert[plan.tile_expert >= 0]).numel()) * 3 * H * I
                / 4.29e12 * 1e6}
         if M == 1024:  # the error against the spec's float64 emulation, on 256 of these tokens
@@ -173,12 +176,22 @@ def routed_ids(M: int, routing: str, device: torch.device, gen: torch.Generator)
     return _routing(M, E, K, device, gen, {"uniform": 0.0, "zipf-0.6": 0.6, "zipf-1.0": 1.0}[routing])[1]
 
 
-def ncu_launch(kernel: str, routing: str, device: torch.device, by_expert: bool = False) -> None:
-    """Three GEMM1 launches at 4,096 tokens (ncu skips the first two: compile and warm-up)."""
+def ncu_launch(kernel: str, routing: str, device: torch.device, by_expert: bool = False,
+               item_per_program: bool = False, fp8: bool = False) -> None:
+    """Three GEMM1 launches at 4,096 tokens (ncu skips the first two: compile and warm-up). ``fp8`` (persistent
+    only): three fp8 block-scale experts calls, GEMM1 then GEMM2 each (``--launch-skip 4`` for the third GEMM1)."""
     w1, w2 = weights(E, H, I, device)
     gen = torch.Generator(device).manual_seed(1)
     x = torch.randn(4096, H, device=device, generator=gen).bfloat16()
     plan = moe_dispatch(routed_ids(4096, routing, device, gen), E, persistent.BLOCK_M)
+    programs = 1 << 30 if item_per_program else None
+    if fp8:
+        q1, q2 = BlockFP8.quantize(w1), BlockFP8.quantize(w2)
+        out = torch.empty(plan.num_rows, H, dtype=torch.bfloat16, device=device)
+        for _ in range(3):
+            persistent.experts_persistent_fp8(x, q1, q2, plan, out, by_expert=by_expert, programs=programs)
+        torch.cuda.synchronize()
+        return
     inter = torch.empty(plan.num_rows, I, dtype=torch.bfloat16, device=device)
     tiles = configs.pick(4096, E, H, I, K, torch.bfloat16, configs.arch_of(device), block_m=128)
     rows = persistent.gather_rows(x, plan)
@@ -186,7 +199,7 @@ def ncu_launch(kernel: str, routing: str, device: torch.device, by_expert: bool 
         if kernel == "tl":
             gemm1_swiglu(x, w1, plan, inter, tiles.gemm1)
         else:
-            persistent.launch(True, rows, w1, plan, inter, by_expert=by_expert)
+            persistent.launch(True, rows, w1, plan, inter, by_expert=by_expert, programs=programs)
     torch.cuda.synchronize()
 
 
@@ -198,11 +211,13 @@ def main() -> int:
     parser.add_argument("--ncu-kernel", choices=["tl", "persistent"])
     parser.add_argument("--routing", default="balanced", choices=["balanced", "uniform", "zipf-0.6", "zipf-1.0"])
     parser.add_argument("--by-expert", action="store_true", help="--ncu-kernel persistent: items in tl's order")
+    parser.add_argument("--item-per-program", action="store_true",
+                        help="--ncu-kernel persistent: one program per item (the hardware schedules them)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device("cuda")
     if args.ncu_kernel:
-        ncu_launch(args.ncu_kernel, args.routing, device, args.by_expert)
+        ncu_launch(args.ncu_kernel, args.routing, device, args.by_expert, args.item_per_program, args.fp8)
         return 0
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if args.check:

@@ -11,10 +11,7 @@ distinct top-8 per token) under CUDA-graph replay, one row per stage and token c
 - ``dispatch``, ``gemm1+swiglu``, ``gemm2``: each launch on its own (the GEMMs with the plan prepared);
 - ``routed experts``: GEMM1 + GEMM2 + the weighted combine over k (finalize, without a shared expert) and
   without dispatch, which is what the anchor (the best public Triton MoE, best config) measured;
-- ``routed experts + dispatch``: the whole stage as a model runs it;
-- ``prefill, <routing> routing``: that whole stage at 1024-8192 tokens beside the cuBLAS dense equivalent
-  (``torch.bmm`` on the same tokens per expert, uniform), and at 1024 and 4096 tokens on skewed routing (logits
-  plus a Zipf popularity, ``_routing``), with the busiest expert's load over the mean.
+- ``routed experts + dispatch``: the whole stage as a model runs it (prefill against dense GEMMs: ``prefill.py``).
 
 Floors: the touched experts' weight bytes at the measured read bandwidth, and 2·M·K·3·H·I flops at the
 measured bf16 GEMM rate. A torch baseline (``torch._grouped_mm``, else a per-expert loop) runs the same GEMMs.
@@ -49,7 +46,6 @@ COLUMNS = [
     ("stage", "stage"), ("M", "M"), ("experts_touched", "experts"), ("block_m", "BLOCK_M"), ("us", "moefuse µs"),
     ("mem_floor_us", "weight-read floor µs"), ("compute_floor_us", "compute floor µs"), ("x_floor", "× floor"),
     ("anchor_us", "best public Triton µs"), ("speedup", "speedup"), ("torch_us", "torch µs"),
-    ("max_over_mean", "busiest / mean"), ("cublas_us", "cuBLAS dense-equivalent µs"), ("x_cublas", "× cuBLAS"),
 ]
 TITLE = "experts: DeepSeek-V3 routed experts (E=256, H=7168, I=2048, top-8, bf16, CUDA-graph replay)"
 CHECK_COLUMNS = [
@@ -78,28 +74,11 @@ def _routing(M: int, E: int, K: int, device: torch.device, gen: torch.Generator,
     return weights, ids.int()
 
 
-SKEW_GAINS = {"uniform": 0.0, "zipf-0.6": 0.6, "zipf-1.0": 1.0, "zipf-3.0": 3.0}
-SKEW_TOKENS = (1024, 4096)
-DENSE_TOKENS = (1024, 2048, 4096, 8192)
-
-
 def load_stats(ids: torch.Tensor, E: int) -> tuple[int, float]:
     """(experts touched, busiest expert's rows over the mean of the touched ones) of a routing."""
     counts = torch.bincount(ids.reshape(-1).long().clamp(min=0), minlength=E).float()
     touched = counts > 0
     return int(touched.sum()), float(counts.max() / counts[touched].mean())
-
-
-def _cublas_dense_equivalent(M: int, E: int, H: int, I: int, K: int, device: torch.device) -> float | None:
-    """``torch.bmm`` (cuBLAS) doing the same bytes and flops as dense batched GEMMs: t = M·K/E tokens per expert,
-    [E, t, H] x [E, H, 2I] then [E, t, I] x [E, I, H] (SwiGLU outside the timing), µs."""
-    t = M * K // E
-    a = torch.randn(E, t, H, device=device, dtype=torch.bfloat16)
-    w1 = torch.randn(E, H, 2 * I, device=device, dtype=torch.bfloat16)
-    h = torch.randn(E, t, I, device=device, dtype=torch.bfloat16)
-    w2 = torch.randn(E, I, H, device=device, dtype=torch.bfloat16)
-    up, out = torch.empty(E, t, 2 * I, device=device, dtype=torch.bfloat16), torch.empty_like(a)
-    return timing.time_or_none([lambda: (torch.bmm(a, w1, out=up), torch.bmm(h, w2, out=out))])
 
 
 def check(device: str | torch.device = "cuda") -> list[dict[str, Any]]:
@@ -247,42 +226,8 @@ def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict[str, Any]]:
                 floor = max(row.get("mem_floor_us") or 0.0, row.get("compute_floor_us") or 0.0)
                 row["x_floor"] = us / floor if floor else None
                 row["speedup"] = row["anchor_us"] / us if row.get("anchor_us") else None
-    rows += _prefill_rows(w1, w2, ceilings, gen, quick)
     del w1, w2
     torch.cuda.empty_cache()
-    return rows
-
-
-def _prefill_rows(w1: torch.Tensor, w2: torch.Tensor, ceilings: timing.Ceilings, gen: torch.Generator,
-                  quick: bool) -> list[dict[str, Any]]:
-    """Prefill against cuBLAS and on skewed routing: ``routed experts + dispatch`` at DENSE_TOKENS beside the cuBLAS
-    dense equivalent of uniform routing, and at SKEW_TOKENS for each routing of SKEW_GAINS."""
-    device = w1.device
-    E, H, I = w1.shape[0], w1.shape[2], w2.shape[2]
-    K = preset("deepseek-v3").top_k
-    rows: list[dict[str, Any]] = []
-    for M in (SKEW_TOKENS if quick else sorted(set(DENSE_TOKENS) | set(SKEW_TOKENS))):
-        x = torch.randn(M, H, device=device, generator=gen).bfloat16()
-        dense = _cublas_dense_equivalent(M, E, H, I, K, device) if M in DENSE_TOKENS else None
-        for routing, gain in SKEW_GAINS.items() if M in SKEW_TOKENS else [("uniform", 0.0)]:
-            weights, ids = _routing(M, E, K, device, gen, gain)
-            touched, skew = load_stats(ids, E)
-            block_m = pick_block_m(M, E, H, I, K, torch.bfloat16)
-
-            def whole() -> None:
-                plan = moe_dispatch(ids, E, block_m)
-                y = moe_experts(x, w1, w2, plan)
-                moe_finalize_fuse_shared(y, plan.expanded_to_permuted, weights, None, K)
-
-            us = timing.time_or_none([whole])
-            mem_floor = touched * 3 * H * I * 2 / (ceilings.read_tbps * 1e12) * 1e6
-            rows.append({
-                "stage": f"prefill, {routing} routing", "M": M, "experts_touched": touched, "block_m": block_m,
-                "max_over_mean": skew, "us": us, "mem_floor_us": mem_floor,
-                "x_floor": us / mem_floor if us else None,
-                "cublas_us": dense if routing == "uniform" else None,
-                "x_cublas": us / dense if us and dense and routing == "uniform" else None,
-            })
     return rows
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from moefuse.bench import report, timing
 
-STAGES = ("router", "finalize", "experts", "layer", "quant", "host")
+STAGES = ("router", "finalize", "experts", "prefill", "layer", "quant", "host")
 # x axis, series to draw and the key that splits a stage's rows into panels.
 PLOTS: dict[str, dict[str, Any]] = {
     "router": {"x": "M", "group": "config",
@@ -30,6 +30,9 @@ PLOTS: dict[str, dict[str, Any]] = {
                                                          "torch_compile_us": "torch.compile"}},
     "experts": {"x": "M", "group": "stage", "series": {"us": "moefuse", "mem_floor_us": "memory floor",
                                                        "anchor_us": "best public Triton", "torch_us": "torch"}},
+    "prefill": {"x": "M", "group": "stage",
+                "series": {"us": "moefuse", "persistent_us": "persistent", "mem_floor_us": "memory floor",
+                           "cublas_us": "cuBLAS bmm", "sgmm_us": "torch._scaled_grouped_mm"}},
     "quant": {"x": "M", "group": "model",
               "series": {"us": "moefuse", "read_floor_us": "read floor", "peer_us": "vLLM fp8", "bf16_us": "bf16"}},
     "layer": {"x": "M", "group": "model",
@@ -50,9 +53,13 @@ SUMMARY: list[dict[str, Any]] = [
     {"label": "routed experts, bf16", "stage": "experts", "where": {"stage": "routed experts"}, "us": "us",
      "floor": ("mem_floor_us", "compute_floor_us"), "peer": "anchor_us", "peer_name": "best public Triton MoE",
      "kind": "experts", "fmt": "bf16"},
-    {"label": "dispatch + experts + finalize, bf16", "stage": "experts", "where": {"stage": "prefill, uniform routing"},
+    {"label": "dispatch + experts + finalize, bf16", "stage": "prefill", "where": {"stage": "prefill, uniform routing"},
      "us": "us", "peer": "cublas_us", "peer_name": "cuBLAS dense equivalent, same run",
      "kind": "experts", "fmt": "bf16", "marker": "D", "dash": "-."},
+    {"label": "dispatch + experts + finalize, fp8", "stage": "prefill",
+     "where": {"stage": "prefill fp8, uniform routing"}, "us": "us", "peer": "sgmm_us",
+     "peer_name": "torch._scaled_grouped_mm dense equivalent, same run", "kind": "experts", "fmt": "fp8",
+     "marker": "D"},
     {"label": "routed experts, fp8", "stage": "quant", "where": {"format": "fp8", "model": "deepseek-v3"}, "us": "us",
      "floor": ("read_floor_us", "mma_floor_us"), "peer": "peer_us", "peer_name": "vLLM Triton fp8",
      "kind": "experts", "fmt": "fp8"},

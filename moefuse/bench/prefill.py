@@ -1,0 +1,124 @@
+"""Prefill on the GPU: the routed experts' whole stage at 1,024-8,192 tokens against dense GEMMs doing the same work.
+
+``run(ceilings, quick)``, DeepSeek-V3 routed experts (E=256, H=7168, I=2048, top-8) under CUDA-graph replay, one row
+per format, routing and token count of ``routed experts + dispatch`` (dispatch, GEMM1 + SwiGLU, GEMM2, the weighted
+combine):
+
+- ``prefill, <routing> routing``: bf16, beside cuBLAS's dense equivalent (``torch.bmm`` on M·K/E tokens per
+  expert: the same bytes and flops as perfectly balanced routing);
+- ``prefill fp8, <routing> routing``: the weights quantized to fp8 block-scale (W8A8, SPEC §5), beside
+  ``torch._scaled_grouped_mm`` on the same tokens per expert (e4m3 with a scale per row and per weight column, GEMM1
+  then GEMM2, no SwiGLU and no quantization pass: the dense equivalent, as cuBLAS's is for bf16);
+- ``persistent µs``: the same stage on the persistent kernels (``MOEFUSE_PERSISTENT=1``, 128-row plan);
+- routing: uniform at every DENSE_TOKENS, and at SKEW_TOKENS also skewed (logits plus a Zipf popularity,
+  ``experts._routing``), with the busiest expert's load over the mean.
+
+The floor is the touched experts' weight bytes at the measured read bandwidth. Importing needs no GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moefuse import _runtime
+from moefuse.bench import timing
+from moefuse.bench.experts import _routing, _weights, load_stats
+from moefuse.config import preset
+from moefuse.dispatch import moe_dispatch
+from moefuse.experts import moe_experts, plan_block_m
+from moefuse.experts.persistent import BLOCK_M as PERSISTENT_BLOCK_M
+from moefuse.finalize import moe_finalize_fuse_shared
+from moefuse.formats import BlockFP8
+
+SKEW_GAINS = {"uniform": 0.0, "zipf-0.6": 0.6, "zipf-1.0": 1.0, "zipf-3.0": 3.0}
+SKEW_TOKENS = (1024, 4096)
+DENSE_TOKENS = (1024, 2048, 4096, 8192)
+COLUMNS = [
+    ("stage", "stage"), ("M", "M"), ("experts_touched", "experts"), ("block_m", "BLOCK_M"),
+    ("max_over_mean", "busiest / mean"), ("us", "moefuse µs"), ("persistent_us", "persistent µs"),
+    ("mem_floor_us", "weight-read floor µs"), ("x_floor", "× floor"),
+    ("cublas_us", "cuBLAS dense-equivalent µs"), ("x_cublas", "× cuBLAS"),
+    ("sgmm_us", "_scaled_grouped_mm µs"), ("x_sgmm", "× _scaled_grouped_mm"),
+]
+TITLE = "prefill: DeepSeek-V3 routed experts + dispatch + combine (E=256, H=7168, I=2048, top-8, CUDA-graph replay)"
+
+
+def cublas_dense_equivalent(M: int, E: int, H: int, I: int, K: int, device: torch.device) -> float | None:
+    """``torch.bmm`` (cuBLAS) doing the same bytes and flops as dense batched GEMMs: t = M·K/E tokens per expert,
+    [E, t, H] x [E, H, 2I] then [E, t, I] x [E, I, H] (SwiGLU outside the timing), µs."""
+    t = M * K // E
+    a = torch.randn(E, t, H, device=device, dtype=torch.bfloat16)
+    w1 = torch.randn(E, H, 2 * I, device=device, dtype=torch.bfloat16)
+    h = torch.randn(E, t, I, device=device, dtype=torch.bfloat16)
+    w2 = torch.randn(E, I, H, device=device, dtype=torch.bfloat16)
+    up, out = torch.empty(E, t, 2 * I, device=device, dtype=torch.bfloat16), torch.empty_like(a)
+    return timing.time_or_none([lambda: (torch.bmm(a, w1, out=up), torch.bmm(h, w2, out=out))])
+
+
+def scaled_grouped_mm_equivalent(M: int, E: int, H: int, I: int, K: int, device: torch.device) -> float | None:
+    """``torch._scaled_grouped_mm`` doing the fp8 experts' multiplications as E groups of t = M·K/E rows: e4m3
+    [E·t, H] x [E, H, 2I] then [E·t, I] x [E, I, H] (weights stored [E, N, K] as checkpoints have them, read
+    transposed), fp32 scales per row and per weight column, bf16 out, µs; None where this torch or GPU lacks it."""
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return None
+    t = M * K // E
+    e4m3 = torch.float8_e4m3fn
+    a = torch.randn(E * t, H, device=device).to(e4m3)
+    h = torch.randn(E * t, I, device=device).to(e4m3)
+    w1 = torch.randn(E, 2 * I, H, device=device).to(e4m3).transpose(1, 2)
+    w2 = torch.randn(E, H, I, device=device).to(e4m3).transpose(1, 2)
+    offs = torch.arange(1, E + 1, device=device, dtype=torch.int32) * t
+    ones = [torch.ones(n, device=device) for n in (E * t, E * 2 * I, E * t, E * H)]
+
+    def both() -> None:
+        torch._scaled_grouped_mm(a, w1, ones[0], ones[1].view(E, 2 * I), offs=offs, out_dtype=torch.bfloat16)
+        torch._scaled_grouped_mm(h, w2, ones[2], ones[3].view(E, H), offs=offs, out_dtype=torch.bfloat16)
+
+    return timing.time_or_none([both])
+
+
+
+def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict[str, Any]]:
+    """Prefill against the dense equivalents and on skewed routing: ``routed experts + dispatch`` at DENSE_TOKENS
+    (uniform routing) beside cuBLAS (bf16) and ``torch._scaled_grouped_mm`` (fp8), and at SKEW_TOKENS for each
+    routing of SKEW_GAINS; each also on the persistent kernels."""
+    device = torch.device("cuda")
+    gen = torch.Generator(device).manual_seed(0)
+    cfg = preset("deepseek-v3")
+    E, H, I, K = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
+    w1, w2 = _weights(E, H, I, device, gen)
+    formats: dict[str, tuple[Any, Any, int]] = {
+        "": (w1, w2, 2), " fp8": (BlockFP8.quantize(w1), BlockFP8.quantize(w2), 1)}
+    rows: list[dict[str, Any]] = []
+    for M in (SKEW_TOKENS if quick else sorted(set(DENSE_TOKENS) | set(SKEW_TOKENS))):
+        x = torch.randn(M, H, device=device, generator=gen).bfloat16()
+        dense = {"": cublas_dense_equivalent(M, E, H, I, K, device) if M in DENSE_TOKENS else None,
+                 " fp8": scaled_grouped_mm_equivalent(M, E, H, I, K, device) if M in DENSE_TOKENS else None}
+        for routing, gain in SKEW_GAINS.items() if M in SKEW_TOKENS else [("uniform", 0.0)]:
+            weights, ids = _routing(M, E, K, device, gen, gain)
+            touched, skew = load_stats(ids, E)
+            for name, (gate_up, down, width) in formats.items():
+                block_m = plan_block_m(M, gate_up, K, torch.bfloat16)
+
+                def whole(block_m: int = block_m, gate_up: Any = gate_up, down: Any = down) -> None:
+                    plan = moe_dispatch(ids, E, block_m)
+                    y = moe_experts(x, gate_up, down, plan)
+                    moe_finalize_fuse_shared(y, plan.expanded_to_permuted, weights, None, K)
+
+                us = timing.time_or_none([whole])
+                with _runtime.env_override("MOEFUSE_PERSISTENT", "1"):
+                    persistent_us = timing.time_or_none([lambda: whole(PERSISTENT_BLOCK_M)])
+                mem_floor = touched * 3 * H * I * width / (ceilings.read_tbps * 1e12) * 1e6
+                peer = dense[name] if routing == "uniform" else None
+                ratio = us / peer if us and peer else None
+                rows.append({
+                    "stage": f"prefill{name}, {routing} routing", "M": M, "experts_touched": touched,
+                    "block_m": block_m, "max_over_mean": skew, "us": us, "persistent_us": persistent_us,
+                    "mem_floor_us": mem_floor, "x_floor": us / mem_floor if us else None,
+                    **({"cublas_us": peer, "x_cublas": ratio} if name == "" else {"sgmm_us": peer, "x_sgmm": ratio}),
+                })
+    del w1, w2, formats
+    torch.cuda.empty_cache()
+    return rows

@@ -154,7 +154,7 @@ def write(kept: list[dict], rows: list[dict], out: Path, dates: list[str]) -> No
         (f[0], s, p) for f in FORMATS for s in SHAPES for p in ("tl", "persistent"))}
     rows = sorted(kept + rows, key=lambda r: (order[r["format"], r["shape"], r.get("path", "tl")], r["block_m"]))
     out.mkdir(exist_ok=True)
-    meta = {"date": " and ".join(dates), **environment()}
+    meta = {**environment(), "date": " and ".join(dates)}  # environment() has a date of its own
     (out / "errors.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [
         "# Experts: error against the float64 spec emulation, per format and tile path",

@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -107,7 +108,7 @@ def time_all(device: torch.device) -> list[dict]:
         inter = torch.empty(plan.num_rows, I, dtype=torch.bfloat16, device=device)
         gathered = persistent.gather_rows(x, plan)
         tiles = configs.pick(M, E, H, I, K, torch.bfloat16, configs.arch_of(device), block_m=128)
-        row = {"M": M, "routing": routing, "table_block_m": table_block_m,
+        row: dict[str, Any] = {"M": M, "routing": routing, "table_block_m": table_block_m,
                "tiles": plan.tile_expert.numel(), "active_tiles": int((plan.tile_expert >= 0).sum()),
                "tl_128": timing.time_or_none([lambda: moe_experts(x, w1, w2, plan, out=out)]),
                "tl_table": timing.time_or_none([lambda: moe_experts(x, w1, w2, table_plan, out=out)]),
@@ -219,7 +220,7 @@ def main() -> int:
     if args.ncu_kernel:
         ncu_launch(args.ncu_kernel, args.routing, device, args.by_expert, args.item_per_program, args.fp8)
         return 0
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if args.check:
         result["check"] = check(device)
     if args.time:

@@ -29,7 +29,11 @@ _TABLE = {
     # intermediate on any path (one e4m3 step, 1/8 of a value): a GPU run measured 1.95e-2 on a 16-row tile once
     # (issue 37, seed 1603806832). Rare, so the table's 8 seeds did not see it; the RMS stays small.
     ("fp8", "short"): (5e-2, 1e-2),
-    ("fp8", "tall"): (5e-2, 1e-2),  # 2.9e-2 / 4.4e-3: wgmma's fp8 sums flip e4m3 roundings of the intermediate
+    # 2.9e-2 / 4.4e-3 in the table (96 tokens and more): wgmma's fp8 sums flip e4m3 roundings of the intermediate.
+    # On a handful of rows the RMS nears the max, as W4A8's below: a GPU fuzz run met 1.34e-2 RMS (max 3.3e-2) on 10
+    # rows of E = 77, H = 256, I = 128, top-1 (persistent kernels, which match the tl tall tiles' table cells to
+    # three digits; twenty-third session).
+    ("fp8", "tall"): (5e-2, 2e-2),
     ("mxfp4", "short"): (1e-2, 5e-3),  # 3.4e-3 / 1.7e-3
     ("mxfp4", "tall"): (1e-2, 5e-3),  # the same (fp32 sums on every tile height)
     # 1.9e-2 / 3.7e-3 in the table (H, I >= 512). At the narrowest widths W4A8 takes, a row's 128 e4m3-rounded

@@ -246,7 +246,7 @@ def _write_report(out: Path) -> None:
         env, module = record["environment"], importlib.import_module(f"moefuse.bench.{stage}")
         ceilings = ", ".join(f"{k} {v:.3g}" for k, v in record["ceilings"].items())
         parts.append(f"## {stage}\n\n{env['date']}, {env['gpu']}, torch {env['torch']}, Triton {env['triton']}, "
-                     f"Python {env['python']}. Ceilings: {ceilings}")
+                     f"Python {env['python']}. Ceilings: {ceilings}" + (f". {env['note']}" if env.get("note") else ""))
         if record.get("checks"):
             parts.append(report.format_table(record["checks"], module.CHECK_COLUMNS, f"{stage}: checks"))
         parts.append(report.format_table(record["rows"], module.COLUMNS, module.TITLE))

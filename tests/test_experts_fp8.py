@@ -11,9 +11,9 @@ import torch
 from tolerances import experts_tolerance
 
 from moefuse.dispatch import moe_dispatch
-from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts
+from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts, persistent, pick_block_m, plan_block_m
 from moefuse.experts.reference import moe_experts_fp8_torch
-from moefuse.formats import BlockFP8, dequantize_rows, quantize_rows, ue8m0_to_float
+from moefuse.formats import BlockFP8, dequantize_rows, quantize_rows, tile_dtype, ue8m0_to_float
 from moefuse.testing import assert_rel_close, rms_rel_error
 
 
@@ -229,3 +229,26 @@ def test_passes_around_cublas_match_the_quantizer(M, limit, gen, device):
     # e4m3 keeps 3 mantissa bits: each value within half a step (2^-4 of it) of its group's scaled act
     assert ((got - act).abs() <= act.abs() * 2**-4 + a_s.cpu().repeat_interleave(128, 1) * 2**-9 + 1e-12).all()
     assert torch.allclose(a_s.cpu().double(), act.view(M, -1, 128).abs().amax(2) / 448, rtol=1e-6)
+
+
+def test_plan_block_m_gives_the_persistent_kernels_their_plans_when_opted_in(monkeypatch):
+    """``MOEFUSE_PERSISTENT=1``: fp8 experts get the persistent kernels' 128-row plans on Hopper from
+    ``persistent.FP8_MIN_TOKENS`` tokens (where they measured faster), if their widths are whole items; the tile
+    table's height everywhere else, and always without the opt-in."""
+    E, H, I, K = 4, 256, 128, 2
+    w1 = BlockFP8.quantize(torch.randn(E, 2 * I, H))
+    narrow = BlockFP8.quantize(torch.randn(E, 2 * 192, H))  # I = 192: not whole 128-column items
+    many = persistent.FP8_MIN_TOKENS
+
+    def table(M: int, arch, width: int = I) -> int:
+        return pick_block_m(M, E, H, width, K, tile_dtype(w1, torch.bfloat16), arch)
+
+    assert table(many, (9, 0)) != persistent.BLOCK_M  # else the opt-in would not show here
+    monkeypatch.setenv("MOEFUSE_PERSISTENT", "0")
+    assert plan_block_m(many, w1, K, torch.bfloat16, arch=(9, 0)) == table(many, (9, 0))
+    monkeypatch.setenv("MOEFUSE_PERSISTENT", "1")
+    assert plan_block_m(many, w1, K, torch.bfloat16, arch=(9, 0)) == persistent.BLOCK_M
+    assert plan_block_m(many - 1, w1, K, torch.bfloat16, arch=(9, 0)) == table(many - 1, (9, 0))
+    assert plan_block_m(many, w1, K, torch.bfloat16, arch=(10, 0)) == table(many, (10, 0))
+    assert plan_block_m(many, w1, K, torch.bfloat16, arch=None) == table(many, None)
+    assert plan_block_m(many, narrow, K, torch.bfloat16, arch=(9, 0)) == table(many, (9, 0), 192)

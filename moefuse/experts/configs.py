@@ -115,7 +115,8 @@ def arch_of(device: torch.device) -> Arch:
     return _runtime.capability(device)
 
 
-def _resolve_arch(arch: Union[Arch, Literal["auto"]]) -> Arch:
+def resolve_arch(arch: Union[Arch, Literal["auto"]]) -> Arch:
+    """``arch`` itself, or for "auto" the current CUDA device's capability (None without one)."""
     if arch != "auto":
         return arch
     if not torch.cuda.is_available():
@@ -136,11 +137,11 @@ def pick(
     """
     M = int(M)  # under torch.compile with dynamic shapes: specialize on the token count (a guard per M)
     if torch.compiler.is_compiling():  # traced: no ContextVar, no cache
-        return _choose(M, E, H, I, K, dtype, _resolve_arch(arch), block_m)
+        return _choose(M, E, H, I, K, dtype, resolve_arch(arch), block_m)
     forced = _OVERRIDE.get()
     if forced is not None:
         return forced if block_m is None else replace(forced, block_m=block_m)
-    return _choose_cached(M, E, H, I, K, dtype, _resolve_arch(arch), block_m)
+    return _choose_cached(M, E, H, I, K, dtype, resolve_arch(arch), block_m)
 
 
 def _choose(M: int, E: int, H: int, I: int, K: int, dtype: torch.dtype, arch: Arch,

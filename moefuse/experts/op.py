@@ -209,11 +209,15 @@ def plan_block_m(
     arch: Union[Arch, Literal["auto"]] = "auto",
 ) -> int:
     """The dispatch plan's ``block_m`` for ``moe_experts`` on these weights: the tile table's (``pick_block_m``),
-    or the W4A8 kernels' 128 rows for MXFP4 with ``activation_quant="fp8"``."""
+    the W4A8 kernels' 128 rows for MXFP4 with ``activation_quant="fp8"``, or with the persistent kernels opted in
+    (``MOEFUSE_PERSISTENT=1``) their 128 rows for fp8 block-scale on Hopper from ``persistent.FP8_MIN_TOKENS``."""
     quant = resolve_activation_quant(gate_up_proj, activation_quant)
     if isinstance(gate_up_proj, MXFP4) and quant == "fp8":
         return mxfp4_w4a8.BLOCK_M
     E, two_width, H = gate_up_proj.shape
+    if isinstance(gate_up_proj, BlockFP8) and persistent.takes_fp8_plan(num_tokens, H, two_width // 2,
+                                                                         configs.resolve_arch(arch)):
+        return persistent.BLOCK_M
     return pick_block_m(num_tokens, E, H, two_width // 2, top_k, tile_dtype(gate_up_proj, hidden_dtype), arch)
 
 

@@ -60,6 +60,10 @@ CONSUMER_REGS = 232  # four [64, 64] fp32 accumulators (128 registers) and the e
 # (the producer takes the default partition): at 232 the consumers spilled 48 bytes (Triton 3.9), at 256 the
 # partitions no longer fit an SM's registers (592 bytes of stack), at 240 nothing spills.
 FP8_CONSUMER_REGS = 240
+# Opted in, fp8 experts take 128-row plans from this many tokens (plan_block_m): there the persistent kernels beat the
+# default path's 64-row plans (whole stage 0.91x at 2,048 tokens, 0.94x at 4,096 and 8,192), at 1,024 they lose
+# (1.03x; `moefuse bench prefill`, H200, 2026-12-04).
+FP8_MIN_TOKENS = 2048
 GEMM1_COLS = 2 * BOX  # intermediate columns an item of GEMM1 computes (both consumers)
 GEMM2_COLS = 4 * BOX  # output columns an item of GEMM2 computes
 
@@ -350,6 +354,13 @@ def _runs_here(hidden: torch.Tensor, gate_up_shape: torch.Size, plan: DispatchPl
             and hidden.dtype in (torch.bfloat16, torch.float16) and _runtime.capability(hidden.device) == (9, 0)
             and plan.block_m == BLOCK_M and widths_fit(gate_up_shape[2], gate_up_shape[1] // 2)
             and out.stride(1) == 1)
+
+
+def takes_fp8_plan(num_tokens: int, hidden_size: int, width: int, arch: Optional[tuple[int, int]]) -> bool:
+    """Whether fp8 block-scale experts of these widths at ``num_tokens`` tokens should get a ``BLOCK_M``-row plan
+    for the persistent kernels: opted in (``MOEFUSE_PERSISTENT=1``), on sm_90, from ``FP8_MIN_TOKENS``."""
+    return (gluon is not None and _runtime.persistent_enabled() and arch == (9, 0)
+            and num_tokens >= FP8_MIN_TOKENS and widths_fit(hidden_size, width))
 
 
 def widths_fit(hidden_size: int, width: int) -> bool:

@@ -79,9 +79,12 @@ def check(device: torch.device) -> list[dict]:
         assert persistent.eligible(x, w1, w2, plan, out), (E_, H_, I_)
         persistent.experts_persistent(x, w1, w2, plan, out, limit)
         tl_out = moe_experts(x, w1, w2, plan, swiglu_limit=limit)
+        dynamic = torch.empty_like(out)
+        persistent.experts_persistent(x, w1, w2, plan, dynamic, limit, dynamic=True)
         row = {"case": f"E={E_} H={H_} I={I_} K={K_} M={M} {routing} limit={limit} {str(dtype)[6:]}",
                "vs_tl": rel_error(out[:n].float(), tl_out[:n].float()),
-               "bitwise_equal_to_tl": bool(torch.equal(out[:n], tl_out[:n]))}
+               "bitwise_equal_to_tl": bool(torch.equal(out[:n], tl_out[:n])),
+               "dynamic_bitwise_equal": bool(torch.equal(out[:n], dynamic[:n]))}
         if E_ * H_ * I_ < 1e9 or M <= 600:
             ref = moe_experts_torch(x, w1, w2, plan, swiglu_limit=limit, dtype=torch.float64)
             row["vs_f64"] = rel_error(out[:n].double(), ref[:n])
@@ -123,6 +126,11 @@ def time_all(device: torch.device) -> list[dict]:
                    x, w1, w2, plan, out, by_expert=True)]),
                "p_by_expert_grid": timing.time_or_none([lambda: persistent.experts_persistent(
                    x, w1, w2, plan, out, by_expert=True, programs=1 << 30)]),
+               # the twenty-third session's: items claimed from a counter as programs free up
+               "p_dynamic": timing.time_or_none([lambda: persistent.experts_persistent(
+                   x, w1, w2, plan, out, dynamic=True)]),
+               "p_dynamic_by_expert": timing.time_or_none([lambda: persistent.experts_persistent(
+                   x, w1, w2, plan, out, by_expert=True, dynamic=True)]),
                "floor_us": int(torch.unique(ids).numel()) * 3 * H * I * 2 / 4.29e12 * 1e6}
         if routing == "balanced":
             row["cublas_bmm"] = cublas_dense_equivalent(M, E, H, I, K, device)
@@ -156,6 +164,10 @@ def time_fp8(device: torch.device) -> list[dict]:
                    x, q1, q2, plan, out, by_expert=True)]),
                "p_fp8_by_expert_grid": timing.time_or_none([lambda: persistent.experts_persistent_fp8(
                    x, q1, q2, plan, out, by_expert=True, programs=1 << 30)]),
+               "p_fp8_dynamic": timing.time_or_none([lambda: persistent.experts_persistent_fp8(
+                   x, q1, q2, plan, out, dynamic=True)]),
+               "p_fp8_dynamic_by_expert": timing.time_or_none([lambda: persistent.experts_persistent_fp8(
+                   x, q1, q2, plan, out, by_expert=True, dynamic=True)]),
                "read_floor_us": int(torch.unique(plan.tile_expert[plan.tile_expert >= 0]).numel()) * 3 * H * I
                / 4.29e12 * 1e6}
         if M == 1024:  # the error against the spec's float64 emulation, on 256 of these tokens
@@ -178,7 +190,7 @@ def routed_ids(M: int, routing: str, device: torch.device, gen: torch.Generator)
 
 
 def ncu_launch(kernel: str, routing: str, device: torch.device, by_expert: bool = False,
-               item_per_program: bool = False, fp8: bool = False) -> None:
+               item_per_program: bool = False, fp8: bool = False, dynamic: bool = False) -> None:
     """Three GEMM1 launches at 4,096 tokens (ncu skips the first two: compile and warm-up). ``fp8`` (persistent
     only): three fp8 block-scale experts calls, GEMM1 then GEMM2 each (``--launch-skip 4`` for the third GEMM1)."""
     w1, w2 = weights(E, H, I, device)
@@ -190,7 +202,8 @@ def ncu_launch(kernel: str, routing: str, device: torch.device, by_expert: bool 
         q1, q2 = BlockFP8.quantize(w1), BlockFP8.quantize(w2)
         out = torch.empty(plan.num_rows, H, dtype=torch.bfloat16, device=device)
         for _ in range(3):
-            persistent.experts_persistent_fp8(x, q1, q2, plan, out, by_expert=by_expert, programs=programs)
+            persistent.experts_persistent_fp8(x, q1, q2, plan, out, by_expert=by_expert, programs=programs,
+                                              dynamic=dynamic)
         torch.cuda.synchronize()
         return
     inter = torch.empty(plan.num_rows, I, dtype=torch.bfloat16, device=device)
@@ -200,7 +213,7 @@ def ncu_launch(kernel: str, routing: str, device: torch.device, by_expert: bool 
         if kernel == "tl":
             gemm1_swiglu(x, w1, plan, inter, tiles.gemm1)
         else:
-            persistent.launch(True, rows, w1, plan, inter, by_expert=by_expert, programs=programs)
+            persistent.launch(True, rows, w1, plan, inter, by_expert=by_expert, programs=programs, dynamic=dynamic)
     torch.cuda.synchronize()
 
 
@@ -214,11 +227,14 @@ def main() -> int:
     parser.add_argument("--by-expert", action="store_true", help="--ncu-kernel persistent: items in tl's order")
     parser.add_argument("--item-per-program", action="store_true",
                         help="--ncu-kernel persistent: one program per item (the hardware schedules them)")
+    parser.add_argument("--dynamic", action="store_true",
+                        help="--ncu-kernel persistent: items claimed from a counter as programs free up")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device("cuda")
     if args.ncu_kernel:
-        ncu_launch(args.ncu_kernel, args.routing, device, args.by_expert, args.item_per_program, args.fp8)
+        ncu_launch(args.ncu_kernel, args.routing, device, args.by_expert, args.item_per_program, args.fp8,
+                   args.dynamic)
         return 0
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if args.check:

@@ -67,8 +67,8 @@ def main() -> None:
 
 def persistent_gemms() -> None:
     """The persistent prefill GEMMs (``experts/persistent.py``, sm_90 only; bf16 and fp8 block-scale): ragged and
-    empty experts, partial
-    tiles of every height, an I that is not a power of two, a strided hidden state, each item order and grid."""
+    empty experts, partial tiles of every height, an I that is not a power of two, a strided hidden state, each item
+    order, grid and schedule."""
     if torch.cuda.get_device_capability() != (9, 0):
         return
     dev, bf16 = "cuda", torch.bfloat16
@@ -81,9 +81,12 @@ def persistent_gemms() -> None:
     plan = moe_dispatch(ids, E, persistent.BLOCK_M)
     out = torch.empty(plan.num_rows, H, device=dev, dtype=bf16)
     q1, q2 = BlockFP8.quantize(w1), BlockFP8.quantize(w2)
-    for by_expert, programs in ((False, None), (True, None), (True, 1 << 30)):
-        persistent.experts_persistent(x, w1, w2, plan, out, 7.0, by_expert=by_expert, programs=programs)
-        persistent.experts_persistent_fp8(x, q1, q2, plan, out, 7.0, by_expert=by_expert, programs=programs)
+    for by_expert, programs, dynamic in ((False, None, False), (True, None, False), (True, 1 << 30, False),
+                                         (False, None, True), (True, 3, True)):
+        persistent.experts_persistent(x, w1, w2, plan, out, 7.0, by_expert=by_expert, programs=programs,
+                                      dynamic=dynamic)
+        persistent.experts_persistent_fp8(x, q1, q2, plan, out, 7.0, by_expert=by_expert, programs=programs,
+                                          dynamic=dynamic)
 
 
 def _ids(tokens: int, E: int, K: int) -> torch.Tensor:

@@ -330,20 +330,22 @@ def compile_mxfp4_w4a8_gemm(gemm: int, block_m: int, has_limit: bool):
     return compile_gluon(fn, types, constexprs, shape.maxnreg)
 
 
-def compile_persistent_gemm(gemm: int, has_limit: bool, dtype: str = "bf16", by_expert: bool = False):
+def compile_persistent_gemm(gemm: int, has_limit: bool, dtype: str = "bf16", by_expert: bool = False,
+                            dynamic: bool = False):
     """The persistent warp-specialized GEMM1 or GEMM2 (``experts/persistent.py``, Gluon) as ``experts_persistent``
     (``dtype`` bf16 or fp16) or ``experts_persistent_fp8`` (``dtype`` fp8: e4m3 operands, bf16 output) launches it
-    on sm_90: a producer warp, two 64-row consumers, ``STAGES`` slots."""
+    on sm_90: a producer warp, two 64-row consumers, ``STAGES`` slots; ``dynamic``: items claimed from a counter."""
     from triton.experimental.gluon import language as gl
 
     p = experts_persistent
     constexprs = {"GEMM1": gemm == 1, "HAS_LIMIT": has_limit, "STAGES": p.STAGES, "BY_EXPERT": by_expert,
-                  "PRODUCER_REGS": p.PRODUCER_REGS, "CONSUMER_REGS": p.CONSUMER_REGS}
+                  "DYNAMIC": dynamic, "PRODUCER_REGS": p.PRODUCER_REGS, "CONSUMER_REGS": p.CONSUMER_REGS}
+    schedule = {"claims_ptr": "*i32", "counter_ptr": "*i32"}
     if dtype == "fp8":
         box = [p.BLOCK_M // 2, p.FP8_BLOCK_K]
         layout = gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)
         desc = f"tensordesc<fp8e4nv[{box[0]}, {box[1]}],{layout!r}>"
-        types = {"a_desc": desc, "w_desc": desc, "as_ptr": "*fp32", "ws_ptr": "*fp32", "limit": "fp32",
+        types = {"a_desc": desc, "w_desc": desc, "as_ptr": "*fp32", "ws_ptr": "*fp32", "limit": "fp32", **schedule,
                  # GEMM1 writes the intermediate quantized (values, scales); GEMM2 passes its output twice
                  "out_ptr": "*fp8e4nv" if gemm == 1 else "*bf16", "os_ptr": "*fp32" if gemm == 1 else "*bf16"}
         constexprs = {**{k: v for k, v in constexprs.items() if not k.endswith("_REGS")},
@@ -355,7 +357,7 @@ def compile_persistent_gemm(gemm: int, has_limit: bool, dtype: str = "bf16", by_
     w_layout = gl.NVMMASharedLayout.get_default_for(w_box, gl_dtype)
     types = {"a_desc": f"tensordesc<{dtype}[{a_box[0]}, {a_box[1]}],{a_layout!r}>",
              "w_desc": f"tensordesc<{dtype}[{w_box[0]}, {w_box[1]}],{w_layout!r}>",
-             "out_ptr": f"*{dtype}", "limit": "fp32"}
+             "out_ptr": f"*{dtype}", "limit": "fp32", **schedule}
     return compile_gluon(p._persistent_kernel, types, constexprs, p.MAXNREG)
 
 
@@ -459,22 +461,25 @@ def mxfp4_ws(args: argparse.Namespace) -> list[str]:
 
 def persistent(args: argparse.Namespace) -> list[str]:
     """The persistent prefill GEMMs (``experts/persistent.py``): one launch shape for every model (widths are
-    run-time arguments), bf16, fp16 and fp8 block-scale, each item order, with and without the SwiGLU clamp."""
+    run-time arguments), bf16, fp16 and fp8 block-scale, each item order and schedule, with and without the SwiGLU
+    clamp (the dynamic schedule on GEMM1 without it and GEMM2: the clamp changes only the epilogue)."""
     problems = []
-    print(f"{'dtype':5s} {'order':9s} {'GEMM':4s} {'clamp':>5s} {'smem':>6s} {'regs':>4s} {'stack':>5s} "
-          f"{'HGMMA':>5s}")
+    print(f"{'dtype':5s} {'order':9s} {'schedule':8s} {'GEMM':4s} {'clamp':>5s} {'smem':>6s} {'regs':>4s} "
+          f"{'stack':>5s} {'HGMMA':>5s}")
     for dtype in ("bf16", "fp16", "fp8"):
         for by_expert in (False, True):
             order = "by expert" if by_expert else "tiles"
-            for gemm, has_limit in ((1, False), (1, True), (2, False)):
-                where = f"persistent {dtype} GEMM{gemm}, items {order}, clamp {has_limit}"
-                result = compiled_stats(where, problems,
-                                        lambda: compile_persistent_gemm(gemm, has_limit, dtype, by_expert))
+            for gemm, has_limit, dynamic in ((1, False, False), (1, True, False), (2, False, False),
+                                             (1, False, True), (2, False, True)):
+                schedule = "dynamic" if dynamic else "static"
+                where = f"persistent {dtype} GEMM{gemm}, items {order}, {schedule}, clamp {has_limit}"
+                result = compiled_stats(where, problems, lambda: compile_persistent_gemm(
+                    gemm, has_limit, dtype, by_expert, dynamic))
                 if result is None:
                     continue
                 _, s, smem = result
-                print(f"{dtype:5s} {order:9s} {gemm:4d} {str(has_limit):>5s} {smem:6d} {s['regs']:4d} "
-                      f"{s['stack']:5d} {s['hgmma']:5d}", flush=True)
+                print(f"{dtype:5s} {order:9s} {schedule:8s} {gemm:4d} {str(has_limit):>5s} {smem:6d} "
+                      f"{s['regs']:4d} {s['stack']:5d} {s['hgmma']:5d}", flush=True)
                 if s["stack"] or not s["hgmma"]:
                     problems.append(f"{where}: {s['stack']} bytes of stack, {s['hgmma']} wgmma")
     return problems

@@ -35,6 +35,10 @@ CASES = [
     (16, 1024, 256, 4, 300, "empty", None),
     (8, 2048, 768, 2, 700, "skewed", None),
 ]
+# (by_expert, programs, dynamic): the default, then each experiment of ``persistent.launch`` (3 programs: many
+# items each, so the dynamic claims' ring wraps)
+SCHEDULES = [(False, None, False), (True, None, False), (True, 1 << 30, False), (False, 3, False),
+             (False, None, True), (True, None, True), (False, 3, True)]
 
 
 def _inputs(E, H, I, K, M, routing, dtype, gen):
@@ -98,16 +102,34 @@ def test_op_runs_them_when_asked(gen, monkeypatch):
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[5] != "uniform"], ids=lambda c: f"E{c[0]}-M{c[4]}-{c[5]}")
 def test_item_orders_and_grids_give_the_same_bits(case, gen):
-    """The experiment switches of ``persistent.launch`` (items by expert; one item a program) change which program
-    computes an item, never what it computes."""
+    """The experiment switches of ``persistent.launch`` (items by expert; one item a program; items claimed from a
+    counter) change which program computes an item, never what it computes."""
     E, H, I, K, M, routing, limit = case
     x, w1, w2, ids = _inputs(E, H, I, K, M, routing, torch.bfloat16, gen)
     plan = moe_dispatch(ids, E, persistent.BLOCK_M)
     n = int(plan.expert_offsets[-1])
     outs = []
-    for by_expert, programs in ((False, None), (True, None), (True, 1 << 30), (False, 3)):
+    for by_expert, programs, dynamic in SCHEDULES:
         out = torch.full((plan.num_rows, H), float("nan"), dtype=torch.bfloat16, device="cuda")
-        persistent.experts_persistent(x, w1, w2, plan, out, limit, by_expert=by_expert, programs=programs)
+        persistent.experts_persistent(x, w1, w2, plan, out, limit, by_expert=by_expert, programs=programs,
+                                      dynamic=dynamic)
+        outs.append(out[:n])
+    assert all(torch.equal(outs[0], other) for other in outs[1:])
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] != "uniform"], ids=lambda c: f"E{c[0]}-M{c[4]}-{c[5]}")
+def test_fp8_item_orders_and_schedules_give_the_same_bits(case, gen):
+    """The same switches on the fp8 kernels."""
+    E, H, I, K, M, routing, limit = case
+    x, w1, w2, ids = _inputs(E, H, I, K, M, routing, torch.bfloat16, gen)
+    q1, q2 = BlockFP8.quantize(w1), BlockFP8.quantize(w2)
+    plan = moe_dispatch(ids, E, persistent.BLOCK_M)
+    n = int(plan.expert_offsets[-1])
+    outs = []
+    for by_expert, programs, dynamic in SCHEDULES:
+        out = torch.full((plan.num_rows, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        persistent.experts_persistent_fp8(x, q1, q2, plan, out, limit, by_expert=by_expert, programs=programs,
+                                          dynamic=dynamic)
         outs.append(out[:n])
     assert all(torch.equal(outs[0], other) for other in outs[1:])
 

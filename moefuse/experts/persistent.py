@@ -9,7 +9,9 @@ differs is the structure, the one the non-persistent kernels could not reach (do
 
 - one program per SM, walking the work items ``pid, pid + grid, ...``; an item is one plan tile (``BLOCK_M`` rows
   of one expert) and one column block. Items go tile by tile, so the programs running at once share a few tiles'
-  activation rows and, where an expert has several tiles, its weight boxes through L2;
+  activation rows and, where an expert has several tiles, its weight boxes through L2. Experiments (``launch``):
+  the ``tl`` kernels' item order, one item a program, and items claimed from a counter as programs free up
+  (``dynamic``: the programs that share an expert's weights then start together, as the hardware starts blocks);
 - a producer warp that streams each 64-deep step of the item's activation rows (two 64-row boxes) and its four
   64-row weight boxes through TMA into a ring of slots, running ahead across items (it fills the next item's steps
   while the consumers finish the last one's epilogue);
@@ -64,6 +66,9 @@ FP8_CONSUMER_REGS = 240
 # default path's 64-row plans (whole stage 0.91x at 2,048 tokens, 0.94x at 4,096 and 8,192), at 1,024 they lose
 # (1.03x; `moefuse bench prefill`, H200, 2026-12-04).
 FP8_MIN_TOKENS = 2048
+# The dynamic schedule's claims a program keeps: the producer runs at most STAGES items ahead (an item has at least
+# one step), so a claim is read before it is written over.
+CLAIMS = 2 * STAGES
 GEMM1_COLS = 2 * BOX  # intermediate columns an item of GEMM1 computes (both consumers)
 GEMM2_COLS = 4 * BOX  # output columns an item of GEMM2 computes
 
@@ -75,6 +80,7 @@ if gluon is not None:
     _HALF: gl.constexpr = gl.constexpr(BLOCK_M // 2)  # a consumer's rows: one wgmma M
     _BK8: gl.constexpr = gl.constexpr(FP8_BLOCK_K)
     _NAN: gl.constexpr = gl.constexpr(tl.PropagateNan.ALL)
+    _CLAIMS: gl.constexpr = gl.constexpr(CLAIMS)
 
     @gluon.jit
     def _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, BY_EXPERT: gl.constexpr):
@@ -102,28 +108,70 @@ if gluon is not None:
         return expert, block, row_start, row_end
 
     @gluon.jit
+    def _produce_item(a_desc, w_desc, a_smem, w_smem, ready, empty, i, w_row, row_start, pair_rows, box_rows,
+                      k_steps, claim_ptr, item, BK: gl.constexpr, STAGES: gl.constexpr, DYNAMIC: gl.constexpr):
+        """One item's steps into the ring from position ``i`` (returned past them). ``DYNAMIC``: the item's number
+        goes to ``claim_ptr`` once its first slot is free, before that slot's barrier is armed (the arrive
+        releases it to the consumers, whose wait acquires it)."""
+        for k in range(k_steps):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first pass finds every slot free
+            if DYNAMIC:
+                if k == 0:
+                    gl.store(claim_ptr, item)
+            mbarrier.expect(ready.index(s), 2 * a_desc.block_type.nbytes + 4 * w_desc.block_type.nbytes)
+            for h in gl.static_range(2):
+                _tma_load(a_desc, [row_start + h * _HALF, k * BK], ready.index(s), a_smem.index(2 * s + h))
+            for b in gl.static_range(4):
+                _tma_load(w_desc, [w_row + (b // 2) * pair_rows + (b % 2) * box_rows, k * BK],
+                          ready.index(s), w_smem.index(4 * s + b))
+            i += 1
+        return i
+
+    @gluon.jit
     def _produce(a_desc, w_desc, a_smem, w_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
                  expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, pair_rows, box_rows,
-                 k_steps, BK: gl.constexpr, STAGES: gl.constexpr, BY_EXPERT: gl.constexpr):
+                 k_steps, claims_ptr, counter_ptr, BK: gl.constexpr, STAGES: gl.constexpr,
+                 BY_EXPERT: gl.constexpr, DYNAMIC: gl.constexpr):
         """The producer warp: for every ``BK``-deep step of every item of this program, the two 64-row activation
         boxes and the four weight boxes (box b at rows ``item_cols * block + (b // 2) * pair_rows + (b % 2) *
-        box_rows`` of the expert's) into slot ``i % STAGES``."""
+        box_rows`` of the expert's) into slot ``i % STAGES``. Static: items ``pid, pid + grid, ...``. ``DYNAMIC``:
+        each next item claimed from ``counter_ptr`` when the last one is issued (as the hardware hands blocks to
+        free SMs), its number passed to the consumers through this program's ring of ``CLAIMS`` claims, and past
+        the last item a slot armed with no bytes whose claim is ``num_items``: the consumers' end."""
         i = 0
-        for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-            expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
-                                                      expert_offsets_ptr, BY_EXPERT)
-            if expert >= 0:
-                w_row = expert * rows_per_expert + block * item_cols
-                for k in range(k_steps):
-                    s = i % STAGES
-                    mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first pass finds every slot free
-                    mbarrier.expect(ready.index(s), 2 * a_desc.block_type.nbytes + 4 * w_desc.block_type.nbytes)
-                    for h in gl.static_range(2):
-                        _tma_load(a_desc, [row_start + h * _HALF, k * BK], ready.index(s), a_smem.index(2 * s + h))
-                    for b in gl.static_range(4):
-                        _tma_load(w_desc, [w_row + (b // 2) * pair_rows + (b % 2) * box_rows, k * BK],
-                                  ready.index(s), w_smem.index(4 * s + b))
-                    i += 1
+        if DYNAMIC:
+            claims = claims_ptr + gl.program_id(0) * _CLAIMS
+            j = 0
+            item = gl.atomic_add(counter_ptr, 1)
+            while item < num_items:
+                expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
+                                                          expert_offsets_ptr, BY_EXPERT)
+                if expert >= 0:
+                    i = _produce_item(a_desc, w_desc, a_smem, w_smem, ready, empty, i,
+                                      expert * rows_per_expert + block * item_cols, row_start, pair_rows, box_rows,
+                                      k_steps, claims + j % _CLAIMS, item, BK, STAGES, DYNAMIC)
+                    j += 1
+                item = gl.atomic_add(counter_ptr, 1)
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            gl.store(claims + j % _CLAIMS, num_items)
+            mbarrier.arrive(ready.index(s))
+        else:
+            for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+                expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
+                                                          expert_offsets_ptr, BY_EXPERT)
+                if expert >= 0:
+                    i = _produce_item(a_desc, w_desc, a_smem, w_smem, ready, empty, i,
+                                      expert * rows_per_expert + block * item_cols, row_start, pair_rows, box_rows,
+                                      k_steps, claims_ptr, item, BK, STAGES, DYNAMIC)
+
+    @gluon.jit
+    def _claimed(claims_ptr, ready, i, j, STAGES: gl.constexpr):
+        """A consumer's next item under the dynamic schedule: the claim the producer wrote before arming slot
+        ``i % STAGES`` (its ``j``-th), read once that slot's barrier completes (``num_items``: no more)."""
+        mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
+        return gl.load(claims_ptr + gl.program_id(0) * _CLAIMS + j % _CLAIMS, volatile=True)
 
     @gluon.jit
     def _store(acc, out_ptr, row0, row_end, col0, stride_om, MMA: gl.constexpr):
@@ -174,72 +222,94 @@ if gluon is not None:
         return a_smem, w_smem, ready, empty
 
     @gluon.jit
+    def _consume_item(a_smem, w_smem, ready, empty, out_ptr, i, expert, block, row_start, row_end, item_cols,
+                      k_steps, stride_om, limit, C: gl.constexpr, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                      STAGES: gl.constexpr):
+        """Consumer ``C``'s part of one item, its steps from ring position ``i`` (returned past them)."""
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, _BOX, 16])
+        row0 = row_start + C * _HALF
+        if expert >= 0:
+            if row0 < row_end:
+                acc0 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
+                acc1 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
+                acc2 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
+                acc3 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
+                for k in range(k_steps):
+                    s = i % STAGES
+                    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                    a = a_smem.index(2 * s + C)
+                    acc0 = warpgroup_mma(a, w_smem.index(4 * s).permute((1, 0)), acc0, is_async=True)
+                    acc1 = warpgroup_mma(a, w_smem.index(4 * s + 1).permute((1, 0)), acc1, is_async=True)
+                    acc2 = warpgroup_mma(a, w_smem.index(4 * s + 2).permute((1, 0)), acc2, is_async=True)
+                    acc3 = warpgroup_mma(a, w_smem.index(4 * s + 3).permute((1, 0)), acc3, is_async=True)
+                    # This step's wgmmas stay in flight; the step before is done, so its slot is free.
+                    acc0, acc1, acc2, acc3 = warpgroup_mma_wait(4, deps=[acc0, acc1, acc2, acc3])
+                    if k > 0:
+                        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
+                    i += 1
+                acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3])
+                mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
+                col0 = block * item_cols
+                if GEMM1:
+                    _store(_swiglu(acc0, acc1, limit, HAS_LIMIT), out_ptr, row0, row_end, col0, stride_om, MMA)
+                    _store(_swiglu(acc2, acc3, limit, HAS_LIMIT), out_ptr, row0, row_end, col0 + _BOX,
+                           stride_om, MMA)
+                else:
+                    _store_boxes(acc0, acc1, acc2, acc3, out_ptr, row0, row_end, col0, stride_om, MMA)
+            else:
+                i = _pass_over(ready, empty, i, k_steps, STAGES)
+        return i
+
+    @gluon.jit
     def _consume(a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-                 num_items, col_blocks, item_cols, k_steps, stride_om, limit, C: gl.constexpr,
-                 GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr, BY_EXPERT: gl.constexpr):
+                 num_items, col_blocks, item_cols, k_steps, stride_om, limit, claims_ptr, C: gl.constexpr,
+                 GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr, BY_EXPERT: gl.constexpr,
+                 DYNAMIC: gl.constexpr):
         """Consumer ``C``: rows ``64 C ..`` of every item against its four weight boxes, [64, 64] fp32 accumulators
         each. A consumer whose rows all lie past the expert's end (a tile's remainder of at most 64 rows) issues
         no wgmma for the item: it only frees the slots. GEMM1 stores SwiGLU(box 0, box 1) and SwiGLU(box 2, box 3)
-        at the item's columns 0 and 64; GEMM2 box b at 64 b."""
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, _BOX, 16])
+        at the item's columns 0 and 64; GEMM2 box b at 64 b. The items: as the producer takes them."""
         i = 0
-        for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-            expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
-                                                      expert_offsets_ptr, BY_EXPERT)
-            row0 = row_start + C * _HALF
-            if expert >= 0:
-                if row0 < row_end:
-                    acc0 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
-                    acc1 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
-                    acc2 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
-                    acc3 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
-                    for k in range(k_steps):
-                        s = i % STAGES
-                        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-                        a = a_smem.index(2 * s + C)
-                        acc0 = warpgroup_mma(a, w_smem.index(4 * s).permute((1, 0)), acc0, is_async=True)
-                        acc1 = warpgroup_mma(a, w_smem.index(4 * s + 1).permute((1, 0)), acc1, is_async=True)
-                        acc2 = warpgroup_mma(a, w_smem.index(4 * s + 2).permute((1, 0)), acc2, is_async=True)
-                        acc3 = warpgroup_mma(a, w_smem.index(4 * s + 3).permute((1, 0)), acc3, is_async=True)
-                        # This step's wgmmas stay in flight; the step before is done, so its slot is free.
-                        acc0, acc1, acc2, acc3 = warpgroup_mma_wait(4, deps=[acc0, acc1, acc2, acc3])
-                        if k > 0:
-                            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
-                        i += 1
-                    acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3])
-                    mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
-                    col0 = block * item_cols
-                    if GEMM1:
-                        _store(_swiglu(acc0, acc1, limit, HAS_LIMIT), out_ptr, row0, row_end, col0, stride_om, MMA)
-                        _store(_swiglu(acc2, acc3, limit, HAS_LIMIT), out_ptr, row0, row_end, col0 + _BOX,
-                               stride_om, MMA)
-                    else:
-                        _store_boxes(acc0, acc1, acc2, acc3, out_ptr, row0, row_end, col0, stride_om, MMA)
-                else:
-                    i = _pass_over(ready, empty, i, k_steps, STAGES)
+        if DYNAMIC:
+            j = 0
+            item = _claimed(claims_ptr, ready, i, j, STAGES)
+            while item < num_items:
+                expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
+                                                          expert_offsets_ptr, BY_EXPERT)
+                i = _consume_item(a_smem, w_smem, ready, empty, out_ptr, i, expert, block, row_start, row_end,
+                                  item_cols, k_steps, stride_om, limit, C, GEMM1, HAS_LIMIT, STAGES)
+                j += 1
+                item = _claimed(claims_ptr, ready, i, j, STAGES)
+        else:
+            for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+                expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
+                                                          expert_offsets_ptr, BY_EXPERT)
+                i = _consume_item(a_smem, w_smem, ready, empty, out_ptr, i, expert, block, row_start, row_end,
+                                  item_cols, k_steps, stride_om, limit, C, GEMM1, HAS_LIMIT, STAGES)
 
     # num_items and num_rows follow the token count: left specialized (1, multiples of 16), a token count could need
     # a variant warm-up did not compile
     @gluon.jit(do_not_specialize=["num_items"])
     def _persistent_kernel(a_desc, w_desc, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                            num_items, col_blocks, rows_per_expert, item_cols, pair_rows, box_rows, K,
-                           stride_om, limit, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr,
-                           BY_EXPERT: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                           stride_om, limit, claims_ptr, counter_ptr, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                           STAGES: gl.constexpr, BY_EXPERT: gl.constexpr, DYNAMIC: gl.constexpr,
+                           PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """GEMM1 + SwiGLU (``GEMM1``: out = intermediate [rows, I], W = gate_up [E·2I, H]) or GEMM2 (out [rows, H],
         W = down [E·H, I]) over the plan's items, this program's share of them."""
         a_smem, w_smem, ready, empty = _ring(a_desc, w_desc, _BK, STAGES)
         k_steps = gl.cdiv(K, _BK)
         gl.warp_specialize([
             (_consume, (a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr,
-                        expert_offsets_ptr, num_items, col_blocks, item_cols, k_steps, stride_om, limit, 0, GEMM1,
-                        HAS_LIMIT, STAGES, BY_EXPERT)),
+                        expert_offsets_ptr, num_items, col_blocks, item_cols, k_steps, stride_om, limit, claims_ptr,
+                        0, GEMM1, HAS_LIMIT, STAGES, BY_EXPERT, DYNAMIC)),
             (_produce, (a_desc, w_desc, a_smem, w_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
                         expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, pair_rows,
-                        box_rows, k_steps, _BK, STAGES, BY_EXPERT)),
+                        box_rows, k_steps, claims_ptr, counter_ptr, _BK, STAGES, BY_EXPERT, DYNAMIC)),
             (_consume, (a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr,
-                        expert_offsets_ptr, num_items, col_blocks, item_cols, k_steps, stride_om, limit, 1, GEMM1,
-                        HAS_LIMIT, STAGES, BY_EXPERT)),
+                        expert_offsets_ptr, num_items, col_blocks, item_cols, k_steps, stride_om, limit, claims_ptr,
+                        1, GEMM1, HAS_LIMIT, STAGES, BY_EXPERT, DYNAMIC)),
         ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -252,69 +322,95 @@ if gluon is not None:
         return acc + part * gl.expand_dims(scale, 1)
 
     @gluon.jit
+    def _consume_fp8_item(a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, os_ptr, i, expert, block,
+                          row_start, row_end, num_rows, item_cols, pair_rows, box_rows, k_steps, stride_am, stride_ag,
+                          stride_se, stride_sn, stride_sk, stride_om, stride_os, limit, C: gl.constexpr,
+                          GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr):
+        """Consumer ``C``'s part of one fp8 item, its steps from ring position ``i`` (returned past them)."""
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, _BOX, 32])
+        row0 = row_start + C * _HALF
+        if expert >= 0:
+            if row0 < row_end:
+                m = row0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, MMA))
+                as_ptrs = as_ptr + gl.minimum(m, num_rows - 1).to(gl.int64) * stride_am  # past the plan: unstored
+                w_row = block * item_cols  # the item's first weight row within the expert's
+                ws_expert = ws_ptr + expert.to(gl.int64) * stride_se
+                ws0 = ws_expert + (w_row // 128) * stride_sn
+                ws1 = ws_expert + ((w_row + box_rows) // 128) * stride_sn
+                ws2 = ws_expert + ((w_row + pair_rows) // 128) * stride_sn
+                ws3 = ws_expert + ((w_row + pair_rows + box_rows) // 128) * stride_sn
+                acc0 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
+                acc1 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
+                acc2 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
+                acc3 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
+                for k in range(k_steps):
+                    s = i % STAGES
+                    a_scale = gl.load(as_ptrs + k * stride_ag)
+                    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                    a = a_smem.index(2 * s + C)
+                    acc0 = _promote(acc0, a, w_smem.index(4 * s), a_scale * gl.load(ws0 + k * stride_sk))
+                    acc1 = _promote(acc1, a, w_smem.index(4 * s + 1), a_scale * gl.load(ws1 + k * stride_sk))
+                    acc2 = _promote(acc2, a, w_smem.index(4 * s + 2), a_scale * gl.load(ws2 + k * stride_sk))
+                    acc3 = _promote(acc3, a, w_smem.index(4 * s + 3), a_scale * gl.load(ws3 + k * stride_sk))
+                    mbarrier.arrive(empty.index(s))
+                    i += 1
+                col0 = block * item_cols
+                if GEMM1:
+                    act0 = _swiglu(acc0, acc1, limit, HAS_LIMIT)
+                    act1 = _swiglu(acc2, acc3, limit, HAS_LIMIT)
+                    amax = gl.maximum(gl.reduce(gl.abs(act0), 1, _max_keeping_nan),
+                                      gl.reduce(gl.abs(act1), 1, _max_keeping_nan), propagate_nan=_NAN)
+                    full = gl.full(amax.shape, 448.0, gl.float32, amax.type.layout)
+                    inv = gl.expand_dims(gl.where(amax > 0, gl.div_rn(full, amax), 0.0), 1)
+                    _store(_e4m3(act0 * inv), out_ptr, row0, row_end, col0, stride_om, MMA)
+                    _store(_e4m3(act1 * inv), out_ptr, row0, row_end, col0 + _BOX, stride_om, MMA)
+                    gl.store(os_ptr + m.to(gl.int64) * stride_os + block, gl.div_rn(amax, full), mask=m < row_end)
+                else:
+                    _store_boxes(acc0, acc1, acc2, acc3, out_ptr, row0, row_end, col0, stride_om, MMA)
+            else:
+                i = _pass_over(ready, empty, i, k_steps, STAGES)
+        return i
+
+    @gluon.jit
     def _consume_fp8(a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, os_ptr, tile_expert_ptr,
                      tile_row_start_ptr, expert_offsets_ptr, num_items, col_blocks, num_rows, item_cols, pair_rows,
                      box_rows, k_steps, stride_am, stride_ag, stride_se, stride_sn, stride_sk, stride_om, stride_os,
-                     limit, C: gl.constexpr, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr,
-                     BY_EXPERT: gl.constexpr):
+                     limit, claims_ptr, C: gl.constexpr, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                     STAGES: gl.constexpr, BY_EXPERT: gl.constexpr, DYNAMIC: gl.constexpr):
         """Consumer ``C`` of the fp8 GEMMs (SPEC §5): as :func:`_consume`, with 128-deep steps promoted one box at a
         time (:func:`_promote`; each box's 64 rows lie in one 128-row weight block, I and H being multiples of 128).
         GEMM1 quantizes its 128 SwiGLU columns per row from fp32 (as ``fp8.quantize._quantize``) into ``out_ptr``
         (e4m3) and ``os_ptr`` (the scales, group ``block``); GEMM2 stores ``out_ptr``'s dtype."""
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, _BOX, 32])
         i = 0
-        for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-            expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
-                                                      expert_offsets_ptr, BY_EXPERT)
-            row0 = row_start + C * _HALF
-            if expert >= 0:
-                if row0 < row_end:
-                    m = row0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, MMA))
-                    as_ptrs = as_ptr + gl.minimum(m, num_rows - 1).to(gl.int64) * stride_am  # past the plan: unstored
-                    w_row = block * item_cols  # the item's first weight row within the expert's
-                    ws_expert = ws_ptr + expert.to(gl.int64) * stride_se
-                    ws0 = ws_expert + (w_row // 128) * stride_sn
-                    ws1 = ws_expert + ((w_row + box_rows) // 128) * stride_sn
-                    ws2 = ws_expert + ((w_row + pair_rows) // 128) * stride_sn
-                    ws3 = ws_expert + ((w_row + pair_rows + box_rows) // 128) * stride_sn
-                    acc0 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
-                    acc1 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
-                    acc2 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
-                    acc3 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
-                    for k in range(k_steps):
-                        s = i % STAGES
-                        a_scale = gl.load(as_ptrs + k * stride_ag)
-                        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-                        a = a_smem.index(2 * s + C)
-                        acc0 = _promote(acc0, a, w_smem.index(4 * s), a_scale * gl.load(ws0 + k * stride_sk))
-                        acc1 = _promote(acc1, a, w_smem.index(4 * s + 1), a_scale * gl.load(ws1 + k * stride_sk))
-                        acc2 = _promote(acc2, a, w_smem.index(4 * s + 2), a_scale * gl.load(ws2 + k * stride_sk))
-                        acc3 = _promote(acc3, a, w_smem.index(4 * s + 3), a_scale * gl.load(ws3 + k * stride_sk))
-                        mbarrier.arrive(empty.index(s))
-                        i += 1
-                    col0 = block * item_cols
-                    if GEMM1:
-                        act0 = _swiglu(acc0, acc1, limit, HAS_LIMIT)
-                        act1 = _swiglu(acc2, acc3, limit, HAS_LIMIT)
-                        amax = gl.maximum(gl.reduce(gl.abs(act0), 1, _max_keeping_nan),
-                                          gl.reduce(gl.abs(act1), 1, _max_keeping_nan), propagate_nan=_NAN)
-                        full = gl.full(amax.shape, 448.0, gl.float32, amax.type.layout)
-                        inv = gl.expand_dims(gl.where(amax > 0, gl.div_rn(full, amax), 0.0), 1)
-                        _store(_e4m3(act0 * inv), out_ptr, row0, row_end, col0, stride_om, MMA)
-                        _store(_e4m3(act1 * inv), out_ptr, row0, row_end, col0 + _BOX, stride_om, MMA)
-                        gl.store(os_ptr + m.to(gl.int64) * stride_os + block, gl.div_rn(amax, full), mask=m < row_end)
-                    else:
-                        _store_boxes(acc0, acc1, acc2, acc3, out_ptr, row0, row_end, col0, stride_om, MMA)
-                else:
-                    i = _pass_over(ready, empty, i, k_steps, STAGES)
+        if DYNAMIC:
+            j = 0
+            item = _claimed(claims_ptr, ready, i, j, STAGES)
+            while item < num_items:
+                expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
+                                                          expert_offsets_ptr, BY_EXPERT)
+                i = _consume_fp8_item(a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, os_ptr, i, expert,
+                                      block, row_start, row_end, num_rows, item_cols, pair_rows, box_rows, k_steps,
+                                      stride_am, stride_ag, stride_se, stride_sn, stride_sk, stride_om, stride_os,
+                                      limit, C, GEMM1, HAS_LIMIT, STAGES)
+                j += 1
+                item = _claimed(claims_ptr, ready, i, j, STAGES)
+        else:
+            for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+                expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
+                                                          expert_offsets_ptr, BY_EXPERT)
+                i = _consume_fp8_item(a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, os_ptr, i, expert,
+                                      block, row_start, row_end, num_rows, item_cols, pair_rows, box_rows, k_steps,
+                                      stride_am, stride_ag, stride_se, stride_sn, stride_sk, stride_om, stride_os,
+                                      limit, C, GEMM1, HAS_LIMIT, STAGES)
 
     @gluon.jit(do_not_specialize=["num_items", "num_rows"])
     def _persistent_fp8_kernel(a_desc, w_desc, as_ptr, ws_ptr, out_ptr, os_ptr, tile_expert_ptr, tile_row_start_ptr,
                                expert_offsets_ptr, num_items, col_blocks, num_rows, rows_per_expert, item_cols,
                                pair_rows, box_rows, K, stride_am, stride_ag, stride_se, stride_sn, stride_sk, stride_om,
-                               stride_os, limit, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr,
-                               BY_EXPERT: gl.constexpr, FP8_CONSUMER_REGS: gl.constexpr):
+                               stride_os, limit, claims_ptr, counter_ptr, GEMM1: gl.constexpr,
+                               HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr, BY_EXPERT: gl.constexpr,
+                               DYNAMIC: gl.constexpr, FP8_CONSUMER_REGS: gl.constexpr):
         """:func:`_persistent_kernel` on fp8 block-scale operands (SPEC §5): e4m3 activation rows with fp32 scales
         per 128 columns (``as_ptr``), e4m3 weights with fp32 scales per 128 x 128 block (``ws_ptr``); GEMM1 writes
         the intermediate quantized (``out_ptr`` e4m3, ``os_ptr`` scales), GEMM2 ``out_ptr`` in the activations'
@@ -326,15 +422,17 @@ if gluon is not None:
         gl.warp_specialize([
             (_produce, (a_desc, w_desc, a_smem, w_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
                         expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, pair_rows,
-                        box_rows, k_steps, _BK8, STAGES, BY_EXPERT)),
+                        box_rows, k_steps, claims_ptr, counter_ptr, _BK8, STAGES, BY_EXPERT, DYNAMIC)),
             (_consume_fp8, (a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, os_ptr, tile_expert_ptr,
                             tile_row_start_ptr, expert_offsets_ptr, num_items, col_blocks, num_rows, item_cols,
                             pair_rows, box_rows, k_steps, stride_am, stride_ag, stride_se, stride_sn, stride_sk,
-                            stride_om, stride_os, limit, 0, GEMM1, HAS_LIMIT, STAGES, BY_EXPERT)),
+                            stride_om, stride_os, limit, claims_ptr, 0, GEMM1, HAS_LIMIT, STAGES, BY_EXPERT,
+                            DYNAMIC)),
             (_consume_fp8, (a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, os_ptr, tile_expert_ptr,
                             tile_row_start_ptr, expert_offsets_ptr, num_items, col_blocks, num_rows, item_cols,
                             pair_rows, box_rows, k_steps, stride_am, stride_ag, stride_se, stride_sn, stride_sk,
-                            stride_om, stride_os, limit, 1, GEMM1, HAS_LIMIT, STAGES, BY_EXPERT)),
+                            stride_om, stride_os, limit, claims_ptr, 1, GEMM1, HAS_LIMIT, STAGES, BY_EXPERT,
+                            DYNAMIC)),
         ], [4, 4], [FP8_CONSUMER_REGS, FP8_CONSUMER_REGS])
 
 def eligible(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, plan: DispatchPlan,
@@ -410,26 +508,38 @@ class _Items:
         return cls(cols, col_blocks, count, pair_rows, box_rows, grid)
 
 
+def _schedule(items: _Items, dynamic: bool, plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dynamic schedule's per-program claims and its item counter (zeroed: a memset node under a CUDA graph);
+    statically scheduled kernels never touch them (the plan's tile list stands in)."""
+    if not dynamic:
+        return plan.tile_expert, plan.tile_expert
+    device = plan.tile_expert.device
+    return (torch.empty(items.grid * CLAIMS, dtype=torch.int32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device))
+
+
 def launch(gemm1: bool, rows: torch.Tensor, weight: torch.Tensor, plan: DispatchPlan, out: torch.Tensor,
-           swiglu_limit: Optional[float] = None, *, by_expert: bool = False, programs: Optional[int] = None
-           ) -> None:
+           swiglu_limit: Optional[float] = None, *, by_expert: bool = False, programs: Optional[int] = None,
+           dynamic: bool = False) -> None:
     """One persistent GEMM over the plan's items: GEMM1 + SwiGLU (``rows`` [R, H] in plan order, ``weight``
     gate_up [E, 2I, H], ``out`` the intermediate [R, I]) or GEMM2 (``rows`` the intermediate, ``weight`` down
     [E, H, I], ``out`` [R, H]). ``by_expert``: the items in the ``tl`` kernels' order (``_item``); ``programs``:
-    the grid (default one program per SM; the item count gives one item a program, the non-persistent launch).
-    Both are issue 39's open experiment (docs/PERF-NOTES.md, twenty-second session); the defaults are what was
-    measured."""
+    the grid (default one program per SM; the item count gives one item a program, the non-persistent launch);
+    ``dynamic``: each program claims its next item from a counter when it has issued the last one, instead of
+    taking every grid-th. All three are issue 39's experiments (docs/PERF-NOTES.md, twenty-second and twenty-third
+    sessions); the defaults are what was measured fastest."""
     E, N, K = weight.shape
     items = _Items.of(gemm1, N, plan, rows.device, programs)
     if items.count == 0:
         return
     a_desc, w_desc = _descriptors(rows, weight)
+    claims, counter = _schedule(items, dynamic, plan)
     _persistent_kernel[(items.grid,)](
         a_desc, w_desc, out, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
         items.count, items.col_blocks, N, items.cols, items.pair_rows, items.box_rows, K, out.stride(0),
-        0.0 if swiglu_limit is None else float(swiglu_limit), GEMM1=gemm1, HAS_LIMIT=swiglu_limit is not None,
-        STAGES=STAGES, BY_EXPERT=by_expert, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
-        maxnreg=MAXNREG)
+        0.0 if swiglu_limit is None else float(swiglu_limit), claims, counter, GEMM1=gemm1,
+        HAS_LIMIT=swiglu_limit is not None, STAGES=STAGES, BY_EXPERT=by_expert, DYNAMIC=dynamic,
+        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
 
 
 def experts_persistent(
@@ -442,15 +552,17 @@ def experts_persistent(
     *,
     by_expert: bool = False,
     programs: Optional[int] = None,
+    dynamic: bool = False,
 ) -> None:
     """Gather GEMM1's rows, then GEMM1 + SwiGLU and GEMM2 with the persistent kernels, into ``out`` [rows, H].
-    Call only where :func:`eligible` holds. ``by_expert``, ``programs``: as :func:`launch` takes them."""
+    Call only where :func:`eligible` holds. ``by_expert``, ``programs``, ``dynamic``: as :func:`launch` takes
+    them."""
     if plan.tile_expert.numel() == 0:
         return
     rows = gather_rows(hidden, plan)
     inter = torch.empty(plan.num_rows, down.shape[2], dtype=hidden.dtype, device=hidden.device)
-    launch(True, rows, gate_up, plan, inter, swiglu_limit, by_expert=by_expert, programs=programs)
-    launch(False, inter, down, plan, out, by_expert=by_expert, programs=programs)
+    launch(True, rows, gate_up, plan, inter, swiglu_limit, by_expert=by_expert, programs=programs, dynamic=dynamic)
+    launch(False, inter, down, plan, out, by_expert=by_expert, programs=programs, dynamic=dynamic)
 
 
 def eligible_fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, plan: DispatchPlan,
@@ -474,7 +586,7 @@ def _fp8_descriptors(rows: torch.Tensor, values: torch.Tensor) -> tuple[object, 
 
 def launch_fp8(gemm1: bool, rows: torch.Tensor, row_scales: torch.Tensor, weight: BlockFP8, plan: DispatchPlan,
                out: torch.Tensor, out_scales: Optional[torch.Tensor], swiglu_limit: Optional[float] = None, *,
-               by_expert: bool = False, programs: Optional[int] = None) -> None:
+               by_expert: bool = False, programs: Optional[int] = None, dynamic: bool = False) -> None:
     """:func:`launch` on fp8 block-scale operands: ``rows`` e4m3 [R, K] with ``row_scales`` [R, K/128]; GEMM1 writes
     ``out`` e4m3 [R, I] and ``out_scales`` [R, I/128], GEMM2 ``out`` [R, H] in the activations' dtype."""
     E, N, K = weight.shape
@@ -483,13 +595,15 @@ def launch_fp8(gemm1: bool, rows: torch.Tensor, row_scales: torch.Tensor, weight
         return
     a_desc, w_desc = _fp8_descriptors(rows, weight.values)
     scales = out if out_scales is None else out_scales  # GEMM2 has none: the kernel never touches it
+    claims, counter = _schedule(items, dynamic, plan)
     _persistent_fp8_kernel[(items.grid,)](
         a_desc, w_desc, row_scales, weight.scales, out, scales, plan.tile_expert, plan.tile_row_start,
         plan.expert_offsets, items.count, items.col_blocks, plan.num_rows, N, items.cols, items.pair_rows,
         items.box_rows, K,
         row_scales.stride(0), row_scales.stride(1), *weight.scales.stride(), out.stride(0), scales.stride(0),
-        0.0 if swiglu_limit is None else float(swiglu_limit), GEMM1=gemm1, HAS_LIMIT=swiglu_limit is not None,
-        STAGES=STAGES, BY_EXPERT=by_expert, FP8_CONSUMER_REGS=FP8_CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
+        0.0 if swiglu_limit is None else float(swiglu_limit), claims, counter, GEMM1=gemm1,
+        HAS_LIMIT=swiglu_limit is not None, STAGES=STAGES, BY_EXPERT=by_expert, DYNAMIC=dynamic,
+        FP8_CONSUMER_REGS=FP8_CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
 
 
 def experts_persistent_fp8(
@@ -502,6 +616,7 @@ def experts_persistent_fp8(
     *,
     by_expert: bool = False,
     programs: Optional[int] = None,
+    dynamic: bool = False,
 ) -> None:
     """The fp8 block-scale experts (SPEC §5) with the persistent kernels: one pass quantizes the plan's rows of
     ``hidden`` (``fp8.quantize``, gathering them), GEMM1 + SwiGLU writes the intermediate quantized, GEMM2 ``out``.
@@ -513,5 +628,6 @@ def experts_persistent_fp8(
     quantize_rows_into(hidden, rows, row_scales, plan, gather=True)
     inter, inter_scales = quantized_rows(plan, width, hidden.device)
     launch_fp8(True, rows, row_scales, gate_up, plan, inter, inter_scales, swiglu_limit, by_expert=by_expert,
-               programs=programs)
-    launch_fp8(False, inter, inter_scales, down, plan, out, None, by_expert=by_expert, programs=programs)
+               programs=programs, dynamic=dynamic)
+    launch_fp8(False, inter, inter_scales, down, plan, out, None, by_expert=by_expert, programs=programs,
+               dynamic=dynamic)

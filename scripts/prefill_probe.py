@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,14 @@ from moefuse.formats import BlockFP8  # noqa: E402
 from moefuse.testing import rel_error, rms_rel_error  # noqa: E402
 
 E, H, I, K = 256, 7168, 2048, 8  # DeepSeek-V3
+# Issue 39's experiments beside the default schedule (keyword arguments of persistent.launch), timed for both operand
+# types: the tl kernels' item order, persistent and one item a program; items claimed from a counter.
+SCHEDULES: dict[str, dict[str, Any]] = {
+    "by_expert": {"by_expert": True},
+    "by_expert_grid": {"by_expert": True, "programs": 1 << 30},
+    "dynamic": {"dynamic": True},
+    "dynamic_by_expert": {"by_expert": True, "dynamic": True},
+}
 
 
 def balanced_ids(M: int, E: int, K: int, device: torch.device) -> torch.Tensor:
@@ -121,16 +130,8 @@ def time_all(device: torch.device) -> list[dict]:
                "tl_gemm2": timing.time_or_none([lambda: gemm2(inter, w2, plan, out, tiles.gemm2)]),
                "p_gemm1": timing.time_or_none([lambda: persistent.launch(True, gathered, w1, plan, inter)]),
                "p_gemm2": timing.time_or_none([lambda: persistent.launch(False, inter, w2, plan, out)]),
-               # issue 39's open experiment: the tl kernels' item order, persistent and one item a program
-               "p_by_expert": timing.time_or_none([lambda: persistent.experts_persistent(
-                   x, w1, w2, plan, out, by_expert=True)]),
-               "p_by_expert_grid": timing.time_or_none([lambda: persistent.experts_persistent(
-                   x, w1, w2, plan, out, by_expert=True, programs=1 << 30)]),
-               # the twenty-third session's: items claimed from a counter as programs free up
-               "p_dynamic": timing.time_or_none([lambda: persistent.experts_persistent(
-                   x, w1, w2, plan, out, dynamic=True)]),
-               "p_dynamic_by_expert": timing.time_or_none([lambda: persistent.experts_persistent(
-                   x, w1, w2, plan, out, by_expert=True, dynamic=True)]),
+               **{f"p_{name}": timing.time_or_none([partial(persistent.experts_persistent, x, w1, w2, plan, out, **kw)])
+                  for name, kw in SCHEDULES.items()},
                "floor_us": int(torch.unique(ids).numel()) * 3 * H * I * 2 / 4.29e12 * 1e6}
         if routing == "balanced":
             row["cublas_bmm"] = cublas_dense_equivalent(M, E, H, I, K, device)
@@ -160,14 +161,8 @@ def time_fp8(device: torch.device) -> list[dict]:
         row = {"M": M, "routing": routing,
                "tl_fp8": timing.time_or_none([lambda: moe_experts(x, q1, q2, plan, out=out)]),
                "p_fp8": timing.time_or_none([lambda: persistent.experts_persistent_fp8(x, q1, q2, plan, out)]),
-               "p_fp8_by_expert": timing.time_or_none([lambda: persistent.experts_persistent_fp8(
-                   x, q1, q2, plan, out, by_expert=True)]),
-               "p_fp8_by_expert_grid": timing.time_or_none([lambda: persistent.experts_persistent_fp8(
-                   x, q1, q2, plan, out, by_expert=True, programs=1 << 30)]),
-               "p_fp8_dynamic": timing.time_or_none([lambda: persistent.experts_persistent_fp8(
-                   x, q1, q2, plan, out, dynamic=True)]),
-               "p_fp8_dynamic_by_expert": timing.time_or_none([lambda: persistent.experts_persistent_fp8(
-                   x, q1, q2, plan, out, by_expert=True, dynamic=True)]),
+               **{f"p_fp8_{name}": timing.time_or_none([partial(
+                   persistent.experts_persistent_fp8, x, q1, q2, plan, out, **kw)]) for name, kw in SCHEDULES.items()},
                "read_floor_us": int(torch.unique(plan.tile_expert[plan.tile_expert >= 0]).numel()) * 3 * H * I
                / 4.29e12 * 1e6}
         if M == 1024:  # the error against the spec's float64 emulation, on 256 of these tokens

@@ -100,36 +100,21 @@ def test_op_runs_them_when_asked(gen, monkeypatch):
     assert calls and torch.equal(got[:n], expected[:n])
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("case", [c for c in CASES if c[5] != "uniform"], ids=lambda c: f"E{c[0]}-M{c[4]}-{c[5]}")
-def test_item_orders_and_grids_give_the_same_bits(case, gen):
+def test_item_orders_and_schedules_give_the_same_bits(case, fp8, gen):
     """The experiment switches of ``persistent.launch`` (items by expert; one item a program; items claimed from a
-    counter) change which program computes an item, never what it computes."""
+    counter) change which program computes an item, never what it computes; bf16 and fp8 block-scale weights."""
     E, H, I, K, M, routing, limit = case
     x, w1, w2, ids = _inputs(E, H, I, K, M, routing, torch.bfloat16, gen)
+    run, weights = ((persistent.experts_persistent_fp8, (BlockFP8.quantize(w1), BlockFP8.quantize(w2))) if fp8
+                    else (persistent.experts_persistent, (w1, w2)))
     plan = moe_dispatch(ids, E, persistent.BLOCK_M)
     n = int(plan.expert_offsets[-1])
     outs = []
     for by_expert, programs, dynamic in SCHEDULES:
         out = torch.full((plan.num_rows, H), float("nan"), dtype=torch.bfloat16, device="cuda")
-        persistent.experts_persistent(x, w1, w2, plan, out, limit, by_expert=by_expert, programs=programs,
-                                      dynamic=dynamic)
-        outs.append(out[:n])
-    assert all(torch.equal(outs[0], other) for other in outs[1:])
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c[5] != "uniform"], ids=lambda c: f"E{c[0]}-M{c[4]}-{c[5]}")
-def test_fp8_item_orders_and_schedules_give_the_same_bits(case, gen):
-    """The same switches on the fp8 kernels."""
-    E, H, I, K, M, routing, limit = case
-    x, w1, w2, ids = _inputs(E, H, I, K, M, routing, torch.bfloat16, gen)
-    q1, q2 = BlockFP8.quantize(w1), BlockFP8.quantize(w2)
-    plan = moe_dispatch(ids, E, persistent.BLOCK_M)
-    n = int(plan.expert_offsets[-1])
-    outs = []
-    for by_expert, programs, dynamic in SCHEDULES:
-        out = torch.full((plan.num_rows, H), float("nan"), dtype=torch.bfloat16, device="cuda")
-        persistent.experts_persistent_fp8(x, q1, q2, plan, out, limit, by_expert=by_expert, programs=programs,
-                                          dynamic=dynamic)
+        run(x, *weights, plan, out, limit, by_expert=by_expert, programs=programs, dynamic=dynamic)
         outs.append(out[:n])
     assert all(torch.equal(outs[0], other) for other in outs[1:])
 

@@ -87,12 +87,13 @@ def pdl_enabled(enable_pdl: bool | None, device: torch.device) -> bool:
     return supported if enable_pdl is None else bool(enable_pdl) and supported
 
 
-def persistent_enabled() -> bool:
-    """Whether prefill runs the persistent warp-specialized GEMMs (``experts/persistent.py``: 16-bit and fp8
-    block-scale weights) where they apply: ``MOEFUSE_PERSISTENT=1``. Off by default: on one H200 the 16-bit ones are
-    7-38% slower than the ``tl`` kernels on DeepSeek-V3 shapes, and the fp8 ones have not run on a GPU yet
-    (docs/PERF-NOTES.md, twenty-second session)."""
-    return os.environ.get("MOEFUSE_PERSISTENT", "0") not in ("", "0")
+def persistent_enabled(fp8: bool) -> bool:
+    """Whether prefill runs the persistent warp-specialized GEMMs (``experts/persistent.py``) where they apply, for
+    fp8 block-scale weights (``fp8``) or 16-bit ones. ``MOEFUSE_PERSISTENT`` unset: fp8 only (on one H200 they beat
+    the ``tl`` kernels from 2,048 tokens, where the 16-bit ones are 6-38% slower: docs/CHOICES.md); ``1``: both;
+    ``0``: neither."""
+    value = os.environ.get("MOEFUSE_PERSISTENT", "")
+    return fp8 if value == "" else value != "0"
 
 
 def checks_enabled(device: torch.device) -> bool:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moefuse.bench import timing  # noqa: E402
 from moefuse.bench.experts import _routing  # noqa: E402
-from moefuse.bench.prefill import cublas_dense_equivalent  # noqa: E402
+from moefuse.bench.prefill import cublas_dense_equivalent, scaled_grouped_mm_calls  # noqa: E402
 from moefuse.dispatch import moe_dispatch  # noqa: E402
 from moefuse.experts import configs, moe_experts, persistent  # noqa: E402
 from moefuse.experts.bf16 import gemm1_swiglu, gemm2  # noqa: E402
@@ -37,13 +37,14 @@ from moefuse.formats import BlockFP8  # noqa: E402
 from moefuse.testing import rel_error, rms_rel_error  # noqa: E402
 
 E, H, I, K = 256, 7168, 2048, 8  # DeepSeek-V3
-# Issue 39's experiments beside the default schedule (keyword arguments of persistent.launch), timed for both operand
-# types: the tl kernels' item order, persistent and one item a program; items claimed from a counter.
+# Issue 39's experiments beside the default schedule (items claimed from a counter; keyword arguments of
+# persistent.launch), timed for both operand types: the tl kernels' item order; every grid-th item (static), in tile
+# order and in the tl kernels' order; one item a program.
 SCHEDULES: dict[str, dict[str, Any]] = {
     "by_expert": {"by_expert": True},
-    "by_expert_grid": {"by_expert": True, "programs": 1 << 30},
-    "dynamic": {"dynamic": True},
-    "dynamic_by_expert": {"by_expert": True, "dynamic": True},
+    "static": {"dynamic": False},
+    "static_by_expert": {"by_expert": True, "dynamic": False},
+    "item_per_program": {"by_expert": True, "programs": 1 << 30, "dynamic": False},
 }
 
 
@@ -88,12 +89,12 @@ def check(device: torch.device) -> list[dict]:
         assert persistent.eligible(x, w1, w2, plan, out), (E_, H_, I_)
         persistent.experts_persistent(x, w1, w2, plan, out, limit)
         tl_out = moe_experts(x, w1, w2, plan, swiglu_limit=limit)
-        dynamic = torch.empty_like(out)
-        persistent.experts_persistent(x, w1, w2, plan, dynamic, limit, dynamic=True)
+        static = torch.empty_like(out)
+        persistent.experts_persistent(x, w1, w2, plan, static, limit, dynamic=False)
         row = {"case": f"E={E_} H={H_} I={I_} K={K_} M={M} {routing} limit={limit} {str(dtype)[6:]}",
                "vs_tl": rel_error(out[:n].float(), tl_out[:n].float()),
                "bitwise_equal_to_tl": bool(torch.equal(out[:n], tl_out[:n])),
-               "dynamic_bitwise_equal": bool(torch.equal(out[:n], dynamic[:n]))}
+               "static_bitwise_equal": bool(torch.equal(out[:n], static[:n]))}
         if E_ * H_ * I_ < 1e9 or M <= 600:
             ref = moe_experts_torch(x, w1, w2, plan, swiglu_limit=limit, dtype=torch.float64)
             row["vs_f64"] = rel_error(out[:n].double(), ref[:n])
@@ -185,9 +186,16 @@ def routed_ids(M: int, routing: str, device: torch.device, gen: torch.Generator)
 
 
 def ncu_launch(kernel: str, routing: str, device: torch.device, by_expert: bool = False,
-               item_per_program: bool = False, fp8: bool = False, dynamic: bool = False) -> None:
+               item_per_program: bool = False, fp8: bool = False, static: bool = False) -> None:
     """Three GEMM1 launches at 4,096 tokens (ncu skips the first two: compile and warm-up). ``fp8`` (persistent
-    only): three fp8 block-scale experts calls, GEMM1 then GEMM2 each (``--launch-skip 4`` for the third GEMM1)."""
+    only): three fp8 block-scale experts calls, GEMM1 then GEMM2 each (``--launch-skip 4`` for the third GEMM1).
+    ``sgmm``: ``torch._scaled_grouped_mm`` on the same work as dense groups, GEMM1 then GEMM2, three times."""
+    if kernel == "sgmm":
+        both = scaled_grouped_mm_calls(4096, E, H, I, K, device)
+        for _ in range(3):
+            both()
+        torch.cuda.synchronize()
+        return
     w1, w2 = weights(E, H, I, device)
     gen = torch.Generator(device).manual_seed(1)
     x = torch.randn(4096, H, device=device, generator=gen).bfloat16()
@@ -198,7 +206,7 @@ def ncu_launch(kernel: str, routing: str, device: torch.device, by_expert: bool 
         out = torch.empty(plan.num_rows, H, dtype=torch.bfloat16, device=device)
         for _ in range(3):
             persistent.experts_persistent_fp8(x, q1, q2, plan, out, by_expert=by_expert, programs=programs,
-                                              dynamic=dynamic)
+                                              dynamic=not static)
         torch.cuda.synchronize()
         return
     inter = torch.empty(plan.num_rows, I, dtype=torch.bfloat16, device=device)
@@ -208,7 +216,7 @@ def ncu_launch(kernel: str, routing: str, device: torch.device, by_expert: bool 
         if kernel == "tl":
             gemm1_swiglu(x, w1, plan, inter, tiles.gemm1)
         else:
-            persistent.launch(True, rows, w1, plan, inter, by_expert=by_expert, programs=programs, dynamic=dynamic)
+            persistent.launch(True, rows, w1, plan, inter, by_expert=by_expert, programs=programs, dynamic=not static)
     torch.cuda.synchronize()
 
 
@@ -217,19 +225,19 @@ def main() -> int:
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--time", action="store_true")
     parser.add_argument("--fp8", action="store_true", help="time the fp8 block-scale kernels too")
-    parser.add_argument("--ncu-kernel", choices=["tl", "persistent"])
+    parser.add_argument("--ncu-kernel", choices=["tl", "persistent", "sgmm"])
     parser.add_argument("--routing", default="balanced", choices=["balanced", "uniform", "zipf-0.6", "zipf-1.0"])
     parser.add_argument("--by-expert", action="store_true", help="--ncu-kernel persistent: items in tl's order")
     parser.add_argument("--item-per-program", action="store_true",
                         help="--ncu-kernel persistent: one program per item (the hardware schedules them)")
-    parser.add_argument("--dynamic", action="store_true",
-                        help="--ncu-kernel persistent: items claimed from a counter as programs free up")
+    parser.add_argument("--static", action="store_true",
+                        help="--ncu-kernel persistent: every grid-th item a program, not claimed from a counter")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device("cuda")
     if args.ncu_kernel:
         ncu_launch(args.ncu_kernel, args.routing, device, args.by_expert, args.item_per_program, args.fp8,
-                   args.dynamic)
+                   args.static)
         return 0
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if args.check:

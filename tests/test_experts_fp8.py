@@ -231,10 +231,10 @@ def test_passes_around_cublas_match_the_quantizer(M, limit, gen, device):
     assert torch.allclose(a_s.cpu().double(), act.view(M, -1, 128).abs().amax(2) / 448, rtol=1e-6)
 
 
-def test_plan_block_m_gives_the_persistent_kernels_their_plans_when_opted_in(monkeypatch):
-    """``MOEFUSE_PERSISTENT=1``: fp8 experts get the persistent kernels' 128-row plans on Hopper from
-    ``persistent.FP8_MIN_TOKENS`` tokens (where they measured faster), if their widths are whole items; the tile
-    table's height everywhere else, and always without the opt-in."""
+def test_plan_block_m_gives_the_persistent_kernels_their_plans(monkeypatch):
+    """fp8 experts get the persistent kernels' 128-row plans on Hopper from ``persistent.FP8_MIN_TOKENS`` tokens
+    (where they measured faster), if their widths are whole items, unless ``MOEFUSE_PERSISTENT=0``; the tile table's
+    height everywhere else."""
     E, H, I, K = 4, 256, 128, 2
     w1 = BlockFP8.quantize(torch.randn(E, 2 * I, H))
     narrow = BlockFP8.quantize(torch.randn(E, 2 * 192, H))  # I = 192: not whole 128-column items
@@ -243,11 +243,12 @@ def test_plan_block_m_gives_the_persistent_kernels_their_plans_when_opted_in(mon
     def table(M: int, arch, width: int = I) -> int:
         return pick_block_m(M, E, H, width, K, tile_dtype(w1, torch.bfloat16), arch)
 
-    assert table(many, (9, 0)) != persistent.BLOCK_M  # else the opt-in would not show here
+    assert table(many, (9, 0)) != persistent.BLOCK_M  # else the switch would not show here
     monkeypatch.setenv("MOEFUSE_PERSISTENT", "0")
     assert plan_block_m(many, w1, K, torch.bfloat16, arch=(9, 0)) == table(many, (9, 0))
-    monkeypatch.setenv("MOEFUSE_PERSISTENT", "1")
-    assert plan_block_m(many, w1, K, torch.bfloat16, arch=(9, 0)) == persistent.BLOCK_M
+    for value in ("", "1"):  # the default and the 16-bit opt-in
+        monkeypatch.setenv("MOEFUSE_PERSISTENT", value)
+        assert plan_block_m(many, w1, K, torch.bfloat16, arch=(9, 0)) == persistent.BLOCK_M
     assert plan_block_m(many - 1, w1, K, torch.bfloat16, arch=(9, 0)) == table(many - 1, (9, 0))
     assert plan_block_m(many, w1, K, torch.bfloat16, arch=(10, 0)) == table(many, (10, 0))
     assert plan_block_m(many, w1, K, torch.bfloat16, arch=None) == table(many, None)

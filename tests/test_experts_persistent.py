@@ -37,8 +37,8 @@ CASES = [
 ]
 # (by_expert, programs, dynamic): the default, then each experiment of ``persistent.launch`` (3 programs: many
 # items each, so the dynamic claims' ring wraps)
-SCHEDULES = [(False, None, False), (True, None, False), (True, 1 << 30, False), (False, 3, False),
-             (False, None, True), (True, None, True), (False, 3, True)]
+SCHEDULES = [(False, None, True), (True, None, True), (False, 3, True), (False, None, False), (True, None, False),
+             (True, 1 << 30, False), (False, 3, False)]
 
 
 def _inputs(E, H, I, K, M, routing, dtype, gen):

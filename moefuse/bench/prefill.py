@@ -9,7 +9,9 @@ combine):
 - ``prefill fp8, <routing> routing``: the weights quantized to fp8 block-scale (W8A8, SPEC §5), beside
   ``torch._scaled_grouped_mm`` on the same tokens per expert (e4m3 with a scale per row and per weight column, GEMM1
   then GEMM2, no SwiGLU and no quantization pass: the dense equivalent, as cuBLAS's is for bf16);
-- ``persistent µs``: the same stage on the persistent kernels (``MOEFUSE_PERSISTENT=1``, 128-row plan);
+- ``kernels``: which grouped GEMMs the default runs (the persistent ones for fp8 on Hopper from
+  ``persistent.FP8_MIN_TOKENS``, else the ``tl`` ones); ``other µs``: the same stage on the other family
+  (``MOEFUSE_PERSISTENT=1`` and a 128-row plan, or ``MOEFUSE_PERSISTENT=0`` and the tile table's plan);
 - routing: uniform at every DENSE_TOKENS, and at SKEW_TOKENS also skewed (logits plus a Zipf popularity,
   ``experts._routing``), with the busiest expert's load over the mean.
 
@@ -18,6 +20,7 @@ The floor is the touched experts' weight bytes at the measured read bandwidth. I
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +32,7 @@ from moefuse.config import preset
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import moe_experts, plan_block_m
 from moefuse.experts.persistent import BLOCK_M as PERSISTENT_BLOCK_M
+from moefuse.experts.persistent import takes_fp8_plan
 from moefuse.finalize import moe_finalize_fuse_shared
 from moefuse.formats import BlockFP8
 
@@ -37,7 +41,8 @@ SKEW_TOKENS = (1024, 4096)
 DENSE_TOKENS = (1024, 2048, 4096, 8192)
 COLUMNS = [
     ("stage", "stage"), ("M", "M"), ("experts_touched", "experts"), ("block_m", "BLOCK_M"),
-    ("max_over_mean", "busiest / mean"), ("us", "moefuse µs"), ("persistent_us", "persistent µs"),
+    ("max_over_mean", "busiest / mean"), ("kernels", "kernels"), ("us", "moefuse µs"),
+    ("other_us", "other kernels µs"),
     ("mem_floor_us", "weight-read floor µs"), ("x_floor", "× floor"),
     ("cublas_us", "cuBLAS dense-equivalent µs"), ("x_cublas", "× cuBLAS"),
     ("sgmm_us", "_scaled_grouped_mm µs"), ("x_sgmm", "× _scaled_grouped_mm"),
@@ -58,11 +63,18 @@ def cublas_dense_equivalent(M: int, E: int, H: int, I: int, K: int, device: torc
 
 
 def scaled_grouped_mm_equivalent(M: int, E: int, H: int, I: int, K: int, device: torch.device) -> float | None:
-    """``torch._scaled_grouped_mm`` doing the fp8 experts' multiplications as E groups of t = M·K/E rows: e4m3
-    [E·t, H] x [E, H, 2I] then [E·t, I] x [E, I, H] (weights stored [E, N, K] as checkpoints have them, read
-    transposed), fp32 scales per row and per weight column, bf16 out, µs; None where this torch or GPU lacks it."""
+    """``torch._scaled_grouped_mm`` doing the fp8 experts' multiplications (``scaled_grouped_mm_calls``), µs; None
+    where this torch or GPU lacks it."""
     if not hasattr(torch, "_scaled_grouped_mm"):
         return None
+    both = scaled_grouped_mm_calls(M, E, H, I, K, device)
+    return timing.time_or_none([both])
+
+
+def scaled_grouped_mm_calls(M: int, E: int, H: int, I: int, K: int, device: torch.device) -> Callable[[], None]:
+    """``torch._scaled_grouped_mm`` GEMM1 then GEMM2 on E groups of t = M·K/E rows: e4m3 [E·t, H] x [E, H, 2I] then
+    [E·t, I] x [E, I, H] (weights stored [E, N, K] as checkpoints have them, read transposed), fp32 scales per row and
+    per weight column, bf16 out."""
     t = M * K // E
     e4m3 = torch.float8_e4m3fn
     a = torch.randn(E * t, H, device=device).to(e4m3)
@@ -76,14 +88,13 @@ def scaled_grouped_mm_equivalent(M: int, E: int, H: int, I: int, K: int, device:
         torch._scaled_grouped_mm(a, w1, ones[0], ones[1].view(E, 2 * I), offs=offs, out_dtype=torch.bfloat16)
         torch._scaled_grouped_mm(h, w2, ones[2], ones[3].view(E, H), offs=offs, out_dtype=torch.bfloat16)
 
-    return timing.time_or_none([both])
-
+    return both
 
 
 def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict[str, Any]]:
     """Prefill against the dense equivalents and on skewed routing: ``routed experts + dispatch`` at DENSE_TOKENS
     (uniform routing) beside cuBLAS (bf16) and ``torch._scaled_grouped_mm`` (fp8), and at SKEW_TOKENS for each
-    routing of SKEW_GAINS; each also on the persistent kernels."""
+    routing of SKEW_GAINS; each also on the other kernel family (``kernels``)."""
     device = torch.device("cuda")
     gen = torch.Generator(device).manual_seed(0)
     cfg = preset("deepseek-v3")
@@ -108,15 +119,18 @@ def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict[str, Any]]:
                     moe_finalize_fuse_shared(y, plan.expanded_to_permuted, weights, None, K)
 
                 us = timing.time_or_none([whole])
-                with _runtime.env_override("MOEFUSE_PERSISTENT", "1"):
-                    persistent_us = timing.time_or_none([lambda: whole(PERSISTENT_BLOCK_M)])
+                persistent = name == " fp8" and takes_fp8_plan(M, H, I, _runtime.capability(device))
+                with _runtime.env_override("MOEFUSE_PERSISTENT", "0" if persistent else "1"):
+                    other_block_m = plan_block_m(M, gate_up, K, torch.bfloat16) if persistent else PERSISTENT_BLOCK_M
+                    other_us = timing.time_or_none([lambda: whole(other_block_m)])
                 mem_floor = touched * 3 * H * I * width / (ceilings.read_tbps * 1e12) * 1e6
                 peer = dense[name] if routing == "uniform" else None
                 ratio = us / peer if us and peer else None
                 rows.append({
                     "stage": f"prefill{name}, {routing} routing", "M": M, "experts_touched": touched,
-                    "block_m": block_m, "max_over_mean": skew, "us": us, "persistent_us": persistent_us,
-                    "mem_floor_us": mem_floor, "x_floor": us / mem_floor if us else None,
+                    "block_m": block_m, "max_over_mean": skew, "kernels": "persistent" if persistent else "tl",
+                    "us": us, "other_us": other_us, "mem_floor_us": mem_floor,
+                    "x_floor": us / mem_floor if us else None,
                     **({"cublas_us": peer, "x_cublas": ratio} if name == "" else {"sgmm_us": peer, "x_sgmm": ratio}),
                 })
     del w1, w2, formats

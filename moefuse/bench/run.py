@@ -31,7 +31,7 @@ PLOTS: dict[str, dict[str, Any]] = {
     "experts": {"x": "M", "group": "stage", "series": {"us": "moefuse", "mem_floor_us": "memory floor",
                                                        "anchor_us": "best public Triton", "torch_us": "torch"}},
     "prefill": {"x": "M", "group": "stage",
-                "series": {"us": "moefuse", "persistent_us": "persistent", "mem_floor_us": "memory floor",
+                "series": {"us": "moefuse", "other_us": "other kernels", "mem_floor_us": "memory floor",
                            "cublas_us": "cuBLAS bmm", "sgmm_us": "torch._scaled_grouped_mm"}},
     "quant": {"x": "M", "group": "model",
               "series": {"us": "moefuse", "read_floor_us": "read floor", "peer_us": "vLLM fp8", "bf16_us": "bf16"}},

@@ -209,8 +209,8 @@ def plan_block_m(
     arch: Union[Arch, Literal["auto"]] = "auto",
 ) -> int:
     """The dispatch plan's ``block_m`` for ``moe_experts`` on these weights: the tile table's (``pick_block_m``),
-    the W4A8 kernels' 128 rows for MXFP4 with ``activation_quant="fp8"``, or with the persistent kernels opted in
-    (``MOEFUSE_PERSISTENT=1``) their 128 rows for fp8 block-scale on Hopper from ``persistent.FP8_MIN_TOKENS``."""
+    the W4A8 kernels' 128 rows for MXFP4 with ``activation_quant="fp8"``, or the persistent kernels' 128 rows for fp8
+    block-scale on Hopper from ``persistent.FP8_MIN_TOKENS`` (unless ``MOEFUSE_PERSISTENT=0``)."""
     quant = resolve_activation_quant(gate_up_proj, activation_quant)
     if isinstance(gate_up_proj, MXFP4) and quant == "fp8":
         return mxfp4_w4a8.BLOCK_M
@@ -278,7 +278,7 @@ def _experts_impl(
     if backend != "triton":
         moe_experts_torch(hidden, gate_up_proj, down_proj, plan, swiglu_limit=swiglu_limit, out=out)
         return
-    if _runtime.persistent_enabled() and persistent.eligible(hidden, gate_up_proj, down_proj, plan, out):
+    if _runtime.persistent_enabled(fp8=False) and persistent.eligible(hidden, gate_up_proj, down_proj, plan, out):
         persistent.experts_persistent(hidden, gate_up_proj, down_proj, plan, out, swiglu_limit)
         return
     intermediate = torch.empty(plan.num_rows, gate_up_proj.shape[1] // 2, dtype=hidden.dtype, device=hidden.device)
@@ -344,8 +344,9 @@ def _format(cls: type[QuantizedWeight], name: str, launch: Callable[..., None],
 def _fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, plan: DispatchPlan, out: torch.Tensor,
          gemm1_tiles: GemmTiles, gemm2_tiles: GemmTiles, swiglu_limit: Optional[float], *,
          use_pdl: bool = False) -> None:
-    """W8A8: the ``tl`` kernels, or with ``MOEFUSE_PERSISTENT=1`` the persistent ones where they take the shapes."""
-    if _runtime.persistent_enabled() and persistent.eligible_fp8(hidden, gate_up, down, plan, out):
+    """W8A8: the persistent kernels where they take the shapes (128-row plans on Hopper, which ``plan_block_m`` gives
+    from ``persistent.FP8_MIN_TOKENS``) unless ``MOEFUSE_PERSISTENT=0``, else the ``tl`` kernels."""
+    if _runtime.persistent_enabled(fp8=True) and persistent.eligible_fp8(hidden, gate_up, down, plan, out):
         persistent.experts_persistent_fp8(hidden, gate_up, down, plan, out, swiglu_limit)
     else:
         experts_fp8(hidden, gate_up, down, plan, out, gemm1_tiles, gemm2_tiles, swiglu_limit, use_pdl=use_pdl)

@@ -1,5 +1,6 @@
 """Persistent, warp-specialized grouped GEMMs for prefill on Hopper, in Gluon (sm_90 only; the ``tl`` kernels run
-elsewhere and below ``BLOCK_M``-row tiles). Opt-in (``MOEFUSE_PERSISTENT=1``) until they are faster.
+elsewhere and below ``BLOCK_M``-row tiles). The fp8 ones run by default from ``FP8_MIN_TOKENS``, where they are
+faster; the 16-bit ones are opt-in (``MOEFUSE_PERSISTENT=1``; ``_runtime.persistent_enabled``).
 
 Same contract and numerics as ``bf16.py``'s GEMM1 + SwiGLU and GEMM2 (SPEC §3-4: fp32 sums of 16-bit products,
 SwiGLU in fp32, the intermediate rounded to the activations' dtype), and on fp8 block-scale weights as
@@ -7,11 +8,11 @@ SwiGLU in fp32, the intermediate rounded to the activations' dtype), and on fp8 
 scales and its weight-block scale; GEMM1 quantizes the intermediate per row and 128 columns, from fp32). What
 differs is the structure, the one the non-persistent kernels could not reach (docs/PERF-NOTES.md, issue 39):
 
-- one program per SM, walking the work items ``pid, pid + grid, ...``; an item is one plan tile (``BLOCK_M`` rows
-  of one expert) and one column block. Items go tile by tile, so the programs running at once share a few tiles'
-  activation rows and, where an expert has several tiles, its weight boxes through L2. Experiments (``launch``):
-  the ``tl`` kernels' item order, one item a program, and items claimed from a counter as programs free up
-  (``dynamic``: the programs that share an expert's weights then start together, as the hardware starts blocks);
+- one program per SM, claiming work items from a counter as it frees up (``dynamic``; ragged routing makes items'
+  costs uneven, and every grid-th item a program left programs idle at the end); an item is one plan tile
+  (``BLOCK_M`` rows of one expert) and one column block. Items go tile by tile, so the programs running at once
+  share a few tiles' activation rows and, where an expert has several tiles, its weight boxes through L2.
+  Experiments (``launch``): the ``tl`` kernels' item order, one item a program, every grid-th item a program;
 - a producer warp that streams each 64-deep step of the item's activation rows (two 64-row boxes) and its four
   64-row weight boxes through TMA into a ring of slots, running ahead across items (it fills the next item's steps
   while the consumers finish the last one's epilogue);
@@ -62,9 +63,9 @@ CONSUMER_REGS = 232  # four [64, 64] fp32 accumulators (128 registers) and the e
 # (the producer takes the default partition): at 232 the consumers spilled 48 bytes (Triton 3.9), at 256 the
 # partitions no longer fit an SM's registers (592 bytes of stack), at 240 nothing spills.
 FP8_CONSUMER_REGS = 240
-# Opted in, fp8 experts take 128-row plans from this many tokens (plan_block_m): there the persistent kernels beat the
-# default path's 64-row plans (whole stage 0.91x at 2,048 tokens, 0.94x at 4,096 and 8,192), at 1,024 they lose
-# (1.03x; `moefuse bench prefill`, H200, 2026-12-04).
+# fp8 experts take 128-row plans from this many tokens (plan_block_m): there the persistent kernels beat the tl
+# kernels' 64-row plans (whole stage 0.91x at 2,048 tokens, 0.94x at 4,096 and 8,192 on the static schedule), at
+# 1,024 they lose (1.03x; `moefuse bench prefill`, H200, 2026-12-04).
 FP8_MIN_TOKENS = 2048
 # The dynamic schedule's claims a program keeps: the producer runs at most STAGES items ahead (an item has at least
 # one step), so a claim is read before it is written over.
@@ -456,8 +457,8 @@ def _runs_here(hidden: torch.Tensor, gate_up_shape: torch.Size, plan: DispatchPl
 
 def takes_fp8_plan(num_tokens: int, hidden_size: int, width: int, arch: Optional[tuple[int, int]]) -> bool:
     """Whether fp8 block-scale experts of these widths at ``num_tokens`` tokens should get a ``BLOCK_M``-row plan
-    for the persistent kernels: opted in (``MOEFUSE_PERSISTENT=1``), on sm_90, from ``FP8_MIN_TOKENS``."""
-    return (gluon is not None and _runtime.persistent_enabled() and arch == (9, 0)
+    for the persistent kernels: on sm_90, from ``FP8_MIN_TOKENS``, unless ``MOEFUSE_PERSISTENT=0``."""
+    return (gluon is not None and _runtime.persistent_enabled(fp8=True) and arch == (9, 0)
             and num_tokens >= FP8_MIN_TOKENS and widths_fit(hidden_size, width))
 
 
@@ -520,14 +521,16 @@ def _schedule(items: _Items, dynamic: bool, plan: DispatchPlan) -> tuple[torch.T
 
 def launch(gemm1: bool, rows: torch.Tensor, weight: torch.Tensor, plan: DispatchPlan, out: torch.Tensor,
            swiglu_limit: Optional[float] = None, *, by_expert: bool = False, programs: Optional[int] = None,
-           dynamic: bool = False) -> None:
+           dynamic: bool = True) -> None:
     """One persistent GEMM over the plan's items: GEMM1 + SwiGLU (``rows`` [R, H] in plan order, ``weight``
     gate_up [E, 2I, H], ``out`` the intermediate [R, I]) or GEMM2 (``rows`` the intermediate, ``weight`` down
     [E, H, I], ``out`` [R, H]). ``by_expert``: the items in the ``tl`` kernels' order (``_item``); ``programs``:
     the grid (default one program per SM; the item count gives one item a program, the non-persistent launch);
     ``dynamic``: each program claims its next item from a counter when it has issued the last one, instead of
-    taking every grid-th. All three are issue 39's experiments (docs/PERF-NOTES.md, twenty-second and twenty-third
-    sessions); the defaults are what was measured fastest."""
+    taking every grid-th (``False``: the static schedule). All three are issue 39's experiments (docs/PERF-NOTES.md,
+    twenty-second to twenty-fourth sessions); the defaults are what was measured fastest (the dynamic schedule, on
+    DeepSeek-V3 experts: 2-17% faster than the static one on random and Zipf routing at 2,048-8,192 tokens, up to
+    2.4% slower on exactly balanced routing and at 1,024 tokens)."""
     E, N, K = weight.shape
     items = _Items.of(gemm1, N, plan, rows.device, programs)
     if items.count == 0:
@@ -552,7 +555,7 @@ def experts_persistent(
     *,
     by_expert: bool = False,
     programs: Optional[int] = None,
-    dynamic: bool = False,
+    dynamic: bool = True,
 ) -> None:
     """Gather GEMM1's rows, then GEMM1 + SwiGLU and GEMM2 with the persistent kernels, into ``out`` [rows, H].
     Call only where :func:`eligible` holds. ``by_expert``, ``programs``, ``dynamic``: as :func:`launch` takes
@@ -586,7 +589,7 @@ def _fp8_descriptors(rows: torch.Tensor, values: torch.Tensor) -> tuple[object, 
 
 def launch_fp8(gemm1: bool, rows: torch.Tensor, row_scales: torch.Tensor, weight: BlockFP8, plan: DispatchPlan,
                out: torch.Tensor, out_scales: Optional[torch.Tensor], swiglu_limit: Optional[float] = None, *,
-               by_expert: bool = False, programs: Optional[int] = None, dynamic: bool = False) -> None:
+               by_expert: bool = False, programs: Optional[int] = None, dynamic: bool = True) -> None:
     """:func:`launch` on fp8 block-scale operands: ``rows`` e4m3 [R, K] with ``row_scales`` [R, K/128]; GEMM1 writes
     ``out`` e4m3 [R, I] and ``out_scales`` [R, I/128], GEMM2 ``out`` [R, H] in the activations' dtype."""
     E, N, K = weight.shape
@@ -616,7 +619,7 @@ def experts_persistent_fp8(
     *,
     by_expert: bool = False,
     programs: Optional[int] = None,
-    dynamic: bool = False,
+    dynamic: bool = True,
 ) -> None:
     """The fp8 block-scale experts (SPEC §5) with the persistent kernels: one pass quantizes the plan's rows of
     ``hidden`` (``fp8.quantize``, gathering them), GEMM1 + SwiGLU writes the intermediate quantized, GEMM2 ``out``.

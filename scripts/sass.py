@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -64,6 +65,7 @@ from moefuse.route import linear as route_linear  # noqa: E402
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 SM90 = GPUTarget("cuda", 90, 32)
+H200_SMS = 132  # where a launch shape depends on the SM count (fp8_split_k)
 
 # name: (E, topk, fused shared, G, topk_group, scoring, bias, renormalize, scale on output)
 ROUTER_CONFIGS = {
@@ -239,20 +241,23 @@ def compile_gemm(gemm: int, dtype: torch.dtype, block_m: int, tiles: configs.Gem
     return compile_sm90(fn, signature, constexprs, tiles.num_warps, tiles.num_stages)
 
 
-def compile_fp8_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_limit: bool, prequantized: bool):
+def compile_fp8_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_limit: bool, prequantized: bool,
+                     split_k: int = 1):
     """The fp8 block-scale GEMM1 or GEMM2 (``experts/fp8/kernels.py``) as ``experts_fp8`` launches it on sm_90 (bf16
-    activations, TMA weights and, for 16-byte rows, TMA activation rows; PDL); ``tiles`` adapted by ``fp8_tiles``."""
+    activations, TMA weights and, for 16-byte rows, TMA activation rows; PDL); ``tiles`` adapted by ``fp8_tiles``;
+    ``split_k``: GEMM1's K in that many programs."""
     fn = experts_fp8._gemm1_fp8_kernel if gemm == 1 else experts_fp8._gemm2_fp8_kernel
     constexprs = {
         "EMULATE_RTNE": False, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
         "GROUP_M": tiles.group_m, "W_TMA": True, "USE_PDL": True, "A_TMA": gemm == 2 or prequantized,
         **{name: 1 for name in UNIT_STRIDES + ("stride_ak",) if name in fn.arg_names},
-        **({"HAS_LIMIT": has_limit, "A_QUANTIZED": prequantized, "UP_ALIGNED": True} if gemm == 1
+        **({"HAS_LIMIT": has_limit, "A_QUANTIZED": prequantized, "UP_ALIGNED": True, "SPLIT_K": split_k} if gemm == 1
            else {"SWAP": block_m < experts_fp8.WGMMA_MIN_ROWS}),
     }
     rows = f"tensordesc<fp8e4nv[{block_m}, {tiles.block_k}]>"
     types = {"hidden_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*fp8e4nv", "inter_ptr": "*fp8e4nv",
-             "a_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "is_ptr": "*fp32", "as_ptr": "*fp32", "limit": "fp32",
+             "a_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "is_ptr": "*fp32", "as_ptr": "*fp32", "part_ptr": "*fp32",
+             "limit": "fp32",
              "a_desc": rows, "inter_desc": rows,
              "w_desc": f"tensordesc<fp8e4nv[{tiles.block_n}, {tiles.block_k}]>"}
     signature = {name: types.get(name, "*i32" if name.endswith("_ptr") else "i32")
@@ -393,9 +398,14 @@ def experts(args: argparse.Namespace) -> list[str]:
                 fp8, mxfp4 = dtype == torch.float8_e4m3fn, dtype == torch.uint8
                 cfg = configs.pick(M, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, dtype, (9, 0))
                 gemms = [(1, cfg.gemm1, c.hidden_size), (2, cfg.gemm2, c.intermediate_size)]
+                split = 1
                 if fp8:
                     gemms = [(g, experts_fp8.fp8_tiles(t, cfg.block_m, g == 1, 2 if g == 1 else 1), k)
                              for g, t, k in gemms]
+                    split = configs.fp8_split_k(M * c.top_k, c.intermediate_size, H200_SMS)
+                    if split > 1:  # as experts_fp8 launches it
+                        gemms[0] = (1, replace(gemms[0][1], num_stages=min(gemms[0][1].num_stages,
+                                                                           configs.FP8_SPLIT_STAGES)), gemms[0][2])
                 if mxfp4:
                     gemms = [(g, experts_mxfp4.mxfp4_tiles(t), k) for g, t, k in gemms]
                 for gemm, tiles, k in gemms:
@@ -404,13 +414,14 @@ def experts(args: argparse.Namespace) -> list[str]:
                     if (mxfp4 and cfg.block_m in experts_mxfp4_ws.LAUNCH  # the Gluon kernels run: `mxfp4-ws`
                             and experts_mxfp4_ws.widths_fit(c.hidden_size, c.intermediate_size)):
                         continue
-                    key = (gemm, dtype, cfg.block_m, tiles, k % tiles.block_k == 0, has_limit, prequantized)
+                    split_k = split if gemm == 1 else 1
+                    key = (gemm, dtype, cfg.block_m, tiles, k % tiles.block_k == 0, has_limit, prequantized, split_k)
                     if key in seen:  # N and K are run-time arguments: the same launch compiles the same
                         continue
                     seen.add(key)
                     where = f"{name} {TYPE_NAMES[dtype]} M={M} GEMM{gemm}"
                     result = compiled_stats(where, problems, lambda: (
-                        compile_fp8_gemm(gemm, cfg.block_m, tiles, has_limit, prequantized) if fp8
+                        compile_fp8_gemm(gemm, cfg.block_m, tiles, has_limit, prequantized, split_k) if fp8
                         else compile_mxfp4_gemm(gemm, cfg.block_m, tiles, has_limit) if mxfp4
                         else compile_gemm(gemm, dtype, cfg.block_m, tiles, k, has_limit)))
                     if result is None:

@@ -10,8 +10,10 @@ import pytest
 import torch
 from tolerances import experts_tolerance
 
+from moefuse.config import PRESETS
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts, persistent, pick_block_m, plan_block_m
+from moefuse.experts.fp8.kernels import experts_fp8
 from moefuse.experts.reference import moe_experts_fp8_torch
 from moefuse.formats import BlockFP8, dequantize_rows, quantize_rows, tile_dtype, ue8m0_to_float
 from moefuse.testing import assert_rel_close, rms_rel_error
@@ -164,6 +166,41 @@ def test_nan_stays_in_its_token(M, limit, gen, device):
     x, w1, w2, ids = _inputs(gen, M, 2, 3, 200, 136, device=device)
     x[1, 150] = float("nan")
     _check(x, w1, w2, ids, limit=limit)
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 5])
+def test_split_k_matches_float64_and_repeats(split_k, gen, device):
+    """GEMM1 in runs of K steps, each its own program, summed by the last to finish (decode): against float64 at
+    the short tiles' tolerance, on H = 520 (five steps, the last of 8 columns: runs of one, two or three steps, one
+    of them short) and I = 136 (partial blocks), -1 slots, the clamp, a NaN token; on a GPU, where the programs
+    race, two runs give the same bits (the runs are added in split order, whichever finishes last)."""
+    x, w1, w2, ids = _inputs(gen, 5, 2, 4, 520, 136, invalid=0.2, device=device)
+    x[3, 300] = float("nan")
+    ids[3] = torch.tensor([0, 1], dtype=ids.dtype)  # the NaN token has rows
+    plan = moe_dispatch(ids, 4, 16, backend="triton")
+    n = int(plan.expert_offsets[-1])
+    tiles = GemmTiles(128, 128, 1, 4, 2)
+    outs = []
+    for _ in range(2 if torch.device(device).type == "cuda" else 1):  # the interpreter runs programs one after another
+        out = torch.full((plan.num_rows, 520), float("nan"), dtype=x.dtype, device=device)
+        experts_fp8(x, w1, w2, plan, out, tiles, tiles, 1.5, split_k=split_k)
+        outs.append(out[:n])
+    ref = moe_experts_fp8_torch(x, w1, w2, plan, swiglu_limit=1.5, dtype=torch.float64)[:n]
+    tol, rms_tol = experts_tolerance("fp8", 16)
+    assert_rel_close(outs[0], ref, tol, f"fp8 split_k={split_k}")
+    finite = ref.isfinite().all(dim=1)
+    assert not finite.all() and rms_rel_error(outs[0][finite], ref[finite]) <= rms_tol
+    for again in outs[1:]:
+        assert torch.equal(outs[0].isnan(), again.isnan()) and torch.equal(outs[0].nan_to_num(), again.nan_to_num())
+
+
+def test_split_k_where_the_grid_leaves_sms_idle():
+    """GEMM1 splits along K at one token on every preset of an H200 (132 SMs), where its grid has a program per SM
+    or fewer, and not from 16 tokens, where a split measured slower (``configs.FP8_SPLIT_STAGES``)."""
+    for name, cfg in PRESETS.items():
+        assert configs.fp8_split_k(cfg.top_k, cfg.intermediate_size, 132) == 2, name
+        assert configs.fp8_split_k(16 * cfg.top_k, cfg.intermediate_size, 132) == 1, name
+    assert configs.fp8_split_k(8, 2048, 127) == 1  # 128 programs on 127 SMs: no idle SM to fill
 
 
 @pytest.mark.parametrize("block_m", [64, 128])

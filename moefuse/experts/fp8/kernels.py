@@ -24,7 +24,8 @@ What the peers run as separate kernels is fused here:
 - **GEMM1's epilogue quantizes the intermediate**: SwiGLU (and the clamp) in fp32, then per row of the 128-column
   tile the same quantization, written as e4m3 plus one scale per row.
 
-Grid and tile order are the bf16 kernels' (``common._program_tile``). BLOCK_K is 128 (one scale step); GEMM1's
+Grid and tile order are the bf16 kernels' (``common._program_tile``); at one token GEMM1 also splits along K
+(``configs.fp8_split_k``: its grid would leave SMs idle). BLOCK_K is 128 (one scale step); GEMM1's
 BLOCK_N is 128 (one intermediate scale group per tile row); GEMM2's BLOCK_N is at most 128, so a tile's columns lie
 in one weight block. Weights go through TMA on sm90+ where their layout allows, as in ``bf16.py``. The quantization
 itself, and its rounding under the interpreter, are in ``quantize.py``.
@@ -32,6 +33,7 @@ itself, and its rounding under the interpreter, are in ``quantize.py``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -42,7 +44,7 @@ from ... import _runtime
 from ...dispatch import DispatchPlan
 from ...formats import BLOCK, BlockFP8
 from ..common import _program_start, _round, _swiglu, _tile_span, rows_descriptor, weight_descriptor
-from ..configs import FP8_PREQUANTIZE_MIN_ROWS, SMEM_BUDGET, GemmTiles
+from ..configs import FP8_PREQUANTIZE_MIN_ROWS, FP8_SPLIT_STAGES, SMEM_BUDGET, GemmTiles, fp8_split_k
 from .quantize import _quantize, quantize_rows_into, quantized_rows
 
 WGMMA_MIN_ROWS = 64  # GEMM2's shorter tiles swap their MMA's operands (``_add_scaled``)
@@ -86,19 +88,35 @@ def _load_rows(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, ks, k_ok, stride_am
     return a, tl.load(as_ptr + a_rows * stride_asm + k0 // 128 * stride_asg)
 
 
+@triton.jit
+def _split_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The K range of this program's run of steps: all of K, or the ``program_id(1)``-th of SPLIT_K runs of whole
+    steps (the last may be shorter or empty)."""
+    if SPLIT_K == 1:
+        return 0, K
+    per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_begin = tl.program_id(1) * per
+    return k_begin, tl.minimum(k_begin + per, K)
+
+
 @triton.jit(do_not_specialize=["num_tiles"])
 def _gemm1_fp8_kernel(
     hidden_ptr, a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, inter_ptr, is_ptr,
-    tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, p2e_ptr,
-    num_tiles, N, K, top_k, limit,
+    tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, p2e_ptr, part_ptr, arrivals_ptr,
+    num_tiles, N, K, top_k, limit, num_rows,
     stride_hm, stride_hk, stride_am, stride_ak, stride_asm, stride_asg,
     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_im, stride_in, stride_ism, stride_isg,
     HAS_LIMIT: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr, A_QUANTIZED: tl.constexpr,
-    A_TMA: tl.constexpr, USE_PDL: tl.constexpr, UP_ALIGNED: tl.constexpr,
+    A_TMA: tl.constexpr, USE_PDL: tl.constexpr, UP_ALIGNED: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """intermediate[rows, n] = quant(SwiGLU(deq(q(x)) @ deq(W)[e, n]^T, ... [e, N + n]^T)). N = I, K = H.
+
+    ``SPLIT_K`` > 1 (decode, where a program a tile and column block leaves SMs idle): program (p, s) of the 2-D grid
+    sums the s-th of SPLIT_K runs of 128-deep steps into ``part_ptr`` [SPLIT_K, num_rows, 2N] (fp32), and the last of
+    a tile's programs to arrive (``arrivals_ptr``, zeroed per launch) adds the runs in split order and runs the
+    epilogue: the same bits whichever program arrives last.
 
     ``UP_ALIGNED``: N is a multiple of 128, so the up tile's rows N + cols start a weight block as the gate tile's do.
     ``A_QUANTIZED``: the activations come quantized in the plan's row order (``a_ptr``/``a_desc``, scales
@@ -112,8 +130,10 @@ def _gemm1_fp8_kernel(
         tile, col_block, expert, N, tile_row_start_ptr, expert_offsets_ptr, BLOCK_M, BLOCK_N)
     tokens = (tl.load(p2e_ptr + a_rows) // top_k).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
+    k_begin, k_end = _split_range(K, BLOCK_K, SPLIT_K)
     w_expert = w_ptr + expert.to(tl.int64) * stride_we
-    gate_ptrs = w_expert + wrapped[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+    gate_ptrs = (w_expert + wrapped[None, :].to(tl.int64) * stride_wn
+                 + (k_begin + ks)[:, None] * stride_wk)  # [BLOCK_K, BLOCK_N]
     up_ptrs = gate_ptrs + N * stride_wn
     gate_row = expert * 2 * N + col_block * BLOCK_N  # first weight row of the tile in the [E·2N, K] view
     # The weight-block scale of the tile's columns: one scalar per step for the gate tile (BLOCK_N is one block, and
@@ -126,7 +146,7 @@ def _gemm1_fp8_kernel(
         up_scale_ptrs = s_expert + ((N + wrapped) // 128) * stride_sn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         k_ok = ks < K - k0
         if A_QUANTIZED:
             a, a_scale = _load_rows(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, ks, k_ok, stride_am, stride_ak,
@@ -146,6 +166,21 @@ def _gemm1_fp8_kernel(
         acc_up = _add_scaled(acc_up, a, up_w, a_scale, tl.load(up_scale_ptrs + step), UP_ALIGNED, False)
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
+
+    if SPLIT_K > 1:
+        done = row_ok[:, None] & col_ok[None, :]
+        part = part_ptr + rows.to(tl.int64)[:, None] * (2 * N) + cols[None, :]
+        split_stride = num_rows.to(tl.int64) * (2 * N)
+        tl.store(part + tl.program_id(1) * split_stride, acc_gate, mask=done)
+        tl.store(part + tl.program_id(1) * split_stride + N, acc_up, mask=done)
+        # acq_rel: this program's partial sums are visible to the last arriver, and the last sees every one
+        if tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel") < SPLIT_K - 1:
+            return
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for split in tl.static_range(SPLIT_K):  # in split order, not arrival order
+            acc_gate += tl.load(part + split * split_stride, mask=done, other=0.0, cache_modifier=".cg")
+            acc_up += tl.load(part + split * split_stride + N, mask=done, other=0.0, cache_modifier=".cg")
 
     act = _swiglu(acc_gate, acc_up, limit, HAS_LIMIT)
     act = tl.where(col_ok[None, :], act, 0.0)  # a partial last group: its missing columns must not set the amax
@@ -221,8 +256,11 @@ def experts_fp8(
     swiglu_limit: Optional[float] = None,
     *,
     use_pdl: bool = False,
+    split_k: Optional[int] = None,
 ) -> None:
     """Launch GEMM1 (+ activation quantization, SwiGLU, intermediate quantization), then GEMM2, into ``out``.
+    ``split_k``: GEMM1's K in that many runs of steps, each its own program (``_gemm1_fp8_kernel``), on at most
+    ``FP8_SPLIT_STAGES`` stages; None: ``configs.fp8_split_k`` on a GPU, 1 under the interpreter.
 
     Plans of ``configs.FP8_PREQUANTIZE_MIN_ROWS`` rows or more take their activations from one quantization pass
     that writes them in the plan's row order: fused, each row would be quantized again by every column block of
@@ -239,6 +277,10 @@ def experts_fp8(
     emulate = _runtime.interpreting()
     launch = {"launch_pdl": True} if use_pdl else {}
     t1 = fp8_tiles(gemm1_tiles, plan.block_m, True, hidden.element_size())
+    if split_k is None:
+        split_k = 1 if emulate else fp8_split_k(plan.expanded_to_permuted.numel(), width, _runtime.sm_count(device))
+    if split_k > 1:
+        t1 = replace(t1, num_stages=min(t1.num_stages, FP8_SPLIT_STAGES))
     t2 = fp8_tiles(gemm2_tiles, plan.block_m, False, 1)
     prequantize = plan.num_rows >= FP8_PREQUANTIZE_MIN_ROWS
     if prequantize:
@@ -248,17 +290,24 @@ def experts_fp8(
     else:  # not read: GEMM1 quantizes the gathered rows itself
         a, a_scales, a_desc = inter, inter_scales, None
     desc1 = weight_descriptor(gate_up.values, t1.block_n, t1.block_k)
-    _gemm1_fp8_kernel[(num_tiles * triton.cdiv(width, t1.block_n),)](
+    programs = num_tiles * triton.cdiv(width, t1.block_n)
+    if split_k > 1:  # each run's fp32 sums, and each tile's count of runs done
+        part = torch.empty(split_k, plan.num_rows, 2 * width, dtype=torch.float32, device=device)
+        arrivals = torch.zeros(programs, dtype=torch.int32, device=device)
+    else:  # not read
+        part, arrivals = inter_scales, plan.tile_expert
+    _gemm1_fp8_kernel[(programs, split_k)](
         hidden, a, a if a_desc is None else a_desc, a_scales,
         gate_up.values, gate_up.values if desc1 is None else desc1, gate_up.scales, inter, inter_scales,
-        plan.tile_expert, plan.tile_row_start, plan.expert_offsets, plan.permuted_to_expanded,
+        plan.tile_expert, plan.tile_row_start, plan.expert_offsets, plan.permuted_to_expanded, part, arrivals,
         num_tiles, width, hidden_size, plan.top_k, 0.0 if swiglu_limit is None else float(swiglu_limit),
+        plan.num_rows,
         hidden.stride(0), hidden.stride(1), *a.stride(), *a_scales.stride(),
         *gate_up.values.stride(), *gate_up.scales.stride(), *inter.stride(), *inter_scales.stride(),
         HAS_LIMIT=swiglu_limit is not None, EMULATE_RTNE=emulate, BLOCK_M=plan.block_m, BLOCK_N=t1.block_n,
         BLOCK_K=t1.block_k, GROUP_M=t1.group_m, W_TMA=desc1 is not None,
         A_QUANTIZED=prequantize, A_TMA=a_desc is not None, USE_PDL=use_pdl,
-        UP_ALIGNED=width % BLOCK == 0, num_warps=t1.num_warps, num_stages=t1.num_stages, **launch,
+        UP_ALIGNED=width % BLOCK == 0, SPLIT_K=split_k, num_warps=t1.num_warps, num_stages=t1.num_stages, **launch,
     )
     desc2 = weight_descriptor(down.values, t2.block_n, t2.block_k)
     inter_desc = rows_descriptor(inter, plan.block_m, t2.block_k)

@@ -48,6 +48,7 @@ try:  # Gluon ships with Triton >= 3.5
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .mxfp4.w4a8 import _e4m3, _max_keeping_nan  # the e4m3 quantization in Gluon, as W4A8's epilogue has it
+    from .mxfp4.ws import _swiglu
 except ImportError:  # pragma: no cover - every supported Triton has it
     gluon = None
 
@@ -181,14 +182,6 @@ if gluon is not None:
         n = col0 + gl.arange(0, _BOX, layout=gl.SliceLayout(0, MMA))
         ptrs = out_ptr + gl.expand_dims(m.to(gl.int64) * stride_om, 1) + gl.expand_dims(n, 0)
         gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(m < row_end, 1))
-
-    @gluon.jit
-    def _swiglu(gate, up, limit, HAS_LIMIT: gl.constexpr):
-        """SiLU(gate) * up in fp32 after DeepSeek-V4's clamp (as ``common._swiglu``; NaN stays NaN)."""
-        if HAS_LIMIT:
-            gate = gl.where(gate > limit, limit, gate)
-            up = gl.where(up > limit, limit, gl.where(up < -limit, -limit, up))
-        return gate * (1.0 / (1.0 + gl.exp(-gate))) * up
 
     @gluon.jit
     def _store_boxes(acc0, acc1, acc2, acc3, out_ptr, row0, row_end, col0, stride_om, MMA: gl.constexpr):

@@ -51,7 +51,7 @@ if gluon is not None:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .ws import _program, _tma_load
+    from .ws import _program, _swiglu, _tma_load
 
 BLOCK_K = 128  # one activation scale and one int32 of weight exponents per row and step
 BLOCK_N = 128  # weight rows a program: GEMM2's output columns, or GEMM1's 64 gate and 64 up rows
@@ -327,10 +327,7 @@ if gluon is not None:
                 acc = acc * gl.expand_dims(f, 0)
                 if GEMM1:
                     gate, up = acc.reshape(64, 2, _BN // 2).permute(0, 2, 1).split()
-                    if HAS_LIMIT:  # DeepSeek-V4's clamp; NaN stays NaN, as torch.clamp keeps it
-                        gate = gl.where(gate > limit, limit, gate)
-                        up = gl.where(up > limit, limit, gl.where(up < -limit, -limit, up))
-                    act = (gate * (1.0 / (1.0 + gl.exp(-gate))) * up).to(gl.bfloat16)
+                    act = _swiglu(gate, up, limit, HAS_LIMIT).to(gl.bfloat16)
                     # Each thread reads back what it wrote, where it wrote it: no barrier.
                     if n % G == 0:
                         halves.index(PART).store(act)

@@ -162,6 +162,15 @@ if gluon is not None:
         mbarrier.arrive(handed)
 
     @gluon.jit
+    def _swiglu(gate, up, limit, HAS_LIMIT: gl.constexpr):
+        """SiLU(gate) * up in fp32 after DeepSeek-V4's clamp, as ``common._swiglu`` (NaN stays NaN, as torch.clamp
+        keeps it): the Gluon kernels' epilogue (``ws.py``, ``w4a8.py``, ``persistent.py``)."""
+        if HAS_LIMIT:
+            gate = gl.where(gate > limit, limit, gate)
+            up = gl.where(up > limit, limit, gl.where(up < -limit, -limit, up))
+        return gate * (1.0 / (1.0 + gl.exp(-gate))) * up
+
+    @gluon.jit
     def _gemm1_gate(w_smem, a_smem, ready, empty, s_ptr, out_ptr, s_row, stride_sn, col0, stride_om, row_start,
                     row_end, k_steps, handed, handover, limit, HAS_LIMIT: gl.constexpr, BLOCK_M: gl.constexpr,
                     STAGES: gl.constexpr, WL: gl.constexpr, MMA: gl.constexpr):
@@ -169,11 +178,7 @@ if gluon is not None:
         the paired K order."""
         gate = _consume(w_smem, a_smem, ready, empty, s_ptr, s_row, stride_sn, k_steps, 0, BLOCK_M, STAGES, WL, MMA)
         mbarrier.wait(handed, 0)
-        up = handover.load(MMA)
-        if HAS_LIMIT:  # DeepSeek-V4's clamp; NaN stays NaN, as torch.clamp keeps it
-            gate = gl.where(gate > limit, limit, gate)
-            up = gl.where(up > limit, limit, gl.where(up < -limit, -limit, up))
-        act = gate * (1.0 / (1.0 + gl.exp(-gate))) * up
+        act = _swiglu(gate, handover.load(MMA), limit, HAS_LIMIT)
         _store(act, out_ptr, row_start, row_end, col0, stride_om, True, BLOCK_M, MMA)
 
     @gluon.jit

@@ -99,7 +99,7 @@ def _split_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     return k_begin, tl.minimum(k_begin + per, K)
 
 
-@triton.jit(do_not_specialize=["num_tiles"])
+@triton.jit(do_not_specialize=["num_tiles", "num_rows"])  # they vary with the token count: one variant for all
 def _gemm1_fp8_kernel(
     hidden_ptr, a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, inter_ptr, is_ptr,
     tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, p2e_ptr, part_ptr, arrivals_ptr,

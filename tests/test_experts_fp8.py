@@ -192,6 +192,8 @@ def test_split_k_matches_float64_and_repeats(split_k, gen, device):
     assert not finite.all() and rms_rel_error(outs[0][finite], ref[finite]) <= rms_tol
     for again in outs[1:]:
         assert torch.equal(outs[0].isnan(), again.isnan()) and torch.equal(outs[0].nan_to_num(), again.nan_to_num())
+    with pytest.raises(ValueError, match="split_k"):
+        experts_fp8(x, w1, w2, plan, out, tiles, tiles, split_k=0)
 
 
 def test_split_k_where_the_grid_leaves_sms_idle():

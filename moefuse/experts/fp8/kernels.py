@@ -268,6 +268,8 @@ def experts_fp8(
     in registers beside the two accumulators. Below it (a token or a few), the fused prologue saves the pass's
     launch. Both ways give the same bits (one ``_quantize``).
     """
+    if split_k is not None and (not isinstance(split_k, int) or split_k < 1):
+        raise ValueError(f"split_k must be a positive int or None, got {split_k!r}")
     num_tiles = plan.tile_expert.numel()
     width, hidden_size = down.shape[2], hidden.shape[1]
     if num_tiles == 0 or width == 0:

@@ -41,7 +41,6 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -398,14 +397,10 @@ def experts(args: argparse.Namespace) -> list[str]:
                 fp8, mxfp4 = dtype == torch.float8_e4m3fn, dtype == torch.uint8
                 cfg = configs.pick(M, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, dtype, (9, 0))
                 gemms = [(1, cfg.gemm1, c.hidden_size), (2, cfg.gemm2, c.intermediate_size)]
-                split = 1
+                split = configs.fp8_split_k(M * c.top_k, c.intermediate_size, H200_SMS) if fp8 else 1
                 if fp8:
-                    gemms = [(g, experts_fp8.fp8_tiles(t, cfg.block_m, g == 1, 2 if g == 1 else 1), k)
-                             for g, t, k in gemms]
-                    split = configs.fp8_split_k(M * c.top_k, c.intermediate_size, H200_SMS)
-                    if split > 1:  # as experts_fp8 launches it
-                        gemms[0] = (1, replace(gemms[0][1], num_stages=min(gemms[0][1].num_stages,
-                                                                           configs.FP8_SPLIT_STAGES)), gemms[0][2])
+                    gemms = [(g, experts_fp8.fp8_tiles(t, cfg.block_m, g == 1, 2 if g == 1 else 1,
+                                                       split if g == 1 else 1), k) for g, t, k in gemms]
                 if mxfp4:
                     gemms = [(g, experts_mxfp4.mxfp4_tiles(t), k) for g, t, k in gemms]
                 for gemm, tiles, k in gemms:

@@ -33,7 +33,6 @@ itself, and its rounding under the interpreter, are in ``quantize.py``.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -233,13 +232,14 @@ def _gemm2_fp8_kernel(
     tl.store(out_ptrs, _round(acc, out_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def fp8_tiles(tiles: GemmTiles, block_m: int, gemm1: bool, a_bytes: int) -> GemmTiles:
+def fp8_tiles(tiles: GemmTiles, block_m: int, gemm1: bool, a_bytes: int, split_k: int = 1) -> GemmTiles:
     """The bf16 tile choice adapted to the format: BLOCK_K 128 (one scale step), GEMM1's BLOCK_N 128 (one
     intermediate scale group per tile row), GEMM2's BLOCK_N at most 128; pipeline stages cut until the operand
-    buffers (activation tile of ``a_bytes`` per element, fp8 weight tiles) fit in shared memory."""
+    buffers (activation tile of ``a_bytes`` per element, fp8 weight tiles) fit in shared memory, and for a GEMM1
+    split along K (``split_k`` > 1) to at most ``FP8_SPLIT_STAGES``, so that two programs share an SM."""
     block_n = 128 if gemm1 else min(tiles.block_n, 128)
     operands = 2 if gemm1 else 1
-    stages = tiles.num_stages
+    stages = min(tiles.num_stages, FP8_SPLIT_STAGES) if split_k > 1 else tiles.num_stages
     while stages > 2 and stages * BLOCK * (block_m * a_bytes + operands * block_n) > SMEM_BUDGET:
         stages -= 1
     return GemmTiles(block_n, BLOCK, tiles.group_m, tiles.num_warps, stages)
@@ -259,8 +259,8 @@ def experts_fp8(
     split_k: Optional[int] = None,
 ) -> None:
     """Launch GEMM1 (+ activation quantization, SwiGLU, intermediate quantization), then GEMM2, into ``out``.
-    ``split_k``: GEMM1's K in that many runs of steps, each its own program (``_gemm1_fp8_kernel``), on at most
-    ``FP8_SPLIT_STAGES`` stages; None: ``configs.fp8_split_k`` on a GPU, 1 under the interpreter.
+    ``split_k``: GEMM1's K in that many runs of steps, each its own program (``_gemm1_fp8_kernel``; stages as
+    ``fp8_tiles`` cuts them); None: ``configs.fp8_split_k`` on a GPU, 1 under the interpreter.
 
     Plans of ``configs.FP8_PREQUANTIZE_MIN_ROWS`` rows or more take their activations from one quantization pass
     that writes them in the plan's row order: fused, each row would be quantized again by every column block of
@@ -278,11 +278,9 @@ def experts_fp8(
     inter, inter_scales = quantized_rows(plan, width, device)
     emulate = _runtime.interpreting()
     launch = {"launch_pdl": True} if use_pdl else {}
-    t1 = fp8_tiles(gemm1_tiles, plan.block_m, True, hidden.element_size())
     if split_k is None:
         split_k = 1 if emulate else fp8_split_k(plan.expanded_to_permuted.numel(), width, _runtime.sm_count(device))
-    if split_k > 1:
-        t1 = replace(t1, num_stages=min(t1.num_stages, FP8_SPLIT_STAGES))
+    t1 = fp8_tiles(gemm1_tiles, plan.block_m, True, hidden.element_size(), split_k)
     t2 = fp8_tiles(gemm2_tiles, plan.block_m, False, 1)
     prequantize = plan.num_rows >= FP8_PREQUANTIZE_MIN_ROWS
     if prequantize:

@@ -1,27 +1,41 @@
-"""Issue 40's probe: fp8 block-scale experts at decode (1 and 16 tokens) with GEMM1 split along K, on one GPU.
+"""Issue 40's probe: fp8 block-scale experts at decode (1, 2 and 16 tokens) with GEMM1 split along K, on one GPU.
 
-    python scripts/fp8_decode_probe.py [--json FILE]
+    python scripts/fp8_decode_probe.py [--json FILE] [--layer]
 
 At one token GEMM1 has one program per tile and 128 intermediate columns: 8 · 16 = 128 programs for DeepSeek-V3,
-96 for DeepSeek-V4-Flash, 88 for GLM-4.5-Air, 48 for Qwen3-30B-A3B, against 132 SMs. ``experts_fp8(split_k=s)``
-runs each program's K in s runs of steps, each its own program. Per preset and token count: the experts as
-``moe_experts`` runs them (the op: split where ``configs.fp8_split_k`` says), then ``experts_fp8`` on the same
-tiles with split_k 1-4 (split, GEMM1 runs on at most ``FP8_SPLIT_STAGES`` stages, so that two programs share an
-SM) and on 2 stages; µs under CUDA-graph replay,
-rotating through enough routings that the touched weights overflow the L2. The read floor: the touched experts'
-values and scales at the read bandwidth measured in the same run. Then the error of each split against SPEC §5's
-float64 emulation, DeepSeek-V3 widths, 16 experts, 1 and 16 tokens.
+96 for DeepSeek-V4-Flash, 88 for GLM-4.5-Air, 48 for Qwen3-30B-A3B, against 132 SMs; 144, 112 and 99 with the
+shared expert as one more slot (as ``MoELayer`` runs it at decode). ``experts_fp8(split_k=s)`` runs each program's
+K in s runs of steps, each its own program (on at most ``FP8_SPLIT_STAGES`` stages, so that two share an SM).
+
+Per preset, token count and slots per token (top-k, and top-k + 1 where the preset has a shared expert): the
+experts as ``moe_experts`` runs them (the op: split where ``configs.fp8_split_k`` says), then ``experts_fp8`` on
+the same tiles with split_k 1-4; µs under CUDA-graph replay, rotating through enough routings that the touched
+weights overflow the L2, and each GEMM's own device time (``torch.profiler``, the same calls eager, no PDL). The
+read floors: the touched experts' values and scales, all and per GEMM, at the read bandwidth measured in the same
+run. Then the error of each split against SPEC §5's float64 emulation, DeepSeek-V3 widths, 16 experts.
+
+``--layer``: the fp8 ``MoELayer`` at one token per preset, captured as one CUDA graph: its graph time and where
+each kernel of one replay starts and ends (PDL lets a kernel start before the one it waits for ends).
+
+``--read``: what the memory system gives GEMM1's access pattern with no arithmetic: a kernel that only streams the
+touched experts' gate and up boxes through TMA (DeepSeek-V3 at one token: 8 experts, [4096, 7168] e4m3 each) on
+GEMM1's grid (a program per expert and 128 rows, split along K), with boxes of 128 rows x 128 bytes (GEMM1's) and
+other shapes of the same or twice the bytes, on 2-5 stages; µs and TB/s under graph replay.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from dataclasses import replace
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -33,11 +47,11 @@ from moefuse.experts import configs, moe_experts, plan_block_m  # noqa: E402
 from moefuse.experts.fp8.kernels import experts_fp8  # noqa: E402
 from moefuse.experts.reference import moe_experts_fp8_torch  # noqa: E402
 from moefuse.formats import BlockFP8, tile_dtype  # noqa: E402
+from moefuse.layer import MoELayer  # noqa: E402
 from moefuse.testing import rel_error, rms_rel_error  # noqa: E402
 
 PRESETS = ("deepseek-v3", "kimi-k2", "deepseek-v4-flash", "glm-4.5-air", "qwen3-30b-a3b")
-# (split_k, GEMM1 pipeline stages or None for the table's, capped when split)
-VARIANTS = [(1, None), (2, None), (3, None), (4, None), (2, 2), (3, 2), (4, 2)]
+SPLITS = (1, 2, 3, 4)
 
 
 def random_fp8(E: int, N: int, K: int, device: torch.device) -> BlockFP8:
@@ -47,34 +61,54 @@ def random_fp8(E: int, N: int, K: int, device: torch.device) -> BlockFP8:
     return BlockFP8(values, scales)
 
 
+def kernel_us(calls: Sequence[Callable[[], object]], rounds: int = 4) -> dict[str, float]:
+    """Mean device µs per call of each GEMM kernel the calls launch (eager, under ``torch.profiler``)."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds):
+            for call in calls:
+                call()
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        for name in ("gemm1", "gemm2"):
+            if event.device_type == torch.autograd.DeviceType.CUDA and f"_{name}_fp8_kernel" in event.name:
+                total[f"{name}_us"] += event.device_time_total / (rounds * len(calls))
+    return dict(total)
+
+
 def time_presets(device: torch.device, read_tbps: float) -> list[dict[str, Any]]:
     rows = []
     gen = torch.Generator(device).manual_seed(0)
     for name in PRESETS:
         cfg = preset(name)
-        E, H, I, K = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
         w1, w2 = random_fp8(E, 2 * I, H, device), random_fp8(E, H, I, device)
-        expert_bytes = sum(w.values[0].numel() + w.scales[0].numel() * 4 for w in (w1, w2))
-        for M in (1, 16):
+        bytes1, bytes2 = (w.values[0].numel() + w.scales[0].numel() * 4 for w in (w1, w2))
+        for M, K in [(1, cfg.top_k), (2, cfg.top_k), (16, cfg.top_k)] + (
+                [(1, cfg.top_k + 1)] if cfg.num_shared_experts else []):
             x = torch.randn(M, H, device=device, generator=gen).bfloat16()
             block_m = plan_block_m(M, w1, K, torch.bfloat16)
-            sets = timing.rotations(M * K * expert_bytes)
+            sets = timing.rotations(M * K * (bytes1 + bytes2))
             plans = [moe_dispatch(_routing(M, E, K, device, gen)[1], E, block_m) for _ in range(sets)]
             touched = sum(int(torch.unique(p.tile_expert[p.tile_expert >= 0]).numel()) for p in plans) / sets
             tiles = configs.pick(M, E, H, I, K, tile_dtype(w1, torch.bfloat16), block_m=block_m)
             outs = [torch.empty(p.num_rows, H, dtype=torch.bfloat16, device=device) for p in plans]
+            floor1, floor2 = (touched * b / (read_tbps * 1e12) * 1e6 for b in (bytes1, bytes2))
+            op = [lambda p=p, o=o: moe_experts(x, w1, w2, p, out=o) for p, o in zip(plans, outs)]
             row: dict[str, Any] = {
-                "model": name, "M": M, "block_m": block_m, "experts_touched": touched, "tiles": str(tiles),
-                "gemm1_programs": int(plans[0].tile_expert.numel()) * -(-I // 128),
-                "read_floor_us": touched * expert_bytes / (read_tbps * 1e12) * 1e6,
-                "op_us": timing.time_or_none([lambda p=p, o=o: moe_experts(x, w1, w2, p, out=o)
-                                              for p, o in zip(plans, outs)])}
-            for split, stages in VARIANTS:
-                g1 = tiles.gemm1 if stages is None else replace(tiles.gemm1, num_stages=stages)
-                row[f"split{split}" + ("" if stages is None else f"_stages{stages}")] = timing.time_or_none(
-                    [lambda p=p, o=o, g1=g1, split=split: experts_fp8(x, w1, w2, p, o, g1, tiles.gemm2,
-                                                                      split_k=split)
-                     for p, o in zip(plans, outs)])
+                "model": name, "M": M, "slots": K, "block_m": block_m, "experts_touched": touched,
+                "gemm1_programs": M * K * -(-I // 128), "rule_split": configs.fp8_split_k(
+                    M * K, I, torch.cuda.get_device_properties(device).multi_processor_count),
+                "read_floor_us": floor1 + floor2, "gemm1_floor_us": floor1, "gemm2_floor_us": floor2,
+                "op_us": timing.time_or_none(op), **{f"op_{k}": v for k, v in kernel_us(op).items()}}
+            for split in SPLITS if M < 16 else (1, 2):
+                calls = [lambda p=p, o=o, split=split: experts_fp8(x, w1, w2, p, o, tiles.gemm1, tiles.gemm2,
+                                                                   split_k=split) for p, o in zip(plans, outs)]
+                row[f"split{split}_us"] = timing.time_or_none(calls)
+                row.update({f"split{split}_{k}": v for k, v in kernel_us(calls).items()})
             rows.append(row)
             print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         del w1, w2
@@ -83,35 +117,122 @@ def time_presets(device: torch.device, read_tbps: float) -> list[dict[str, Any]]
 
 
 def errors(device: torch.device) -> list[dict[str, Any]]:
-    """Each split against the float64 emulation of SPEC §5, DeepSeek-V3 widths on 16 experts."""
+    """Each split against the float64 emulation of SPEC §5, DeepSeek-V3 widths on 16 experts, 3 routings each."""
     gen = torch.Generator(device).manual_seed(1)
     E, H, I, K = 16, 7168, 2048, 8
     w1 = BlockFP8.quantize(torch.randn(E, 2 * I, H, device=device, generator=gen) / H**0.5)
     w2 = BlockFP8.quantize(torch.randn(E, H, I, device=device, generator=gen) / I**0.5)
     rows = []
-    for M in (1, 16):
-        x = torch.randn(M, H, device=device, generator=gen).bfloat16()
-        plan = moe_dispatch(_routing(M, E, K, device, gen)[1], E, plan_block_m(M, w1, K, torch.bfloat16))
-        n = int(plan.expert_offsets[-1])
-        ref = moe_experts_fp8_torch(x, w1, w2, plan, dtype=torch.float64)[:n]
-        tiles = configs.pick(M, E, H, I, K, tile_dtype(w1, torch.bfloat16), block_m=plan.block_m)
-        for split in (1, 2, 3, 4):
-            out = torch.empty(plan.num_rows, H, dtype=torch.bfloat16, device=device)
-            experts_fp8(x, w1, w2, plan, out, tiles.gemm1, tiles.gemm2, split_k=split)
-            rows.append({"M": M, "split_k": split, "err": rel_error(out[:n], ref), "rms": rms_rel_error(out[:n], ref)})
-            print(rows[-1], flush=True)
+    for M in (1, 2, 16):
+        for _ in range(3):
+            x = torch.randn(M, H, device=device, generator=gen).bfloat16()
+            plan = moe_dispatch(_routing(M, E, K, device, gen)[1], E, plan_block_m(M, w1, K, torch.bfloat16))
+            n = int(plan.expert_offsets[-1])
+            zeros = torch.zeros(plan.num_rows, H, dtype=torch.float64, device=device)
+            ref = moe_experts_fp8_torch(x, w1, w2, plan, dtype=torch.float64, out=zeros)[:n]
+            tiles = configs.pick(M, E, H, I, K, tile_dtype(w1, torch.bfloat16), block_m=plan.block_m)
+            for split in SPLITS:
+                out = torch.empty(plan.num_rows, H, dtype=torch.bfloat16, device=device)
+                experts_fp8(x, w1, w2, plan, out, tiles.gemm1, tiles.gemm2, split_k=split)
+                rows.append({"M": M, "split_k": split, "err": rel_error(out[:n], ref),
+                             "rms": rms_rel_error(out[:n], ref)})
+                print(rows[-1], flush=True)
+    return rows
+
+
+@triton.jit
+def _read_boxes_kernel(desc, experts_ptr, out_ptr, N, K, BOX_N: tl.constexpr, BOX_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr):
+    """Program (p, s): expert ``experts[p // (N / BOX_N)]``'s rows of block p % (N / BOX_N) (gate and, N further on,
+    up), the s-th of SPLIT_K runs of K, box by box through TMA; a byte max keeps the loads."""
+    blocks = N // BOX_N
+    expert = tl.load(experts_ptr + tl.program_id(0) // blocks)
+    row = expert * 2 * N + tl.program_id(0) % blocks * BOX_N
+    per = tl.cdiv(tl.cdiv(K, BOX_K), SPLIT_K) * BOX_K
+    acc = tl.zeros([BOX_N, BOX_K], dtype=tl.uint8)
+    for k0 in range(tl.program_id(1) * per, tl.minimum(tl.program_id(1) * per + per, K), BOX_K):
+        acc = tl.maximum(acc, tl.maximum(desc.load([row, k0]), desc.load([row + N, k0])))
+    tl.store(out_ptr + tl.program_id(0) * SPLIT_K + tl.program_id(1), tl.max(tl.max(acc, 1), 0))
+
+
+def read_pattern(device: torch.device, read_tbps: float) -> list[dict[str, Any]]:
+    """GEMM1's boxes streamed with no arithmetic (DeepSeek-V3 at one token), per box shape, split and stages."""
+    cfg = preset("deepseek-v3")
+    E, H, I, K = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
+    values = torch.empty(E * 2 * I, H, dtype=torch.uint8, device=device).random_(0, 0x7E)
+    gen = torch.Generator(device).manual_seed(2)
+    sets = timing.rotations(K * 2 * I * H)
+    experts = [torch.randperm(E, device=device, generator=gen)[:K].int() for _ in range(sets)]
+    out = torch.empty(1 << 16, dtype=torch.uint8, device=device)
+    rows = []
+    for box_n, box_k in ((128, 128), (64, 256), (128, 256), (32, 512), (256, 64)):
+        desc = TensorDescriptor.from_tensor(values, [box_n, box_k])
+        for split in (1, 2, 4):
+            for stages in (2, 3, 4, 5):
+                grid = (K * I // box_n, split)
+                calls = [lambda e=e: _read_boxes_kernel[grid](desc, e, out, I, H, box_n, box_k, split, num_warps=4,
+                                                             num_stages=stages) for e in experts]
+                us = timing.time_or_none(calls)
+                if us is None:
+                    continue
+                rows.append({"box": [box_n, box_k], "split_k": split, "stages": stages, "programs": grid[0] * split,
+                             "us": us, "tbps": K * 2 * I * H / us / 1e6,
+                             "floor_us": K * 2 * I * H / (read_tbps * 1e12) * 1e6})
+                print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
+    return rows
+
+
+def layer_timelines(device: torch.device) -> list[dict[str, Any]]:
+    """The fp8 layer at one token as one CUDA graph: its time, and each kernel's start and end in one replay."""
+    rows = []
+    for name in PRESETS:
+        cfg = preset(name)
+        layer = MoELayer(cfg, device=device, quant="fp8").init_random_(seed=1)
+        x = torch.randn(1, cfg.hidden_size, device=device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            us = timing.graph_time_us([lambda: layer(x)], replays=30)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                layer(x)
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    graph.replay()
+                    torch.cuda.synchronize()
+        events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                        key=lambda e: e.time_range.start)
+        last = events[-len(events) // 5:]
+        start = last[0].time_range.start
+        kernels = [{"kernel": e.name.split("<")[0][:60], "start_us": e.time_range.start - start,
+                    "end_us": e.time_range.end - start} for e in last]
+        rows.append({"model": name, "layer_us": us, "kernels": kernels})
+        print(name, round(us, 1), [(k["kernel"], round(k["start_us"], 1), round(k["end_us"], 1)) for k in kernels],
+              flush=True)
+        del layer
+        torch.cuda.empty_cache()
     return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--layer", action="store_true", help="the fp8 layers' one-token timelines too")
+    parser.add_argument("--read", action="store_true", help="only GEMM1's boxes streamed with no arithmetic")
     args = parser.parse_args()
     device = torch.device("cuda")
     ceilings = timing.measure_ceilings(gemm=False)
+    if args.read:
+        rows = read_pattern(device, ceilings.read_tbps)
+        if args.json:
+            args.json.write_text(json.dumps({"read_tbps": ceilings.read_tbps, "read": rows}, indent=1))
+        return 0
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                               "read_tbps": ceilings.read_tbps, "errors": errors(device),
                               "time": time_presets(device, ceilings.read_tbps)}
+    if args.layer:
+        result["layer"] = layer_timelines(device)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

@@ -11,7 +11,7 @@ cuBLAS ``bmm`` on the same work as dense batches; each with the items in tile or
 item a program (issue 39's open experiment). ``--fp8``: the same for fp8 block-scale weights (``tl`` against
 persistent), and the persistent kernels' error against SPEC §5's float64 emulation. ``--ncu-kernel``: one GEMM1
 launch of that kernel at 4,096 tokens with ``--routing``, for Nsight Compute (``ncu --launch-skip 2
---launch-count 1``).
+--launch-count 1``); with ``--gemm2``, one GEMM2 launch (``--launch-skip 3``).
 """
 from __future__ import annotations
 
@@ -186,8 +186,9 @@ def routed_ids(M: int, routing: str, device: torch.device, gen: torch.Generator)
 
 
 def ncu_launch(kernel: str, routing: str, device: torch.device, by_expert: bool = False,
-               item_per_program: bool = False, fp8: bool = False, static: bool = False) -> None:
-    """Three GEMM1 launches at 4,096 tokens (ncu skips the first two: compile and warm-up). ``fp8`` (persistent
+               item_per_program: bool = False, fp8: bool = False, static: bool = False, second: bool = False) -> None:
+    """Three GEMM1 launches at 4,096 tokens (ncu skips the first two: compile and warm-up); ``second`` (bf16):
+    one GEMM1 launch, then three of GEMM2 on its intermediate (``--launch-skip 3``). ``fp8`` (persistent
     only): three fp8 block-scale experts calls, GEMM1 then GEMM2 each (``--launch-skip 4`` for the third GEMM1).
     ``sgmm``: ``torch._scaled_grouped_mm`` on the same work as dense groups, GEMM1 then GEMM2, three times."""
     if kernel == "sgmm":
@@ -212,6 +213,17 @@ def ncu_launch(kernel: str, routing: str, device: torch.device, by_expert: bool 
     inter = torch.empty(plan.num_rows, I, dtype=torch.bfloat16, device=device)
     tiles = configs.pick(4096, E, H, I, K, torch.bfloat16, configs.arch_of(device), block_m=128)
     rows = persistent.gather_rows(x, plan)
+    if second:
+        out = torch.empty(plan.num_rows, H, dtype=torch.bfloat16, device=device)
+        gemm1_swiglu(x, w1, plan, inter, tiles.gemm1)
+        for _ in range(3):
+            if kernel == "tl":
+                gemm2(inter, w2, plan, out, tiles.gemm2)
+            else:
+                persistent.launch(False, inter, w2, plan, out, by_expert=by_expert, programs=programs,
+                                  dynamic=not static)
+        torch.cuda.synchronize()
+        return
     for _ in range(3):
         if kernel == "tl":
             gemm1_swiglu(x, w1, plan, inter, tiles.gemm1)
@@ -232,12 +244,14 @@ def main() -> int:
                         help="--ncu-kernel persistent: one program per item (the hardware schedules them)")
     parser.add_argument("--static", action="store_true",
                         help="--ncu-kernel persistent: every grid-th item a program, not claimed from a counter")
+    parser.add_argument("--gemm2", action="store_true",
+                        help="--ncu-kernel tl|persistent (bf16): GEMM2's launches, after one GEMM1 (--launch-skip 3)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device("cuda")
     if args.ncu_kernel:
         ncu_launch(args.ncu_kernel, args.routing, device, args.by_expert, args.item_per_program, args.fp8,
-                   args.static)
+                   args.static, args.gemm2)
         return 0
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if args.check:

@@ -23,6 +23,7 @@ For each model and token count (softmax top-k of random N(0, 1) logits, as the a
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import cast
 
 import torch
@@ -37,7 +38,8 @@ from moefuse.layer import MoELayer, Quant
 from moefuse.testing import rel_error
 
 # fp8 at DeepSeek-V4-Flash shapes too: MXFP4 is compared with it there.
-MODELS = {"fp8": ("deepseek-v3", "kimi-k2", "glm-4.5-air", "deepseek-v4-flash"), "mxfp4": ("deepseek-v4-flash",),
+MODELS = {"fp8": ("deepseek-v3", "kimi-k2", "glm-4.5-air", "deepseek-v4-flash", "qwen3-30b-a3b"),
+          "mxfp4": ("deepseek-v4-flash",),
           "w4a8": ("deepseek-v4-flash",)}
 # Each row format as (weight format, activation_quant): "w4a8" is MXFP4 with fp8 activations.
 ROW_FORMATS = {"fp8": ("fp8", "fp8"), "mxfp4": ("mxfp4", None), "w4a8": ("mxfp4", "fp8")}
@@ -127,8 +129,16 @@ def _experts_row(fmt: str, model: str, M: int, weights: tuple, ceilings: timing.
             if fmt == "fp8" or w4a8:  # fp8: the bf16 weights stand for the unquantized ones (their error is below)
                 dense = moe_experts_torch(x, d1, d2, plan, dtype=torch.float64, out=zeros())
                 row["err_unquantized"] = rel_error(out[:n], dense[:n])
-        row["us"] = timing.graph_time_us([lambda: moe_experts(x, w1, w2, plan, activation_quant=quant)], replays=20)
-        row["bf16_us"] = timing.graph_time_us([lambda: moe_experts(x, d1, d2, plan_bf16)], replays=20)
+        # Routings rotate so that the touched weights overflow the L2 (a narrow model's few experts would fit)
+        sets = timing.rotations(touched * (_stored_bytes(ROW_FORMATS[fmt][0], 2 * I, H)
+                                           + _stored_bytes(ROW_FORMATS[fmt][0], H, I)))
+        routings = [ids] + [torch.rand(M, E, device="cuda", generator=gen).argsort(1)[:, :K].int()
+                            for _ in range(sets - 1)]
+        plans = [moe_dispatch(r, E, plan.block_m) for r in routings]
+        plans_bf16 = [moe_dispatch(r, E, plan_bf16.block_m) for r in routings]
+        row["us"] = timing.graph_time_us([partial(moe_experts, x, w1, w2, p, activation_quant=quant)
+                                          for p in plans], replays=20)
+        row["bf16_us"] = timing.graph_time_us([partial(moe_experts, x, d1, d2, p) for p in plans_bf16], replays=20)
     stored = touched * (_stored_bytes(ROW_FORMATS[fmt][0], 2 * I, H) + _stored_bytes(ROW_FORMATS[fmt][0], H, I))
     row["read_floor_us"] = ceilings.empty_us + stored / (ceilings.read_tbps * 1e12) * 1e6
     row["x_floor"] = row["us"] / row["read_floor_us"]
@@ -143,22 +153,26 @@ def _experts_row(fmt: str, model: str, M: int, weights: tuple, ceilings: timing.
 def _layer_times(fmt: str, model: str, rows: list[dict], ceilings: timing.Ceilings, gen: torch.Generator) -> None:
     """Add the whole layer's time (format and bf16) and read floor to each row of ``model``."""
     c = preset(model)
+    H, I, S = c.hidden_size, c.intermediate_size, c.shared_intermediate_size
     weight_format, activation_quant = ROW_FORMATS[fmt]
+    expert_bytes = _stored_bytes(weight_format, 2 * I, H) + _stored_bytes(weight_format, H, I)
     for quant in (cast(Quant, weight_format), None):
         layer = MoELayer(c, device="cuda", quant=quant, activation_quant=activation_quant if quant else "default"
                          ).init_random_(seed=1)
         for row in rows:
-            x = torch.randn(row["M"], c.hidden_size, device="cuda", generator=gen, dtype=torch.bfloat16)
+            # tokens rotate (and with them the touched experts) as the experts' routings do
+            xs = [torch.randn(row["M"], c.hidden_size, device="cuda", generator=gen, dtype=torch.bfloat16)
+                  for _ in range(timing.rotations(row["experts"] * expert_bytes))]
+            x = xs[0]
             with torch.no_grad():
-                us = timing.graph_time_us([lambda: layer(x)], replays=20)
+                us = timing.graph_time_us([partial(layer, x) for x in xs], replays=20)
                 if quant is None:
                     row["bf16_layer_us"] = us
                     continue
                 row["layer_us"] = us
                 _, ids = layer.gate(x)
             touched = int(torch.unique(ids[(ids >= 0) & (ids < c.num_experts)]).numel())
-            H, I, S = c.hidden_size, c.intermediate_size, c.shared_intermediate_size
-            stored = (touched * (_stored_bytes(weight_format, 2 * I, H) + _stored_bytes(weight_format, H, I))
+            stored = (touched * expert_bytes
                       + (_stored_bytes("fp8", 2 * S, H) + _stored_bytes("fp8", H, S) if S else 0)
                       + 4 * c.num_experts * H)
             row["layer_floor_us"] = ceilings.empty_us + stored / (ceilings.read_tbps * 1e12) * 1e6

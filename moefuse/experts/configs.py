@@ -44,12 +44,14 @@ TABLE_DTYPES = (torch.bfloat16, torch.float16)  # the tile tables' activations; 
 # instead of in its prologue. One H200, DeepSeek-V3: the pass cost 24 µs at one token (8 rows) and saved 103 µs at
 # 16 tokens (128 rows) and 271 µs at 128 tokens.
 FP8_PREQUANTIZE_MIN_ROWS = 64
-# fp8 at decode: GEMM1 split along K in two programs per tile and column block where one program each would leave
-# SMs idle (fp8_split_k), each on at most this many pipeline stages so that two share an SM (5 stages of the 8-warp
-# 16-row tile take 115 KB of shared memory). One H200, one token (µs, experts): DeepSeek-V3 106.6 -> 103.9, Kimi-K2
-# 107.3 -> 102.9, DeepSeek-V4-Flash 59.0 -> 52.6, GLM-4.5-Air 60.7 -> 50.4, Qwen3-30B-A3B 28.4 -> 22.6; at 16 tokens
-# every split was slower (scripts/fp8_decode_probe.py; docs/PERF-NOTES.md, twenty-fourth session).
+# fp8 at decode: GEMM1 split along K into runs of steps, each its own program, where one program per tile and column
+# block would leave SMs idle or a short second wave (fp8_split_k), each on at most this many pipeline stages so that
+# two share an SM (5 stages of the 8-warp 16-row tile take 115 KB of shared memory). One H200, one token (µs,
+# experts): DeepSeek-V3 106.6 -> 103.9 with two runs; with the shared expert's slot (144 programs unsplit) GEMM1
+# alone 104.0 -> 82.1 with three (scripts/fp8_decode_probe.py; docs/PERF-NOTES.md, twenty-fourth and twenty-fifth
+# sessions).
 FP8_SPLIT_STAGES = 3
+FP8_SPLIT_MAX = 4  # the most runs fp8_split_k splits GEMM1's K into (splits 1-4 measured)
 MXFP4_FEW_ROWS = 16  # at most this many routed rows: MXFP4's deeper decode tiles (heuristic, item 7)
 # MXFP4's tile heights and the most rows per touched expert each takes before the next is faster (heuristic, item 7);
 # more rows take 128-row tiles. (The limits were measured when 128-row tiles ran W4A8; W4A16 now, unless asked.)
@@ -390,6 +392,20 @@ def heuristic(
 
 def fp8_split_k(rows: int, width: int, sms: int) -> int:
     """GEMM1's split along K for fp8 block-scale experts (``experts_fp8``) on a plan of ``rows`` token rows (M·K)
-    and intermediate width I = ``width`` on a GPU of ``sms`` SMs: 2 where every row alone in a tile would still
-    leave a program per SM or fewer (rows · ceil(I / 128) <= SMs: one token on every preset), else 1."""
-    return 2 if rows * -(-width // 128) <= sms else 1
+    and intermediate width I = ``width`` on a GPU of ``sms`` SMs.
+
+    Where the unsplit grid (a program per row and 128 columns at most: rows · ceil(I / 128)) would fill at most
+    two programs per SM (a token or two), the split in 1..``FP8_SPLIT_MAX`` whose programs fill the largest share of
+    their waves of 2 · ``sms`` slots (two split programs share an SM on ``FP8_SPLIT_STAGES`` stages), the fewest on
+    a tie; else 1. On one H200 this picked the fastest of splits 1-4 in each of the seven one-token grids measured
+    (DeepSeek-V3 / Kimi-K2: 2, 3 with the shared expert's slot; GLM-4.5-Air: 3, 2 with the slot; DeepSeek-V4-Flash:
+    2; Qwen3-30B-A3B: 4)."""
+    programs = rows * -(-width // 128)
+    slots = 2 * sms
+    if programs > slots:
+        return 1
+
+    def filled(split: int) -> float:
+        return programs * split / (-(-programs * split // slots) * slots)
+
+    return max(range(1, FP8_SPLIT_MAX + 1), key=lambda split: (filled(split), -split))

@@ -17,6 +17,7 @@ from . import configs, persistent
 from .bf16 import gemm1_swiglu, gemm2
 from .configs import Arch, GemmTiles, pick_block_m
 from .fp8 import experts_fp8
+from .fp8 import kernels as fp8_kernels
 from .fp8 import mlp as fp8_mlp
 from .mxfp4 import experts_mxfp4
 from .mxfp4 import w4a8 as mxfp4_w4a8
@@ -224,9 +225,11 @@ def plan_block_m(
 def launch_variant(gate_up_proj: ExpertWeight, num_rows: int, activation_quant: Optional[str]) -> tuple:
     """What besides the tiles decides which kernels ``moe_experts`` compiles for a plan of ``num_rows`` rows on these
     weights and (resolved) ``activation_quant``: fp8 block-scale's activation quantization pass (GEMM1 quantizes its
-    own tiles below ``configs.FP8_PREQUANTIZE_MIN_ROWS`` rows), MXFP4's W4A8 kernels. Warm-up keys on it."""
+    own tiles below ``configs.FP8_PREQUANTIZE_MIN_ROWS`` rows) and GEMM1's split along K, MXFP4's W4A8 kernels.
+    Warm-up keys on it."""
     if isinstance(gate_up_proj, BlockFP8):
-        return ("prequantized", num_rows >= configs.FP8_PREQUANTIZE_MIN_ROWS)
+        split = fp8_kernels.default_split_k(num_rows, gate_up_proj.shape[1] // 2, gate_up_proj.values.device)
+        return ("prequantized", num_rows >= configs.FP8_PREQUANTIZE_MIN_ROWS, "split_k", split)
     if isinstance(gate_up_proj, MXFP4):
         return ("activations", activation_quant)
     return ()

@@ -24,11 +24,11 @@ What the peers run as separate kernels is fused here:
 - **GEMM1's epilogue quantizes the intermediate**: SwiGLU (and the clamp) in fp32, then per row of the 128-column
   tile the same quantization, written as e4m3 plus one scale per row.
 
-Grid and tile order are the bf16 kernels' (``common._program_tile``); at one token GEMM1 also splits along K
-(``configs.fp8_split_k``: its grid would leave SMs idle). BLOCK_K is 128 (one scale step); GEMM1's
-BLOCK_N is 128 (one intermediate scale group per tile row); GEMM2's BLOCK_N is at most 128, so a tile's columns lie
-in one weight block. Weights go through TMA on sm90+ where their layout allows, as in ``bf16.py``. The quantization
-itself, and its rounding under the interpreter, are in ``quantize.py``.
+Grid and tile order are the bf16 kernels' (``common._program_tile``); at a token or two GEMM1 also splits along K
+(``configs.fp8_split_k``: its grid would leave SMs idle or a short second wave). BLOCK_K is 128 (one scale step);
+GEMM1's BLOCK_N is 128 (one intermediate scale group per tile row); GEMM2's BLOCK_N is at most 128, so a tile's
+columns lie in one weight block. Weights go through TMA on sm90+ where their layout allows, as in ``bf16.py``. The
+quantization itself, and its rounding under the interpreter, are in ``quantize.py``.
 """
 
 from __future__ import annotations
@@ -245,6 +245,14 @@ def fp8_tiles(tiles: GemmTiles, block_m: int, gemm1: bool, a_bytes: int, split_k
     return GemmTiles(block_n, BLOCK, tiles.group_m, tiles.num_warps, stages)
 
 
+def default_split_k(num_rows: int, width: int, device: torch.device) -> int:
+    """GEMM1's split along K for a plan of ``num_rows`` rows (M·K) and intermediate width ``width`` on ``device``:
+    ``configs.fp8_split_k`` on a GPU; 1 under the interpreter (its programs run one after another) and off CUDA."""
+    if device.type != "cuda" or _runtime.interpreting():
+        return 1
+    return fp8_split_k(num_rows, width, _runtime.sm_count(device))
+
+
 def experts_fp8(
     hidden: torch.Tensor,
     gate_up: BlockFP8,
@@ -260,7 +268,7 @@ def experts_fp8(
 ) -> None:
     """Launch GEMM1 (+ activation quantization, SwiGLU, intermediate quantization), then GEMM2, into ``out``.
     ``split_k``: GEMM1's K in that many runs of steps, each its own program (``_gemm1_fp8_kernel``; stages as
-    ``fp8_tiles`` cuts them); None: ``configs.fp8_split_k`` on a GPU, 1 under the interpreter.
+    ``fp8_tiles`` cuts them); None: :func:`default_split_k`.
 
     Plans of ``configs.FP8_PREQUANTIZE_MIN_ROWS`` rows or more take their activations from one quantization pass
     that writes them in the plan's row order: fused, each row would be quantized again by every column block of
@@ -279,7 +287,7 @@ def experts_fp8(
     emulate = _runtime.interpreting()
     launch = {"launch_pdl": True} if use_pdl else {}
     if split_k is None:
-        split_k = 1 if emulate else fp8_split_k(plan.expanded_to_permuted.numel(), width, _runtime.sm_count(device))
+        split_k = default_split_k(plan.expanded_to_permuted.numel(), width, device)
     t1 = fp8_tiles(gemm1_tiles, plan.block_m, True, hidden.element_size(), split_k)
     t2 = fp8_tiles(gemm2_tiles, plan.block_m, False, 1)
     prequantize = plan.num_rows >= FP8_PREQUANTIZE_MIN_ROWS

@@ -17,7 +17,10 @@ or fp32 weights; ``BlockFP8`` with bf16 or fp16 activations and fp32 scales or u
   stride 2 and filled with NaN; ``activation_quant`` "default", None or "fp8" (MXFP4 with "fp8" is W4A8; on a GPU
   half the MXFP4 examples have H and I multiples of 128, which Hopper runs on Gluon kernels, and most W4A8 ones,
   on 128-row tiles; a combination refused, one time in seven); on Hopper, half the bf16, fp16 and fp8 examples run
-  the persistent prefill GEMMs (``MOEFUSE_PERSISTENT=1``) at the widths and tile height they take.
+  the persistent prefill GEMMs (``MOEFUSE_PERSISTENT=1``) at the widths and tile height they take;
+- for BlockFP8, GEMM1's split along K (``experts_fp8``'s ``split_k``, which the op takes from
+  ``fp8.kernels.default_split_k``): the default (1 under the interpreter, ``configs.fp8_split_k`` on a GPU) two
+  times in five, else 2, 3 or 4 runs of steps, on any K, so runs can be short or empty.
 
 The plan must equal the reference dispatch's; the rows a plan computes (``n_valid = plan.expert_offsets[-1]``) are
 compared in max and RMS relative error with the float64 oracle of the numerics that ran (plain and MXFP4 W4A16:
@@ -45,9 +48,11 @@ that call, pasted, runs it again; its ``seed`` makes the same tensors).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable
+from unittest import mock
 
 import pytest
 import torch
@@ -60,6 +65,7 @@ from moefuse._runtime import env_override
 from moefuse.config import SCORING_FUNCS
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import moe_experts, pick_block_m
+from moefuse.experts.fp8 import kernels as fp8_kernels
 from moefuse.experts.mxfp4 import ws as mxfp4_ws
 from moefuse.experts.reference import moe_experts_fp8_torch, moe_experts_torch, moe_experts_w4a8_torch
 from moefuse.formats import MXFP4, BlockFP8, tile_dtype, ue8m0_to_float
@@ -184,6 +190,7 @@ def experts_cases(draw: st.DrawFn, fmt: str) -> dict:
         hidden=hidden, hidden_pad=hidden_pad, out=out, out_pad=out_pad,
         limit=draw(st.one_of(st.none(), st.floats(0.1, 20.0))),
         activation_quant=aq, persistent=persistent,
+        split_k=draw(st.sampled_from((None, None, 2, 3, 4))) if fmt == "fp8" else None,
         seed=draw(st.integers(0, 2**32 - 1)),
     )
 
@@ -293,7 +300,10 @@ def check_experts(c: dict) -> None:
         return
     storage = None if c["out"] == "none" else _out(M * K, H, dtype, c["out"], c["out_pad"])
     out = None if storage is None else _view(storage, H, c["out"])
-    with env_override("MOEFUSE_PERSISTENT", "1" if c.get("persistent") else "0"):
+    split = c.get("split_k")  # the op has no split_k argument: its default is replaced for the call
+    splitting = (mock.patch.object(fp8_kernels, "default_split_k", lambda *_: split) if split
+                 else contextlib.nullcontext())
+    with env_override("MOEFUSE_PERSISTENT", "1" if c.get("persistent") else "0"), splitting:
         got = moe_experts(x, w1, w2, plan, out=out, **kwargs)
     assert got.shape == (M * K, H) and got.dtype == dtype and got.device == x.device, c
     assert out is None or got is out, c

@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 
 
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``max|out - ref| / max(max|ref|, tiny)`` in float64; ``inf`` when NaN/inf placement differs."""
+def rel_error(out: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
+    """``max|out - ref| / max(max|ref|, floor, tiny)`` in float64; ``inf`` when NaN/inf placement differs.
+    ``floor``: the smallest scale to measure against, where the output's format rounds in absolute steps below it
+    (fp16 under its smallest normal)."""
     out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
     if out64.shape != ref64.shape:
         raise ValueError(f"shape mismatch: {tuple(out64.shape)} vs {tuple(ref64.shape)}")
@@ -27,15 +29,16 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not bool(finite.any()):
         return 0.0
     diff = (out64[finite] - ref64[finite]).abs().max().item()
-    scale = max(ref64[finite].abs().max().item(), 1e-30)
+    scale = max(ref64[finite].abs().max().item(), floor, 1e-30)
     return diff / scale
 
 
-def rms_rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``||out - ref||_2 / ||ref||_2`` in float64 (0 when both are empty or zero)."""
+def rms_rel_error(out: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
+    """``||out - ref||_2 / max(||ref||_2, floor · sqrt(n))`` in float64 (0 when both are empty or zero);
+    ``floor`` as :func:`rel_error` takes it."""
     out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
     num = (out64 - ref64).norm().item()
-    den = ref64.norm().item()
+    den = max(ref64.norm().item(), floor * ref64.numel() ** 0.5)
     return num / den if den > 0 else num
 
 

@@ -45,7 +45,7 @@ from moefuse.bench.experts import _routing  # noqa: E402
 from moefuse.config import preset  # noqa: E402
 from moefuse.dispatch import moe_dispatch  # noqa: E402
 from moefuse.experts import configs, moe_experts, plan_block_m  # noqa: E402
-from moefuse.experts.fp8.kernels import experts_fp8  # noqa: E402
+from moefuse.experts.fp8.kernels import default_split_k, experts_fp8  # noqa: E402
 from moefuse.experts.reference import moe_experts_fp8_torch  # noqa: E402
 from moefuse.formats import BlockFP8, tile_dtype  # noqa: E402
 from moefuse.layer import MoELayer  # noqa: E402
@@ -101,8 +101,7 @@ def time_presets(device: torch.device, read_tbps: float) -> list[dict[str, Any]]
             op = [lambda p=p, o=o: moe_experts(x, w1, w2, p, out=o) for p, o in zip(plans, outs)]
             row: dict[str, Any] = {
                 "model": name, "M": M, "slots": K, "block_m": block_m, "experts_touched": touched,
-                "gemm1_programs": M * K * -(-I // 128), "rule_split": configs.fp8_split_k(
-                    M * K, I, torch.cuda.get_device_properties(device).multi_processor_count),
+                "gemm1_programs": M * K * -(-I // 128), "rule_split": default_split_k(M * K, I, device),
                 "read_floor_us": floor1 + floor2, "gemm1_floor_us": floor1, "gemm2_floor_us": floor2,
                 "op_us": timing.time_or_none(op), **{f"op_{k}": v for k, v in kernel_us(op).items()}}
             for split in SPLITS if M < 16 else (1, 2):

@@ -64,6 +64,16 @@ def _stored_bytes(fmt: str, n: int, k: int) -> int:
     return n * k // 2 + n * k // MX_GROUP
 
 
+def _expert_bytes(fmt: str, H: int, I: int) -> int:
+    """Bytes one expert's gate_up [2I, H] and down [H, I] occupy in ``fmt``."""
+    return _stored_bytes(fmt, 2 * I, H) + _stored_bytes(fmt, H, I)
+
+
+def _random_ids(M: int, E: int, K: int, gen: torch.Generator) -> torch.Tensor:
+    """Softmax top-k of N(0, 1) logits: K distinct experts per token, uniformly at random."""
+    return torch.rand(M, E, device="cuda", generator=gen).argsort(1)[:, :K].int()
+
+
 def _weights(fmt: str, E: int, H: int, I: int, seed: int) -> tuple:
     """(gate_up, down) in the format, and the same weights dequantized to bf16; drawn and converted one expert at
     a time (a whole Kimi-K2 in fp32 would not fit)."""
@@ -109,8 +119,9 @@ def _experts_row(fmt: str, model: str, M: int, weights: tuple, ceilings: timing.
     E, H, I, K = c.num_experts, c.hidden_size, c.intermediate_size, c.top_k
     w1, w2, d1, d2 = weights
     quant = ROW_FORMATS[fmt][1]
+    expert_bytes = _expert_bytes(ROW_FORMATS[fmt][0], H, I)
     x = torch.randn(M, H, device="cuda", generator=gen, dtype=torch.bfloat16)
-    ids = torch.rand(M, E, device="cuda", generator=gen).argsort(1)[:, :K].int()  # softmax top-k of N(0,1) logits
+    ids = _random_ids(M, E, K, gen)
     plan = moe_dispatch(ids, E, plan_block_m(M, w1, K, x.dtype, quant))
     plan_bf16 = moe_dispatch(ids, E, configs.pick_block_m(M, E, H, I, K, torch.bfloat16))
     touched = int(torch.unique(ids).numel())
@@ -130,16 +141,13 @@ def _experts_row(fmt: str, model: str, M: int, weights: tuple, ceilings: timing.
                 dense = moe_experts_torch(x, d1, d2, plan, dtype=torch.float64, out=zeros())
                 row["err_unquantized"] = rel_error(out[:n], dense[:n])
         # Routings rotate so that the touched weights overflow the L2 (a narrow model's few experts would fit)
-        sets = timing.rotations(touched * (_stored_bytes(ROW_FORMATS[fmt][0], 2 * I, H)
-                                           + _stored_bytes(ROW_FORMATS[fmt][0], H, I)))
-        routings = [ids] + [torch.rand(M, E, device="cuda", generator=gen).argsort(1)[:, :K].int()
-                            for _ in range(sets - 1)]
-        plans = [moe_dispatch(r, E, plan.block_m) for r in routings]
-        plans_bf16 = [moe_dispatch(r, E, plan_bf16.block_m) for r in routings]
+        more = [_random_ids(M, E, K, gen) for _ in range(timing.rotations(touched * expert_bytes) - 1)]
+        plans = [plan] + [moe_dispatch(r, E, plan.block_m) for r in more]
+        plans_bf16 = [plan_bf16] + [moe_dispatch(r, E, plan_bf16.block_m) for r in more]
         row["us"] = timing.graph_time_us([partial(moe_experts, x, w1, w2, p, activation_quant=quant)
                                           for p in plans], replays=20)
         row["bf16_us"] = timing.graph_time_us([partial(moe_experts, x, d1, d2, p) for p in plans_bf16], replays=20)
-    stored = touched * (_stored_bytes(ROW_FORMATS[fmt][0], 2 * I, H) + _stored_bytes(ROW_FORMATS[fmt][0], H, I))
+    stored = touched * expert_bytes
     row["read_floor_us"] = ceilings.empty_us + stored / (ceilings.read_tbps * 1e12) * 1e6
     row["x_floor"] = row["us"] / row["read_floor_us"]
     if fmt == "fp8":
@@ -155,7 +163,7 @@ def _layer_times(fmt: str, model: str, rows: list[dict], ceilings: timing.Ceilin
     c = preset(model)
     H, I, S = c.hidden_size, c.intermediate_size, c.shared_intermediate_size
     weight_format, activation_quant = ROW_FORMATS[fmt]
-    expert_bytes = _stored_bytes(weight_format, 2 * I, H) + _stored_bytes(weight_format, H, I)
+    expert_bytes = _expert_bytes(weight_format, H, I)
     for quant in (cast(Quant, weight_format), None):
         layer = MoELayer(c, device="cuda", quant=quant, activation_quant=activation_quant if quant else "default"
                          ).init_random_(seed=1)
@@ -173,7 +181,7 @@ def _layer_times(fmt: str, model: str, rows: list[dict], ceilings: timing.Ceilin
                 _, ids = layer.gate(x)
             touched = int(torch.unique(ids[(ids >= 0) & (ids < c.num_experts)]).numel())
             stored = (touched * expert_bytes
-                      + (_stored_bytes("fp8", 2 * S, H) + _stored_bytes("fp8", H, S) if S else 0)
+                      + (_expert_bytes("fp8", H, S) if S else 0)
                       + 4 * c.num_experts * H)
             row["layer_floor_us"] = ceilings.empty_us + stored / (ceilings.read_tbps * 1e12) * 1e6
             row["x_layer_floor"] = row["layer_us"] / row["layer_floor_us"]

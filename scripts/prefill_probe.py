@@ -7,11 +7,12 @@ kernels (``experts/bf16.py``, the plan's 128-row tiles and the table's) and cuBL
 on narrow, ragged, clamped and empty-expert cases (max relative error per case). ``--time``: µs under CUDA-graph
 replay, GEMMs only (the gather included for the persistent path), DeepSeek-V3 experts at 2,048 / 4,096 / 8,192 tokens
 with exactly balanced routing (every expert M·K/E rows), random uniform routing and Zipf 0.6 / 1.0 at 4,096, beside
-cuBLAS ``bmm`` on the same work as dense batches; each with the items in tile order and by expert, persistent and one
-item a program (issue 39's open experiment). ``--fp8``: the same for fp8 block-scale weights (``tl`` against
-persistent), and the persistent kernels' error against SPEC §5's float64 emulation. ``--ncu-kernel``: one GEMM1
-launch of that kernel at 4,096 tokens with ``--routing``, for Nsight Compute (``ncu --launch-skip 2
---launch-count 1``); with ``--gemm2``, one GEMM2 launch (``--launch-skip 3``).
+cuBLAS ``bmm`` on the same work as dense batches; each with items claimed from a counter (the default), every
+grid-th item a program, and one item a program (issue 39's experiments). ``--fp8``: the same for fp8 block-scale
+weights (``tl`` against persistent), and the persistent kernels' error against SPEC §5's float64 emulation.
+``--ncu-kernel``: one GEMM1 launch of that kernel at 4,096 tokens with ``--routing``, for Nsight Compute (``ncu
+--launch-skip 2 --launch-count 1``); with ``--gemm2``, one GEMM2 launch (``ncu -k`` the GEMM2 kernel,
+``--launch-skip 2``).
 """
 from __future__ import annotations
 
@@ -38,13 +39,10 @@ from moefuse.testing import rel_error, rms_rel_error  # noqa: E402
 
 E, H, I, K = 256, 7168, 2048, 8  # DeepSeek-V3
 # Issue 39's experiments beside the default schedule (items claimed from a counter; keyword arguments of
-# persistent.launch), timed for both operand types: the tl kernels' item order; every grid-th item (static), in tile
-# order and in the tl kernels' order; one item a program.
+# persistent.launch), timed for both operand types: every grid-th item a program (static); one item a program.
 SCHEDULES: dict[str, dict[str, Any]] = {
-    "by_expert": {"by_expert": True},
     "static": {"dynamic": False},
-    "static_by_expert": {"by_expert": True, "dynamic": False},
-    "item_per_program": {"by_expert": True, "programs": 1 << 30, "dynamic": False},
+    "item_per_program": {"programs": 1 << 30, "dynamic": False},
 }
 
 
@@ -185,11 +183,12 @@ def routed_ids(M: int, routing: str, device: torch.device, gen: torch.Generator)
     return _routing(M, E, K, device, gen, {"uniform": 0.0, "zipf-0.6": 0.6, "zipf-1.0": 1.0}[routing])[1]
 
 
-def ncu_launch(kernel: str, routing: str, device: torch.device, by_expert: bool = False,
-               item_per_program: bool = False, fp8: bool = False, static: bool = False, second: bool = False) -> None:
+def ncu_launch(kernel: str, routing: str, device: torch.device, item_per_program: bool = False, fp8: bool = False,
+               static: bool = False, second: bool = False) -> None:
     """Three GEMM1 launches at 4,096 tokens (ncu skips the first two: compile and warm-up); ``second`` (bf16):
-    one GEMM1 launch, then three of GEMM2 on its intermediate (``--launch-skip 3``). ``fp8`` (persistent
-    only): three fp8 block-scale experts calls, GEMM1 then GEMM2 each (``--launch-skip 4`` for the third GEMM1).
+    one GEMM1 launch, then three of GEMM2 on its intermediate (``-k`` GEMM2's kernel, ``--launch-skip 2``).
+    ``fp8`` (persistent only): three fp8 block-scale experts calls, GEMM1 then GEMM2 each (``--launch-skip 4`` for
+    the third GEMM1).
     ``sgmm``: ``torch._scaled_grouped_mm`` on the same work as dense groups, GEMM1 then GEMM2, three times."""
     if kernel == "sgmm":
         both = scaled_grouped_mm_calls(4096, E, H, I, K, device)
@@ -206,8 +205,7 @@ def ncu_launch(kernel: str, routing: str, device: torch.device, by_expert: bool 
         q1, q2 = BlockFP8.quantize(w1), BlockFP8.quantize(w2)
         out = torch.empty(plan.num_rows, H, dtype=torch.bfloat16, device=device)
         for _ in range(3):
-            persistent.experts_persistent_fp8(x, q1, q2, plan, out, by_expert=by_expert, programs=programs,
-                                              dynamic=not static)
+            persistent.experts_persistent_fp8(x, q1, q2, plan, out, programs=programs, dynamic=not static)
         torch.cuda.synchronize()
         return
     inter = torch.empty(plan.num_rows, I, dtype=torch.bfloat16, device=device)
@@ -220,15 +218,14 @@ def ncu_launch(kernel: str, routing: str, device: torch.device, by_expert: bool 
             if kernel == "tl":
                 gemm2(inter, w2, plan, out, tiles.gemm2)
             else:
-                persistent.launch(False, inter, w2, plan, out, by_expert=by_expert, programs=programs,
-                                  dynamic=not static)
+                persistent.launch(False, inter, w2, plan, out, programs=programs, dynamic=not static)
         torch.cuda.synchronize()
         return
     for _ in range(3):
         if kernel == "tl":
             gemm1_swiglu(x, w1, plan, inter, tiles.gemm1)
         else:
-            persistent.launch(True, rows, w1, plan, inter, by_expert=by_expert, programs=programs, dynamic=not static)
+            persistent.launch(True, rows, w1, plan, inter, programs=programs, dynamic=not static)
     torch.cuda.synchronize()
 
 
@@ -239,7 +236,6 @@ def main() -> int:
     parser.add_argument("--fp8", action="store_true", help="time the fp8 block-scale kernels too")
     parser.add_argument("--ncu-kernel", choices=["tl", "persistent", "sgmm"])
     parser.add_argument("--routing", default="balanced", choices=["balanced", "uniform", "zipf-0.6", "zipf-1.0"])
-    parser.add_argument("--by-expert", action="store_true", help="--ncu-kernel persistent: items in tl's order")
     parser.add_argument("--item-per-program", action="store_true",
                         help="--ncu-kernel persistent: one program per item (the hardware schedules them)")
     parser.add_argument("--static", action="store_true",
@@ -250,7 +246,7 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.device("cuda")
     if args.ncu_kernel:
-        ncu_launch(args.ncu_kernel, args.routing, device, args.by_expert, args.item_per_program, args.fp8,
+        ncu_launch(args.ncu_kernel, args.routing, device, args.item_per_program, args.fp8,
                    args.static, args.gemm2)
         return 0
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}

@@ -81,12 +81,9 @@ def persistent_gemms() -> None:
     plan = moe_dispatch(ids, E, persistent.BLOCK_M)
     out = torch.empty(plan.num_rows, H, device=dev, dtype=bf16)
     q1, q2 = BlockFP8.quantize(w1), BlockFP8.quantize(w2)
-    for by_expert, programs, dynamic in ((False, None, False), (True, None, False), (True, 1 << 30, False),
-                                         (False, None, True), (True, 3, True)):
-        persistent.experts_persistent(x, w1, w2, plan, out, 7.0, by_expert=by_expert, programs=programs,
-                                      dynamic=dynamic)
-        persistent.experts_persistent_fp8(x, q1, q2, plan, out, 7.0, by_expert=by_expert, programs=programs,
-                                          dynamic=dynamic)
+    for programs, dynamic in ((None, False), (1 << 30, False), (None, True), (3, True)):
+        persistent.experts_persistent(x, w1, w2, plan, out, 7.0, programs=programs, dynamic=dynamic)
+        persistent.experts_persistent_fp8(x, q1, q2, plan, out, 7.0, programs=programs, dynamic=dynamic)
 
 
 def _ids(tokens: int, E: int, K: int) -> torch.Tensor:

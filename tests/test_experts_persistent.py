@@ -35,10 +35,9 @@ CASES = [
     (16, 1024, 256, 4, 300, "empty", None),
     (8, 2048, 768, 2, 700, "skewed", None),
 ]
-# (by_expert, programs, dynamic): the default, then each experiment of ``persistent.launch`` (3 programs: many
-# items each, so the dynamic claims' ring wraps)
-SCHEDULES = [(False, None, True), (True, None, True), (False, 3, True), (False, None, False), (True, None, False),
-             (True, 1 << 30, False), (False, 3, False)]
+# (programs, dynamic): the default, then each experiment of ``persistent.launch`` (3 programs: many items each, so
+# the dynamic claims' ring wraps)
+SCHEDULES = [(None, True), (3, True), (None, False), (1 << 30, False), (3, False)]
 
 
 def _inputs(E, H, I, K, M, routing, dtype, gen):
@@ -103,8 +102,8 @@ def test_op_runs_them_when_asked(gen, monkeypatch):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("case", [c for c in CASES if c[5] != "uniform"], ids=lambda c: f"E{c[0]}-M{c[4]}-{c[5]}")
 def test_item_orders_and_schedules_give_the_same_bits(case, fp8, gen):
-    """The experiment switches of ``persistent.launch`` (items by expert; one item a program; items claimed from a
-    counter) change which program computes an item, never what it computes; bf16 and fp8 block-scale weights."""
+    """The experiment switches of ``persistent.launch`` (one item a program; items claimed from a counter) change
+    which program computes an item, never what it computes; bf16 and fp8 block-scale weights."""
     E, H, I, K, M, routing, limit = case
     x, w1, w2, ids = _inputs(E, H, I, K, M, routing, torch.bfloat16, gen)
     run, weights = ((persistent.experts_persistent_fp8, (BlockFP8.quantize(w1), BlockFP8.quantize(w2))) if fp8
@@ -112,9 +111,9 @@ def test_item_orders_and_schedules_give_the_same_bits(case, fp8, gen):
     plan = moe_dispatch(ids, E, persistent.BLOCK_M)
     n = int(plan.expert_offsets[-1])
     outs = []
-    for by_expert, programs, dynamic in SCHEDULES:
+    for programs, dynamic in SCHEDULES:
         out = torch.full((plan.num_rows, H), float("nan"), dtype=torch.bfloat16, device="cuda")
-        run(x, *weights, plan, out, limit, by_expert=by_expert, programs=programs, dynamic=dynamic)
+        run(x, *weights, plan, out, limit, programs=programs, dynamic=dynamic)
         outs.append(out[:n])
     assert all(torch.equal(outs[0], other) for other in outs[1:])
 

@@ -12,7 +12,7 @@ differs is the structure, the one the non-persistent kernels could not reach (do
   costs uneven, and every grid-th item a program left programs idle at the end); an item is one plan tile
   (``BLOCK_M`` rows of one expert) and one column block. Items go tile by tile, so the programs running at once
   share a few tiles' activation rows and, where an expert has several tiles, its weight boxes through L2.
-  Experiments (``launch``): the ``tl`` kernels' item order, one item a program, every grid-th item a program;
+  Experiments (``launch``): one item a program, every grid-th item a program;
 - a producer warp that streams each 64-deep step of the item's activation rows (two 64-row boxes) and its four
   64-row weight boxes through TMA into a ring of slots, running ahead across items (it fills the next item's steps
   while the consumers finish the last one's epilogue);
@@ -85,25 +85,11 @@ if gluon is not None:
     _CLAIMS: gl.constexpr = gl.constexpr(CLAIMS)
 
     @gluon.jit
-    def _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, BY_EXPERT: gl.constexpr):
-        """Work item ``item``: its expert (-1: an unused tile), column block, first row and its expert's end.
-
-        Tile-major (``BY_EXPERT`` False): tile ``item // col_blocks``, column block ``item % col_blocks``. By expert:
-        the ``tl`` kernels' order (``common._tile_and_col`` with GROUP_M 0): the items of one expert's tiles for one
-        column block are adjacent, so the programs that take them in one round read its weight boxes at about the
-        same time (one DRAM read, the rest from L2)."""
+    def _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr):
+        """Work item ``item`` (tile-major: tile ``item // col_blocks``, column block ``item % col_blocks``): its
+        expert (-1: an unused tile), column block, first row and its expert's end."""
         tile = item // col_blocks
         block = item % col_blocks
-        if BY_EXPERT:
-            probe = item // col_blocks
-            expert = gl.load(tile_expert_ptr + probe)
-            if expert >= 0:
-                expert_start = gl.load(expert_offsets_ptr + expert)
-                first_tile = probe - (gl.load(tile_row_start_ptr + probe) - expert_start) // (2 * _HALF)
-                group_size = gl.cdiv(gl.load(expert_offsets_ptr + expert + 1) - expert_start, 2 * _HALF)
-                local = item - first_tile * col_blocks
-                tile = first_tile + local % group_size
-                block = local // group_size
         expert = gl.load(tile_expert_ptr + tile)
         row_start = gl.load(tile_row_start_ptr + tile)
         row_end = gl.load(expert_offsets_ptr + gl.maximum(expert, 0) + 1)
@@ -134,7 +120,7 @@ if gluon is not None:
     def _produce(a_desc, w_desc, a_smem, w_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
                  expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, pair_rows, box_rows,
                  k_steps, claims_ptr, counter_ptr, BK: gl.constexpr, STAGES: gl.constexpr,
-                 BY_EXPERT: gl.constexpr, DYNAMIC: gl.constexpr):
+                 DYNAMIC: gl.constexpr):
         """The producer warp: for every ``BK``-deep step of every item of this program, the two 64-row activation
         boxes and the four weight boxes (box b at rows ``item_cols * block + (b // 2) * pair_rows + (b % 2) *
         box_rows`` of the expert's) into slot ``i % STAGES``. Static: items ``pid, pid + grid, ...``. ``DYNAMIC``:
@@ -148,7 +134,7 @@ if gluon is not None:
             item = gl.atomic_add(counter_ptr, 1)
             while item < num_items:
                 expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
-                                                          expert_offsets_ptr, BY_EXPERT)
+                                                          expert_offsets_ptr)
                 if expert >= 0:
                     i = _produce_item(a_desc, w_desc, a_smem, w_smem, ready, empty, i,
                                       expert * rows_per_expert + block * item_cols, row_start, pair_rows, box_rows,
@@ -162,7 +148,7 @@ if gluon is not None:
         else:
             for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
                 expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
-                                                          expert_offsets_ptr, BY_EXPERT)
+                                                          expert_offsets_ptr)
                 if expert >= 0:
                     i = _produce_item(a_desc, w_desc, a_smem, w_smem, ready, empty, i,
                                       expert * rows_per_expert + block * item_cols, row_start, pair_rows, box_rows,
@@ -177,11 +163,21 @@ if gluon is not None:
 
     @gluon.jit
     def _store(acc, out_ptr, row0, row_end, col0, stride_om, MMA: gl.constexpr):
-        """``out[row0 + m, col0 + n] = acc[m, n]`` in ``out``'s dtype, for the rows of the expert."""
-        m = row0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, MMA))
-        n = col0 + gl.arange(0, _BOX, layout=gl.SliceLayout(0, MMA))
+        """``out[row0 + m, col0 + n] = acc[m, n]`` in ``out``'s dtype, for the rows of the expert. Through shared
+        memory into a layout where a thread stores 16 bytes of a row and a warp whole 128-byte lines: straight from
+        the MMA layout a thread stores two values at a time and a warp instruction 16-byte pieces of 8 rows, 8x the
+        store instructions, each sector written in two halves (fp8 experts 4-7% slower at 4,096-8,192 tokens, bf16
+        2-3%; docs/PERF-NOTES.md, twenty-sixth session)."""
+        VEC: gl.constexpr = 128 // out_ptr.dtype.element_ty.primitive_bitwidth  # values in 16 bytes
+        ACROSS: gl.constexpr = _BOX // VEC  # threads across a row
+        OUT: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[32 // ACROSS, ACROSS],
+                                             warps_per_cta=[4, 1], order=[1, 0])
+        vals = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), OUT)
+        m = row0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, OUT))
+        n = col0 + gl.arange(0, _BOX, layout=gl.SliceLayout(0, OUT))
+        n = gl.max_contiguous(gl.multiple_of(n, _BOX), _BOX)  # col0 is a multiple of 64 whatever the launch knows
         ptrs = out_ptr + gl.expand_dims(m.to(gl.int64) * stride_om, 1) + gl.expand_dims(n, 0)
-        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(m < row_end, 1))
+        gl.store(ptrs, vals, mask=gl.expand_dims(m < row_end, 1))
 
     @gluon.jit
     def _store_boxes(acc0, acc1, acc2, acc3, out_ptr, row0, row_end, col0, stride_om, MMA: gl.constexpr):
@@ -258,7 +254,7 @@ if gluon is not None:
     @gluon.jit
     def _consume(a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                  num_items, col_blocks, item_cols, k_steps, stride_om, limit, claims_ptr, C: gl.constexpr,
-                 GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr, BY_EXPERT: gl.constexpr,
+                 GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr,
                  DYNAMIC: gl.constexpr):
         """Consumer ``C``: rows ``64 C ..`` of every item against its four weight boxes, [64, 64] fp32 accumulators
         each. A consumer whose rows all lie past the expert's end (a tile's remainder of at most 64 rows) issues
@@ -270,7 +266,7 @@ if gluon is not None:
             item = _claimed(claims_ptr, ready, i, j, STAGES)
             while item < num_items:
                 expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
-                                                          expert_offsets_ptr, BY_EXPERT)
+                                                          expert_offsets_ptr)
                 i = _consume_item(a_smem, w_smem, ready, empty, out_ptr, i, expert, block, row_start, row_end,
                                   item_cols, k_steps, stride_om, limit, C, GEMM1, HAS_LIMIT, STAGES)
                 j += 1
@@ -278,7 +274,7 @@ if gluon is not None:
         else:
             for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
                 expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
-                                                          expert_offsets_ptr, BY_EXPERT)
+                                                          expert_offsets_ptr)
                 i = _consume_item(a_smem, w_smem, ready, empty, out_ptr, i, expert, block, row_start, row_end,
                                   item_cols, k_steps, stride_om, limit, C, GEMM1, HAS_LIMIT, STAGES)
 
@@ -288,7 +284,7 @@ if gluon is not None:
     def _persistent_kernel(a_desc, w_desc, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                            num_items, col_blocks, rows_per_expert, item_cols, pair_rows, box_rows, K,
                            stride_om, limit, claims_ptr, counter_ptr, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                           STAGES: gl.constexpr, BY_EXPERT: gl.constexpr, DYNAMIC: gl.constexpr,
+                           STAGES: gl.constexpr, DYNAMIC: gl.constexpr,
                            PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """GEMM1 + SwiGLU (``GEMM1``: out = intermediate [rows, I], W = gate_up [E·2I, H]) or GEMM2 (out [rows, H],
         W = down [E·H, I]) over the plan's items, this program's share of them."""
@@ -297,13 +293,13 @@ if gluon is not None:
         gl.warp_specialize([
             (_consume, (a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr,
                         expert_offsets_ptr, num_items, col_blocks, item_cols, k_steps, stride_om, limit, claims_ptr,
-                        0, GEMM1, HAS_LIMIT, STAGES, BY_EXPERT, DYNAMIC)),
+                        0, GEMM1, HAS_LIMIT, STAGES, DYNAMIC)),
             (_produce, (a_desc, w_desc, a_smem, w_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
                         expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, pair_rows,
-                        box_rows, k_steps, claims_ptr, counter_ptr, _BK, STAGES, BY_EXPERT, DYNAMIC)),
+                        box_rows, k_steps, claims_ptr, counter_ptr, _BK, STAGES, DYNAMIC)),
             (_consume, (a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr,
                         expert_offsets_ptr, num_items, col_blocks, item_cols, k_steps, stride_om, limit, claims_ptr,
-                        1, GEMM1, HAS_LIMIT, STAGES, BY_EXPERT, DYNAMIC)),
+                        1, GEMM1, HAS_LIMIT, STAGES, DYNAMIC)),
         ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -371,7 +367,7 @@ if gluon is not None:
                      tile_row_start_ptr, expert_offsets_ptr, num_items, col_blocks, num_rows, item_cols, pair_rows,
                      box_rows, k_steps, stride_am, stride_ag, stride_se, stride_sn, stride_sk, stride_om, stride_os,
                      limit, claims_ptr, C: gl.constexpr, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                     STAGES: gl.constexpr, BY_EXPERT: gl.constexpr, DYNAMIC: gl.constexpr):
+                     STAGES: gl.constexpr, DYNAMIC: gl.constexpr):
         """Consumer ``C`` of the fp8 GEMMs (SPEC §5): as :func:`_consume`, with 128-deep steps promoted one box at a
         time (:func:`_promote`; each box's 64 rows lie in one 128-row weight block, I and H being multiples of 128).
         GEMM1 quantizes its 128 SwiGLU columns per row from fp32 (as ``fp8.quantize._quantize``) into ``out_ptr``
@@ -382,7 +378,7 @@ if gluon is not None:
             item = _claimed(claims_ptr, ready, i, j, STAGES)
             while item < num_items:
                 expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
-                                                          expert_offsets_ptr, BY_EXPERT)
+                                                          expert_offsets_ptr)
                 i = _consume_fp8_item(a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, os_ptr, i, expert,
                                       block, row_start, row_end, num_rows, item_cols, pair_rows, box_rows, k_steps,
                                       stride_am, stride_ag, stride_se, stride_sn, stride_sk, stride_om, stride_os,
@@ -392,7 +388,7 @@ if gluon is not None:
         else:
             for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
                 expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
-                                                          expert_offsets_ptr, BY_EXPERT)
+                                                          expert_offsets_ptr)
                 i = _consume_fp8_item(a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, os_ptr, i, expert,
                                       block, row_start, row_end, num_rows, item_cols, pair_rows, box_rows, k_steps,
                                       stride_am, stride_ag, stride_se, stride_sn, stride_sk, stride_om, stride_os,
@@ -403,7 +399,7 @@ if gluon is not None:
                                expert_offsets_ptr, num_items, col_blocks, num_rows, rows_per_expert, item_cols,
                                pair_rows, box_rows, K, stride_am, stride_ag, stride_se, stride_sn, stride_sk, stride_om,
                                stride_os, limit, claims_ptr, counter_ptr, GEMM1: gl.constexpr,
-                               HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr, BY_EXPERT: gl.constexpr,
+                               HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr,
                                DYNAMIC: gl.constexpr, FP8_CONSUMER_REGS: gl.constexpr):
         """:func:`_persistent_kernel` on fp8 block-scale operands (SPEC §5): e4m3 activation rows with fp32 scales
         per 128 columns (``as_ptr``), e4m3 weights with fp32 scales per 128 x 128 block (``ws_ptr``); GEMM1 writes
@@ -416,16 +412,16 @@ if gluon is not None:
         gl.warp_specialize([
             (_produce, (a_desc, w_desc, a_smem, w_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
                         expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, pair_rows,
-                        box_rows, k_steps, claims_ptr, counter_ptr, _BK8, STAGES, BY_EXPERT, DYNAMIC)),
+                        box_rows, k_steps, claims_ptr, counter_ptr, _BK8, STAGES, DYNAMIC)),
             (_consume_fp8, (a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, os_ptr, tile_expert_ptr,
                             tile_row_start_ptr, expert_offsets_ptr, num_items, col_blocks, num_rows, item_cols,
                             pair_rows, box_rows, k_steps, stride_am, stride_ag, stride_se, stride_sn, stride_sk,
-                            stride_om, stride_os, limit, claims_ptr, 0, GEMM1, HAS_LIMIT, STAGES, BY_EXPERT,
+                            stride_om, stride_os, limit, claims_ptr, 0, GEMM1, HAS_LIMIT, STAGES,
                             DYNAMIC)),
             (_consume_fp8, (a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, os_ptr, tile_expert_ptr,
                             tile_row_start_ptr, expert_offsets_ptr, num_items, col_blocks, num_rows, item_cols,
                             pair_rows, box_rows, k_steps, stride_am, stride_ag, stride_se, stride_sn, stride_sk,
-                            stride_om, stride_os, limit, claims_ptr, 1, GEMM1, HAS_LIMIT, STAGES, BY_EXPERT,
+                            stride_om, stride_os, limit, claims_ptr, 1, GEMM1, HAS_LIMIT, STAGES,
                             DYNAMIC)),
         ], [4, 4], [FP8_CONSUMER_REGS, FP8_CONSUMER_REGS])
 
@@ -513,17 +509,16 @@ def _schedule(items: _Items, dynamic: bool, plan: DispatchPlan) -> tuple[torch.T
 
 
 def launch(gemm1: bool, rows: torch.Tensor, weight: torch.Tensor, plan: DispatchPlan, out: torch.Tensor,
-           swiglu_limit: Optional[float] = None, *, by_expert: bool = False, programs: Optional[int] = None,
-           dynamic: bool = True) -> None:
+           swiglu_limit: Optional[float] = None, *, programs: Optional[int] = None, dynamic: bool = True) -> None:
     """One persistent GEMM over the plan's items: GEMM1 + SwiGLU (``rows`` [R, H] in plan order, ``weight``
     gate_up [E, 2I, H], ``out`` the intermediate [R, I]) or GEMM2 (``rows`` the intermediate, ``weight`` down
-    [E, H, I], ``out`` [R, H]). ``by_expert``: the items in the ``tl`` kernels' order (``_item``); ``programs``:
-    the grid (default one program per SM; the item count gives one item a program, the non-persistent launch);
-    ``dynamic``: each program claims its next item from a counter when it has issued the last one, instead of
-    taking every grid-th (``False``: the static schedule). All three are issue 39's experiments (docs/PERF-NOTES.md,
-    twenty-second to twenty-fourth sessions); the defaults are what was measured fastest (the dynamic schedule, on
-    DeepSeek-V3 experts: 2-17% faster than the static one on random and Zipf routing at 2,048-8,192 tokens, up to
-    2.4% slower on exactly balanced routing and at 1,024 tokens)."""
+    [E, H, I], ``out`` [R, H]). ``programs``: the grid (default one program per SM; the item count gives one item a
+    program, the non-persistent launch); ``dynamic``: each program claims its next item from a counter when it has
+    issued the last one, instead of taking every grid-th (``False``: the static schedule). Both are issue 39's
+    experiments (docs/PERF-NOTES.md, twenty-second to twenty-fourth sessions; a third, the ``tl`` kernels' item
+    order, did not help and was removed in the twenty-sixth); the defaults are what was measured fastest (the
+    dynamic schedule, on DeepSeek-V3 experts: 2-17% faster than the static one on random and Zipf routing at
+    2,048-8,192 tokens, up to 2.4% slower on exactly balanced routing and at 1,024 tokens)."""
     E, N, K = weight.shape
     items = _Items.of(gemm1, N, plan, rows.device, programs)
     if items.count == 0:
@@ -534,7 +529,7 @@ def launch(gemm1: bool, rows: torch.Tensor, weight: torch.Tensor, plan: Dispatch
         a_desc, w_desc, out, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
         items.count, items.col_blocks, N, items.cols, items.pair_rows, items.box_rows, K, out.stride(0),
         0.0 if swiglu_limit is None else float(swiglu_limit), claims, counter, GEMM1=gemm1,
-        HAS_LIMIT=swiglu_limit is not None, STAGES=STAGES, BY_EXPERT=by_expert, DYNAMIC=dynamic,
+        HAS_LIMIT=swiglu_limit is not None, STAGES=STAGES, DYNAMIC=dynamic,
         PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
 
 
@@ -546,19 +541,17 @@ def experts_persistent(
     out: torch.Tensor,
     swiglu_limit: Optional[float] = None,
     *,
-    by_expert: bool = False,
     programs: Optional[int] = None,
     dynamic: bool = True,
 ) -> None:
     """Gather GEMM1's rows, then GEMM1 + SwiGLU and GEMM2 with the persistent kernels, into ``out`` [rows, H].
-    Call only where :func:`eligible` holds. ``by_expert``, ``programs``, ``dynamic``: as :func:`launch` takes
-    them."""
+    Call only where :func:`eligible` holds. ``programs``, ``dynamic``: as :func:`launch` takes them."""
     if plan.tile_expert.numel() == 0:
         return
     rows = gather_rows(hidden, plan)
     inter = torch.empty(plan.num_rows, down.shape[2], dtype=hidden.dtype, device=hidden.device)
-    launch(True, rows, gate_up, plan, inter, swiglu_limit, by_expert=by_expert, programs=programs, dynamic=dynamic)
-    launch(False, inter, down, plan, out, by_expert=by_expert, programs=programs, dynamic=dynamic)
+    launch(True, rows, gate_up, plan, inter, swiglu_limit, programs=programs, dynamic=dynamic)
+    launch(False, inter, down, plan, out, programs=programs, dynamic=dynamic)
 
 
 def eligible_fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, plan: DispatchPlan,
@@ -582,7 +575,7 @@ def _fp8_descriptors(rows: torch.Tensor, values: torch.Tensor) -> tuple[object, 
 
 def launch_fp8(gemm1: bool, rows: torch.Tensor, row_scales: torch.Tensor, weight: BlockFP8, plan: DispatchPlan,
                out: torch.Tensor, out_scales: Optional[torch.Tensor], swiglu_limit: Optional[float] = None, *,
-               by_expert: bool = False, programs: Optional[int] = None, dynamic: bool = True) -> None:
+               programs: Optional[int] = None, dynamic: bool = True) -> None:
     """:func:`launch` on fp8 block-scale operands: ``rows`` e4m3 [R, K] with ``row_scales`` [R, K/128]; GEMM1 writes
     ``out`` e4m3 [R, I] and ``out_scales`` [R, I/128], GEMM2 ``out`` [R, H] in the activations' dtype."""
     E, N, K = weight.shape
@@ -598,7 +591,7 @@ def launch_fp8(gemm1: bool, rows: torch.Tensor, row_scales: torch.Tensor, weight
         items.box_rows, K,
         row_scales.stride(0), row_scales.stride(1), *weight.scales.stride(), out.stride(0), scales.stride(0),
         0.0 if swiglu_limit is None else float(swiglu_limit), claims, counter, GEMM1=gemm1,
-        HAS_LIMIT=swiglu_limit is not None, STAGES=STAGES, BY_EXPERT=by_expert, DYNAMIC=dynamic,
+        HAS_LIMIT=swiglu_limit is not None, STAGES=STAGES, DYNAMIC=dynamic,
         FP8_CONSUMER_REGS=FP8_CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
 
 
@@ -610,7 +603,6 @@ def experts_persistent_fp8(
     out: torch.Tensor,
     swiglu_limit: Optional[float] = None,
     *,
-    by_expert: bool = False,
     programs: Optional[int] = None,
     dynamic: bool = True,
 ) -> None:
@@ -623,7 +615,6 @@ def experts_persistent_fp8(
     rows, row_scales = quantized_rows(plan, hidden_size, hidden.device)
     quantize_rows_into(hidden, rows, row_scales, plan, gather=True)
     inter, inter_scales = quantized_rows(plan, width, hidden.device)
-    launch_fp8(True, rows, row_scales, gate_up, plan, inter, inter_scales, swiglu_limit, by_expert=by_expert,
-               programs=programs, dynamic=dynamic)
-    launch_fp8(False, inter, inter_scales, down, plan, out, None, by_expert=by_expert, programs=programs,
+    launch_fp8(True, rows, row_scales, gate_up, plan, inter, inter_scales, swiglu_limit, programs=programs,
                dynamic=dynamic)
+    launch_fp8(False, inter, inter_scales, down, plan, out, None, programs=programs, dynamic=dynamic)

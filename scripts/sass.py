@@ -346,21 +346,19 @@ def compile_persistent_gemm(gemm: int, has_limit: bool, dtype: str = "bf16", dyn
                   "PRODUCER_REGS": p.PRODUCER_REGS, "CONSUMER_REGS": p.CONSUMER_REGS}
     schedule = {"claims_ptr": "*i32", "counter_ptr": "*i32"}
     if dtype == "fp8":
-        box = [p.BLOCK_M // 2, p.FP8_BLOCK_K]
-        layout = gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)
-        desc = f"tensordesc<fp8e4nv[{box[0]}, {box[1]}],{layout!r}>"
-        types = {"a_desc": desc, "w_desc": desc, "as_ptr": "*fp32", "ws_ptr": "*fp32", "limit": "fp32", **schedule,
+        layout = gl.NVMMASharedLayout.get_default_for([p.BOX, p.FP8_BLOCK_K], gl.float8e4nv)
+        types = {"a_desc": f"tensordesc<fp8e4nv[{p.BLOCK_M // 2}, {p.FP8_BLOCK_K}],{layout!r}>",
+                 "w_desc": f"tensordesc<fp8e4nv[{p.BOX}, {p.FP8_BLOCK_K}],{layout!r}>",
+                 "as_ptr": "*fp32", "ws_ptr": "*fp32", "limit": "fp32", **schedule,
                  # GEMM1 writes the intermediate quantized (values, scales); GEMM2 passes its output twice
                  "out_ptr": "*fp8e4nv" if gemm == 1 else "*bf16", "os_ptr": "*fp32" if gemm == 1 else "*bf16"}
         constexprs = {**{k: v for k, v in constexprs.items() if not k.endswith("_REGS")},
                       "FP8_CONSUMER_REGS": p.FP8_CONSUMER_REGS}
         return compile_gluon(p._persistent_fp8_kernel, types, constexprs, p.MAXNREG)
     gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
-    a_box, w_box = [p.BLOCK_M // 2, p.BLOCK_K], [p.BOX, p.BLOCK_K]
-    a_layout = gl.NVMMASharedLayout.get_default_for(a_box, gl_dtype)
-    w_layout = gl.NVMMASharedLayout.get_default_for(w_box, gl_dtype)
-    types = {"a_desc": f"tensordesc<{dtype}[{a_box[0]}, {a_box[1]}],{a_layout!r}>",
-             "w_desc": f"tensordesc<{dtype}[{w_box[0]}, {w_box[1]}],{w_layout!r}>",
+    layout = gl.NVMMASharedLayout.get_default_for([p.BOX, p.BLOCK_K], gl_dtype)  # 128-byte rows: both boxes'
+    types = {"a_desc": f"tensordesc<{dtype}[{p.BLOCK_M // 2}, {p.BLOCK_K}],{layout!r}>",
+             "w_desc": f"tensordesc<{dtype}[{p.BOX}, {p.BLOCK_K}],{layout!r}>",
              "out_ptr": f"*{dtype}", "limit": "fp32", **schedule}
     return compile_gluon(p._persistent_kernel, types, constexprs, p.MAXNREG)
 

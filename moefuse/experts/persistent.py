@@ -13,19 +13,22 @@ differs is the structure, the one the non-persistent kernels could not reach (do
   (``BLOCK_M`` rows of one expert) and one column block. Items go tile by tile, so the programs running at once
   share a few tiles' activation rows and, where an expert has several tiles, its weight boxes through L2.
   Experiments (``launch``): one item a program, every grid-th item a program;
-- a producer warp that streams each 64-deep step of the item's activation rows (two 64-row boxes) and its four
-  64-row weight boxes through TMA into a ring of slots, running ahead across items (it fills the next item's steps
-  while the consumers finish the last one's epilogue);
-- two 4-warp consumers (one warp group each), one per 64-row half of the tile, each against all four weight boxes:
-  per step they wait for the slot, issue one wgmma per box (A and B from shared memory), keep that step in flight
-  while waiting for the one before, and free its slot (the slot's empty barrier counts both consumers). A half
-  that lies wholly past its expert's end (a tile's remainder of at most 64 rows) issues no wgmma: ragged routing
-  leaves about one such remainder per expert, and on full-height MMAs they cost more tensor-core time than the
-  weights' stream leaves to spare (PERF-NOTES, twenty-second session).
+- a producer warp that streams each step of the item's activation rows (two 64-row boxes) and its two 128-row
+  weight boxes through TMA into a ring of slots, running ahead across items (it fills the next item's steps while
+  the consumers finish the last one's epilogue);
+- two 4-warp consumers (one warp group each), one per 64-row half of the tile, each against both weight boxes: per
+  step they wait for the slot, issue their wgmmas (A and B from shared memory), keep that step in flight while
+  waiting for the one before, and free its slot (the slot's empty barrier counts both consumers). A half that lies
+  wholly past its expert's end (a tile's remainder of at most 64 rows) issues no wgmma: ragged routing leaves about
+  one such remainder per expert, and on full-height MMAs they cost more tensor-core time than the weights' stream
+  leaves to spare (PERF-NOTES, twenty-second session).
 
-GEMM1's boxes are the gate and the up rows of the same 64 intermediate columns, two pairs an item, so SwiGLU is
-elementwise on a pair of accumulators. GEMM2's are 256 consecutive output columns. GEMM1 reads the plan's rows of
-``hidden`` gathered into plan order first (TMA reads contiguous rows; Hopper's TMA has no row gather).
+GEMM1's boxes are the gate and the up rows of the item's 128 intermediate columns, so SwiGLU is elementwise on a
+pair of accumulators; GEMM2's are its 256 output columns, two 128-column halves. The 16-bit consumers multiply a
+whole box at once (GEMM1: 64 x 128 wgmmas, gate and up; GEMM2: 64 x 256 over both boxes); the fp8 ones a 64-row
+half of a box at a time, each promoted on its own (a 64 x 128 product promoted a box at a time was slower, and a
+larger one does not fit their registers beside the accumulators). GEMM1 reads the plan's rows of ``hidden``
+gathered into plan order first (TMA reads contiguous rows; Hopper's TMA has no row gather).
 """
 from __future__ import annotations
 
@@ -55,13 +58,13 @@ except ImportError:  # pragma: no cover - every supported Triton has it
 BLOCK_M = 128  # rows per item: the plan's tile height at prefill
 BLOCK_K = 64  # 128 bytes of 16-bit values: one swizzled box row
 FP8_BLOCK_K = 128  # fp8 steps: one activation scale and one weight-block scale a row and step (SPEC §5)
-BOX = 64  # weight rows per TMA box and wgmma N
-STAGES = 4  # ring slots: 48 KB each (one 16 KB activation box, four 8 KB weight boxes)
+BOX = 128  # weight rows per TMA box: GEMM1's gate or up rows of an item, half of GEMM2's output columns
+STAGES = 4  # ring slots: 48 KB each (two 8 KB activation boxes, two 16 KB weight boxes)
 MAXNREG = 168  # registers a thread at launch: 12 warps in an SM's 64K
 PRODUCER_REGS = 40  # after the hand-over (setmaxnreg): at 24 Triton 3.6 spills GEMM2's box addresses (8 bytes)
-CONSUMER_REGS = 232  # four [64, 64] fp32 accumulators (128 registers) and the epilogue
-# fp8: a step's fresh product (32 more registers) beside the four accumulators. Both consumers are workers there
-# (the producer takes the default partition): at 232 the consumers spilled 48 bytes (Triton 3.9), at 256 the
+CONSUMER_REGS = 232  # a [64, 256] fp32 accumulator (128 registers) and the epilogue
+# fp8: a step's fresh [64, 64] product (32 more registers) beside the four accumulators. Both consumers are workers
+# there (the producer takes the default partition): at 232 the consumers spilled 48 bytes (Triton 3.9), at 256 the
 # partitions no longer fit an SM's registers (592 bytes of stack), at 240 nothing spills.
 FP8_CONSUMER_REGS = 240
 # fp8 experts take 128-row plans from this many tokens (plan_block_m): there the persistent kernels beat the tl
@@ -71,8 +74,8 @@ FP8_MIN_TOKENS = 2048
 # The dynamic schedule's claims a program keeps: the producer runs at most STAGES items ahead (an item has at least
 # one step), so a claim is read before it is written over.
 CLAIMS = 2 * STAGES
-GEMM1_COLS = 2 * BOX  # intermediate columns an item of GEMM1 computes (both consumers)
-GEMM2_COLS = 4 * BOX  # output columns an item of GEMM2 computes
+GEMM1_COLS = BOX  # intermediate columns an item of GEMM1 computes (both consumers)
+GEMM2_COLS = 2 * BOX  # output columns an item of GEMM2 computes
 
 if gluon is not None:
     # Triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 async_load (the old name a deprecated alias).
@@ -96,8 +99,8 @@ if gluon is not None:
         return expert, block, row_start, row_end
 
     @gluon.jit
-    def _produce_item(a_desc, w_desc, a_smem, w_smem, ready, empty, i, w_row, row_start, pair_rows, box_rows,
-                      k_steps, claim_ptr, item, BK: gl.constexpr, STAGES: gl.constexpr, DYNAMIC: gl.constexpr):
+    def _produce_item(a_desc, w_desc, a_smem, w_smem, ready, empty, i, w_row, row_start, box_stride, k_steps,
+                      claim_ptr, item, BK: gl.constexpr, STAGES: gl.constexpr, DYNAMIC: gl.constexpr):
         """One item's steps into the ring from position ``i`` (returned past them). ``DYNAMIC``: the item's number
         goes to ``claim_ptr`` once its first slot is free, before that slot's barrier is armed (the arrive
         releases it to the consumers, whose wait acquires it)."""
@@ -107,26 +110,25 @@ if gluon is not None:
             if DYNAMIC:
                 if k == 0:
                     gl.store(claim_ptr, item)
-            mbarrier.expect(ready.index(s), 2 * a_desc.block_type.nbytes + 4 * w_desc.block_type.nbytes)
+            mbarrier.expect(ready.index(s), 2 * a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
             for h in gl.static_range(2):
                 _tma_load(a_desc, [row_start + h * _HALF, k * BK], ready.index(s), a_smem.index(2 * s + h))
-            for b in gl.static_range(4):
-                _tma_load(w_desc, [w_row + (b // 2) * pair_rows + (b % 2) * box_rows, k * BK],
-                          ready.index(s), w_smem.index(4 * s + b))
+            for b in gl.static_range(2):
+                _tma_load(w_desc, [w_row + b * box_stride, k * BK], ready.index(s),
+                          w_smem.index(s).slice(b * _BOX, _BOX))
             i += 1
         return i
 
     @gluon.jit
     def _produce(a_desc, w_desc, a_smem, w_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
-                 expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, pair_rows, box_rows,
-                 k_steps, claims_ptr, counter_ptr, BK: gl.constexpr, STAGES: gl.constexpr,
-                 DYNAMIC: gl.constexpr):
-        """The producer warp: for every ``BK``-deep step of every item of this program, the two 64-row activation
-        boxes and the four weight boxes (box b at rows ``item_cols * block + (b // 2) * pair_rows + (b % 2) *
-        box_rows`` of the expert's) into slot ``i % STAGES``. Static: items ``pid, pid + grid, ...``. ``DYNAMIC``:
-        each next item claimed from ``counter_ptr`` when the last one is issued (as the hardware hands blocks to
-        free SMs), its number passed to the consumers through this program's ring of ``CLAIMS`` claims, and past
-        the last item a slot armed with no bytes whose claim is ``num_items``: the consumers' end."""
+                 expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, box_stride, k_steps,
+                 claims_ptr, counter_ptr, BK: gl.constexpr, STAGES: gl.constexpr, DYNAMIC: gl.constexpr):
+        """The producer warp: for every ``BK``-deep step of every item of this program, the tile's activation box
+        and the two weight boxes (box b at rows ``item_cols * block + b * box_stride`` of the expert's) into slot
+        ``i % STAGES``. Static: items ``pid, pid + grid, ...``. ``DYNAMIC``: each next item claimed from
+        ``counter_ptr`` when the last one is issued (as the hardware hands blocks to free SMs), its number passed
+        to the consumers through this program's ring of ``CLAIMS`` claims, and past the last item a slot armed with
+        no bytes whose claim is ``num_items``: the consumers' end."""
         i = 0
         if DYNAMIC:
             claims = claims_ptr + gl.program_id(0) * _CLAIMS
@@ -137,8 +139,8 @@ if gluon is not None:
                                                           expert_offsets_ptr)
                 if expert >= 0:
                     i = _produce_item(a_desc, w_desc, a_smem, w_smem, ready, empty, i,
-                                      expert * rows_per_expert + block * item_cols, row_start, pair_rows, box_rows,
-                                      k_steps, claims + j % _CLAIMS, item, BK, STAGES, DYNAMIC)
+                                      expert * rows_per_expert + block * item_cols, row_start, box_stride, k_steps,
+                                      claims + j % _CLAIMS, item, BK, STAGES, DYNAMIC)
                     j += 1
                 item = gl.atomic_add(counter_ptr, 1)
             s = i % STAGES
@@ -151,8 +153,8 @@ if gluon is not None:
                                                           expert_offsets_ptr)
                 if expert >= 0:
                     i = _produce_item(a_desc, w_desc, a_smem, w_smem, ready, empty, i,
-                                      expert * rows_per_expert + block * item_cols, row_start, pair_rows, box_rows,
-                                      k_steps, claims_ptr, item, BK, STAGES, DYNAMIC)
+                                      expert * rows_per_expert + block * item_cols, row_start, box_stride, k_steps,
+                                      claims_ptr, item, BK, STAGES, DYNAMIC)
 
     @gluon.jit
     def _claimed(claims_ptr, ready, i, j, STAGES: gl.constexpr):
@@ -162,30 +164,23 @@ if gluon is not None:
         return gl.load(claims_ptr + gl.program_id(0) * _CLAIMS + j % _CLAIMS, volatile=True)
 
     @gluon.jit
-    def _store(acc, out_ptr, row0, row_end, col0, stride_om, MMA: gl.constexpr):
-        """``out[row0 + m, col0 + n] = acc[m, n]`` in ``out``'s dtype, for the rows of the expert. Through shared
-        memory into a layout where a thread stores 16 bytes of a row and a warp whole 128-byte lines: straight from
-        the MMA layout a thread stores two values at a time and a warp instruction 16-byte pieces of 8 rows, 8x the
-        store instructions, each sector written in two halves (fp8 experts 4-7% slower at 4,096-8,192 tokens, bf16
-        2-3%; docs/PERF-NOTES.md, twenty-sixth session)."""
+    def _store(acc, out_ptr, row0, row_end, col0, stride_om):
+        """``out[row0 + m, col0 + n] = acc[m, n]`` in ``out``'s dtype, for the rows of the expert (``col0`` a
+        multiple of 64). Through shared memory into a layout where a thread stores 16 bytes of a row and a warp
+        whole 128-byte lines: straight from the MMA layout a thread stores two values at a time and a warp
+        instruction 16-byte pieces of 8 rows, 8x the store instructions, each sector written in two halves (fp8
+        experts 4-7% slower at 4,096-8,192 tokens, bf16 2-3%; docs/PERF-NOTES.md, twenty-sixth session)."""
+        COLS: gl.constexpr = acc.shape[1]
         VEC: gl.constexpr = 128 // out_ptr.dtype.element_ty.primitive_bitwidth  # values in 16 bytes
-        ACROSS: gl.constexpr = _BOX // VEC  # threads across a row
+        ACROSS: gl.constexpr = 64 // VEC  # threads across 64 columns of a row
         OUT: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[32 // ACROSS, ACROSS],
                                              warps_per_cta=[4, 1], order=[1, 0])
         vals = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), OUT)
         m = row0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, OUT))
-        n = col0 + gl.arange(0, _BOX, layout=gl.SliceLayout(0, OUT))
-        n = gl.max_contiguous(gl.multiple_of(n, _BOX), _BOX)  # col0 is a multiple of 64 whatever the launch knows
+        n = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, OUT))
+        n = gl.max_contiguous(gl.multiple_of(n, 64), 64)  # col0 is a multiple of 64 whatever the launch knows
         ptrs = out_ptr + gl.expand_dims(m.to(gl.int64) * stride_om, 1) + gl.expand_dims(n, 0)
         gl.store(ptrs, vals, mask=gl.expand_dims(m < row_end, 1))
-
-    @gluon.jit
-    def _store_boxes(acc0, acc1, acc2, acc3, out_ptr, row0, row_end, col0, stride_om, MMA: gl.constexpr):
-        """GEMM2's four boxes of a consumer's rows, side by side from column ``col0``."""
-        _store(acc0, out_ptr, row0, row_end, col0, stride_om, MMA)
-        _store(acc1, out_ptr, row0, row_end, col0 + _BOX, stride_om, MMA)
-        _store(acc2, out_ptr, row0, row_end, col0 + 2 * _BOX, stride_om, MMA)
-        _store(acc3, out_ptr, row0, row_end, col0 + 3 * _BOX, stride_om, MMA)
 
     @gluon.jit
     def _pass_over(ready, empty, i, k_steps, STAGES: gl.constexpr):
@@ -200,10 +195,11 @@ if gluon is not None:
 
     @gluon.jit
     def _ring(a_desc, w_desc, BK: gl.constexpr, STAGES: gl.constexpr):
-        """The slots (two 64-row activation boxes and four weight boxes, ``BK`` deep) and their barriers: ``ready``
-        completes with a slot's bytes, ``empty`` when both consumers have freed it."""
+        """The slots (the tile's two 64-row activation boxes, and its two 128-row weight boxes side by side, ``BK``
+        deep) and their barriers: ``ready`` completes with a slot's bytes, ``empty`` when both consumers have freed
+        it."""
         a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, _HALF, BK], a_desc.layout)
-        w_smem = gl.allocate_shared_memory(w_desc.dtype, [4 * STAGES, _BOX, BK], w_desc.layout)
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 2 * _BOX, BK], w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
@@ -215,38 +211,50 @@ if gluon is not None:
     def _consume_item(a_smem, w_smem, ready, empty, out_ptr, i, expert, block, row_start, row_end, item_cols,
                       k_steps, stride_om, limit, C: gl.constexpr, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr,
                       STAGES: gl.constexpr):
-        """Consumer ``C``'s part of one item, its steps from ring position ``i`` (returned past them)."""
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, _BOX, 16])
+        """Consumer ``C``'s part of one item, its steps from ring position ``i`` (returned past them). GEMM1: the
+        gate and the up box each one 64 x 128 wgmma a 16-deep piece; GEMM2: both boxes one 64 x 256 wgmma (four
+        64 x 64 ones, one a 64-row half box, made the 16-bit experts 1-3% slower: docs/PERF-NOTES.md,
+        twenty-seventh session)."""
         row0 = row_start + C * _HALF
         if expert >= 0:
             if row0 < row_end:
-                acc0 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
-                acc1 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
-                acc2 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
-                acc3 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
-                for k in range(k_steps):
-                    s = i % STAGES
-                    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-                    a = a_smem.index(2 * s + C)
-                    acc0 = warpgroup_mma(a, w_smem.index(4 * s).permute((1, 0)), acc0, is_async=True)
-                    acc1 = warpgroup_mma(a, w_smem.index(4 * s + 1).permute((1, 0)), acc1, is_async=True)
-                    acc2 = warpgroup_mma(a, w_smem.index(4 * s + 2).permute((1, 0)), acc2, is_async=True)
-                    acc3 = warpgroup_mma(a, w_smem.index(4 * s + 3).permute((1, 0)), acc3, is_async=True)
-                    # This step's wgmmas stay in flight; the step before is done, so its slot is free.
-                    acc0, acc1, acc2, acc3 = warpgroup_mma_wait(4, deps=[acc0, acc1, acc2, acc3])
-                    if k > 0:
-                        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
-                    i += 1
-                acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=[acc0, acc1, acc2, acc3])
-                mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
                 col0 = block * item_cols
                 if GEMM1:
-                    _store(_swiglu(acc0, acc1, limit, HAS_LIMIT), out_ptr, row0, row_end, col0, stride_om, MMA)
-                    _store(_swiglu(acc2, acc3, limit, HAS_LIMIT), out_ptr, row0, row_end, col0 + _BOX,
-                           stride_om, MMA)
+                    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                  instr_shape=[16, _BOX, 16])
+                    gate = gl.zeros([_HALF, _BOX], gl.float32, MMA)
+                    up = gl.zeros([_HALF, _BOX], gl.float32, MMA)
+                    for k in range(k_steps):
+                        s = i % STAGES
+                        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                        a = a_smem.index(2 * s + C)
+                        w = w_smem.index(s)
+                        gate = warpgroup_mma(a, w.slice(0, _BOX).permute((1, 0)), gate, is_async=True)
+                        up = warpgroup_mma(a, w.slice(_BOX, _BOX).permute((1, 0)), up, is_async=True)
+                        # This step's wgmmas stay in flight; the step before is done, so its slot is free.
+                        gate, up = warpgroup_mma_wait(2, deps=[gate, up])
+                        if k > 0:
+                            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
+                        i += 1
+                    gate, up = warpgroup_mma_wait(0, deps=[gate, up])
+                    mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
+                    _store(_swiglu(gate, up, limit, HAS_LIMIT), out_ptr, row0, row_end, col0, stride_om)
                 else:
-                    _store_boxes(acc0, acc1, acc2, acc3, out_ptr, row0, row_end, col0, stride_om, MMA)
+                    WIDE: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                   instr_shape=[16, 2 * _BOX, 16])
+                    acc = gl.zeros([_HALF, 2 * _BOX], gl.float32, WIDE)
+                    for k in range(k_steps):
+                        s = i % STAGES
+                        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                        a = a_smem.index(2 * s + C)
+                        acc = warpgroup_mma(a, w_smem.index(s).permute((1, 0)), acc, is_async=True)
+                        acc = warpgroup_mma_wait(1, deps=[acc])
+                        if k > 0:
+                            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
+                        i += 1
+                    acc = warpgroup_mma_wait(0, deps=[acc])
+                    mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
+                    _store(acc, out_ptr, row0, row_end, col0, stride_om)
             else:
                 i = _pass_over(ready, empty, i, k_steps, STAGES)
         return i
@@ -256,10 +264,10 @@ if gluon is not None:
                  num_items, col_blocks, item_cols, k_steps, stride_om, limit, claims_ptr, C: gl.constexpr,
                  GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr,
                  DYNAMIC: gl.constexpr):
-        """Consumer ``C``: rows ``64 C ..`` of every item against its four weight boxes, [64, 64] fp32 accumulators
-        each. A consumer whose rows all lie past the expert's end (a tile's remainder of at most 64 rows) issues
-        no wgmma for the item: it only frees the slots. GEMM1 stores SwiGLU(box 0, box 1) and SwiGLU(box 2, box 3)
-        at the item's columns 0 and 64; GEMM2 box b at 64 b. The items: as the producer takes them."""
+        """Consumer ``C``: rows ``64 C ..`` of every item against its two weight boxes, in fp32. A consumer whose
+        rows all lie past the expert's end (a tile's remainder of at most 64 rows) issues no wgmma for the item:
+        it only frees the slots. GEMM1 stores SwiGLU(gate box, up box) at the item's columns; GEMM2 both boxes
+        side by side. The items: as the producer takes them."""
         i = 0
         if DYNAMIC:
             j = 0
@@ -282,8 +290,8 @@ if gluon is not None:
     # a variant warm-up did not compile
     @gluon.jit(do_not_specialize=["num_items"])
     def _persistent_kernel(a_desc, w_desc, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-                           num_items, col_blocks, rows_per_expert, item_cols, pair_rows, box_rows, K,
-                           stride_om, limit, claims_ptr, counter_ptr, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                           num_items, col_blocks, rows_per_expert, item_cols, box_stride, K, stride_om, limit,
+                           claims_ptr, counter_ptr, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr,
                            STAGES: gl.constexpr, DYNAMIC: gl.constexpr,
                            PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """GEMM1 + SwiGLU (``GEMM1``: out = intermediate [rows, I], W = gate_up [E·2I, H]) or GEMM2 (out [rows, H],
@@ -295,8 +303,8 @@ if gluon is not None:
                         expert_offsets_ptr, num_items, col_blocks, item_cols, k_steps, stride_om, limit, claims_ptr,
                         0, GEMM1, HAS_LIMIT, STAGES, DYNAMIC)),
             (_produce, (a_desc, w_desc, a_smem, w_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
-                        expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, pair_rows,
-                        box_rows, k_steps, claims_ptr, counter_ptr, _BK, STAGES, DYNAMIC)),
+                        expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, box_stride, k_steps,
+                        claims_ptr, counter_ptr, _BK, STAGES, DYNAMIC)),
             (_consume, (a_smem, w_smem, ready, empty, out_ptr, tile_expert_ptr, tile_row_start_ptr,
                         expert_offsets_ptr, num_items, col_blocks, item_cols, k_steps, stride_om, limit, claims_ptr,
                         1, GEMM1, HAS_LIMIT, STAGES, DYNAMIC)),
@@ -313,63 +321,72 @@ if gluon is not None:
 
     @gluon.jit
     def _consume_fp8_item(a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, os_ptr, i, expert, block,
-                          row_start, row_end, num_rows, item_cols, pair_rows, box_rows, k_steps, stride_am, stride_ag,
+                          row_start, row_end, num_rows, item_cols, box_stride, k_steps, stride_am, stride_ag,
                           stride_se, stride_sn, stride_sk, stride_om, stride_os, limit, C: gl.constexpr,
                           GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr):
-        """Consumer ``C``'s part of one fp8 item, its steps from ring position ``i`` (returned past them)."""
+        """Consumer ``C``'s part of one fp8 item, its steps from ring position ``i`` (returned past them): each
+        64-row half of a weight box one 64 x 64 wgmma a 32-deep piece, promoted on its own. (One 64 x 128 wgmma a
+        box, promoted a box at a time, made the fp8 experts 4-8% slower at 4,096-8,192 tokens: docs/PERF-NOTES.md,
+        twenty-seventh session.)"""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, _BOX, 32])
+                                                      instr_shape=[16, _HALF, 32])
         row0 = row_start + C * _HALF
         if expert >= 0:
             if row0 < row_end:
                 m = row0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, MMA))
                 as_ptrs = as_ptr + gl.minimum(m, num_rows - 1).to(gl.int64) * stride_am  # past the plan: unstored
                 w_row = block * item_cols  # the item's first weight row within the expert's
+                # each 64-row half's weight-block scales (both halves of a box lie in one block)
                 ws_expert = ws_ptr + expert.to(gl.int64) * stride_se
                 ws0 = ws_expert + (w_row // 128) * stride_sn
-                ws1 = ws_expert + ((w_row + box_rows) // 128) * stride_sn
-                ws2 = ws_expert + ((w_row + pair_rows) // 128) * stride_sn
-                ws3 = ws_expert + ((w_row + pair_rows + box_rows) // 128) * stride_sn
-                acc0 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
-                acc1 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
-                acc2 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
-                acc3 = gl.zeros([_HALF, _BOX], gl.float32, MMA)
+                ws1 = ws_expert + ((w_row + _HALF) // 128) * stride_sn
+                ws2 = ws_expert + ((w_row + box_stride) // 128) * stride_sn
+                ws3 = ws_expert + ((w_row + box_stride + _HALF) // 128) * stride_sn
+                # box 0's halves, then box 1's: GEMM1's gate and up rows of columns 0-63 are acc0 and acc2
+                acc0 = gl.zeros([_HALF, _HALF], gl.float32, MMA)
+                acc1 = gl.zeros([_HALF, _HALF], gl.float32, MMA)
+                acc2 = gl.zeros([_HALF, _HALF], gl.float32, MMA)
+                acc3 = gl.zeros([_HALF, _HALF], gl.float32, MMA)
                 for k in range(k_steps):
                     s = i % STAGES
                     a_scale = gl.load(as_ptrs + k * stride_ag)
                     mbarrier.wait(ready.index(s), (i // STAGES) & 1)
                     a = a_smem.index(2 * s + C)
-                    acc0 = _promote(acc0, a, w_smem.index(4 * s), a_scale * gl.load(ws0 + k * stride_sk))
-                    acc1 = _promote(acc1, a, w_smem.index(4 * s + 1), a_scale * gl.load(ws1 + k * stride_sk))
-                    acc2 = _promote(acc2, a, w_smem.index(4 * s + 2), a_scale * gl.load(ws2 + k * stride_sk))
-                    acc3 = _promote(acc3, a, w_smem.index(4 * s + 3), a_scale * gl.load(ws3 + k * stride_sk))
+                    w = w_smem.index(s)
+                    acc0 = _promote(acc0, a, w.slice(0, _HALF), a_scale * gl.load(ws0 + k * stride_sk))
+                    acc1 = _promote(acc1, a, w.slice(_HALF, _HALF), a_scale * gl.load(ws1 + k * stride_sk))
+                    acc2 = _promote(acc2, a, w.slice(_BOX, _HALF), a_scale * gl.load(ws2 + k * stride_sk))
+                    acc3 = _promote(acc3, a, w.slice(_BOX + _HALF, _HALF), a_scale * gl.load(ws3 + k * stride_sk))
                     mbarrier.arrive(empty.index(s))
                     i += 1
                 col0 = block * item_cols
                 if GEMM1:
-                    act0 = _swiglu(acc0, acc1, limit, HAS_LIMIT)
-                    act1 = _swiglu(acc2, acc3, limit, HAS_LIMIT)
+                    act0 = _swiglu(acc0, acc2, limit, HAS_LIMIT)
+                    act1 = _swiglu(acc1, acc3, limit, HAS_LIMIT)
                     amax = gl.maximum(gl.reduce(gl.abs(act0), 1, _max_keeping_nan),
                                       gl.reduce(gl.abs(act1), 1, _max_keeping_nan), propagate_nan=_NAN)
                     full = gl.full(amax.shape, 448.0, gl.float32, amax.type.layout)
                     inv = gl.expand_dims(gl.where(amax > 0, gl.div_rn(full, amax), 0.0), 1)
-                    _store(_e4m3(act0 * inv), out_ptr, row0, row_end, col0, stride_om, MMA)
-                    _store(_e4m3(act1 * inv), out_ptr, row0, row_end, col0 + _BOX, stride_om, MMA)
+                    _store(_e4m3(act0 * inv), out_ptr, row0, row_end, col0, stride_om)
+                    _store(_e4m3(act1 * inv), out_ptr, row0, row_end, col0 + _HALF, stride_om)
                     gl.store(os_ptr + m.to(gl.int64) * stride_os + block, gl.div_rn(amax, full), mask=m < row_end)
                 else:
-                    _store_boxes(acc0, acc1, acc2, acc3, out_ptr, row0, row_end, col0, stride_om, MMA)
+                    _store(acc0, out_ptr, row0, row_end, col0, stride_om)
+                    _store(acc1, out_ptr, row0, row_end, col0 + _HALF, stride_om)
+                    _store(acc2, out_ptr, row0, row_end, col0 + _BOX, stride_om)
+                    _store(acc3, out_ptr, row0, row_end, col0 + _BOX + _HALF, stride_om)
             else:
                 i = _pass_over(ready, empty, i, k_steps, STAGES)
         return i
 
     @gluon.jit
     def _consume_fp8(a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, os_ptr, tile_expert_ptr,
-                     tile_row_start_ptr, expert_offsets_ptr, num_items, col_blocks, num_rows, item_cols, pair_rows,
-                     box_rows, k_steps, stride_am, stride_ag, stride_se, stride_sn, stride_sk, stride_om, stride_os,
-                     limit, claims_ptr, C: gl.constexpr, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                     tile_row_start_ptr, expert_offsets_ptr, num_items, col_blocks, num_rows, item_cols, box_stride,
+                     k_steps, stride_am, stride_ag, stride_se, stride_sn, stride_sk, stride_om, stride_os, limit,
+                     claims_ptr, C: gl.constexpr, GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr,
                      STAGES: gl.constexpr, DYNAMIC: gl.constexpr):
-        """Consumer ``C`` of the fp8 GEMMs (SPEC §5): as :func:`_consume`, with 128-deep steps promoted one box at a
-        time (:func:`_promote`; each box's 64 rows lie in one 128-row weight block, I and H being multiples of 128).
+        """Consumer ``C`` of the fp8 GEMMs (SPEC §5): as :func:`_consume`, with 128-deep steps promoted a 64-row half
+        box at a time (:func:`_promote`; each box's 128 rows are one weight block, I and H being multiples of 128).
         GEMM1 quantizes its 128 SwiGLU columns per row from fp32 (as ``fp8.quantize._quantize``) into ``out_ptr``
         (e4m3) and ``os_ptr`` (the scales, group ``block``); GEMM2 stores ``out_ptr``'s dtype."""
         i = 0
@@ -380,7 +397,7 @@ if gluon is not None:
                 expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
                                                           expert_offsets_ptr)
                 i = _consume_fp8_item(a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, os_ptr, i, expert,
-                                      block, row_start, row_end, num_rows, item_cols, pair_rows, box_rows, k_steps,
+                                      block, row_start, row_end, num_rows, item_cols, box_stride, k_steps,
                                       stride_am, stride_ag, stride_se, stride_sn, stride_sk, stride_om, stride_os,
                                       limit, C, GEMM1, HAS_LIMIT, STAGES)
                 j += 1
@@ -390,14 +407,14 @@ if gluon is not None:
                 expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
                                                           expert_offsets_ptr)
                 i = _consume_fp8_item(a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, os_ptr, i, expert,
-                                      block, row_start, row_end, num_rows, item_cols, pair_rows, box_rows, k_steps,
+                                      block, row_start, row_end, num_rows, item_cols, box_stride, k_steps,
                                       stride_am, stride_ag, stride_se, stride_sn, stride_sk, stride_om, stride_os,
                                       limit, C, GEMM1, HAS_LIMIT, STAGES)
 
     @gluon.jit(do_not_specialize=["num_items", "num_rows"])
     def _persistent_fp8_kernel(a_desc, w_desc, as_ptr, ws_ptr, out_ptr, os_ptr, tile_expert_ptr, tile_row_start_ptr,
                                expert_offsets_ptr, num_items, col_blocks, num_rows, rows_per_expert, item_cols,
-                               pair_rows, box_rows, K, stride_am, stride_ag, stride_se, stride_sn, stride_sk, stride_om,
+                               box_stride, K, stride_am, stride_ag, stride_se, stride_sn, stride_sk, stride_om,
                                stride_os, limit, claims_ptr, counter_ptr, GEMM1: gl.constexpr,
                                HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr,
                                DYNAMIC: gl.constexpr, FP8_CONSUMER_REGS: gl.constexpr):
@@ -411,18 +428,16 @@ if gluon is not None:
         # workers with FP8_CONSUMER_REGS (see there).
         gl.warp_specialize([
             (_produce, (a_desc, w_desc, a_smem, w_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
-                        expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, pair_rows,
-                        box_rows, k_steps, claims_ptr, counter_ptr, _BK8, STAGES, DYNAMIC)),
+                        expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, box_stride, k_steps,
+                        claims_ptr, counter_ptr, _BK8, STAGES, DYNAMIC)),
             (_consume_fp8, (a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, os_ptr, tile_expert_ptr,
                             tile_row_start_ptr, expert_offsets_ptr, num_items, col_blocks, num_rows, item_cols,
-                            pair_rows, box_rows, k_steps, stride_am, stride_ag, stride_se, stride_sn, stride_sk,
-                            stride_om, stride_os, limit, claims_ptr, 0, GEMM1, HAS_LIMIT, STAGES,
-                            DYNAMIC)),
+                            box_stride, k_steps, stride_am, stride_ag, stride_se, stride_sn, stride_sk,
+                            stride_om, stride_os, limit, claims_ptr, 0, GEMM1, HAS_LIMIT, STAGES, DYNAMIC)),
             (_consume_fp8, (a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, os_ptr, tile_expert_ptr,
                             tile_row_start_ptr, expert_offsets_ptr, num_items, col_blocks, num_rows, item_cols,
-                            pair_rows, box_rows, k_steps, stride_am, stride_ag, stride_se, stride_sn, stride_sk,
-                            stride_om, stride_os, limit, claims_ptr, 1, GEMM1, HAS_LIMIT, STAGES,
-                            DYNAMIC)),
+                            box_stride, k_steps, stride_am, stride_ag, stride_se, stride_sn, stride_sk,
+                            stride_om, stride_os, limit, claims_ptr, 1, GEMM1, HAS_LIMIT, STAGES, DYNAMIC)),
         ], [4, 4], [FP8_CONSUMER_REGS, FP8_CONSUMER_REGS])
 
 def eligible(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, plan: DispatchPlan,
@@ -460,28 +475,25 @@ def _gl_dtype(dtype: torch.dtype):  # noqa: ANN202 (a Gluon dtype)
     return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
 
 
-def _descriptors(rows: torch.Tensor, weight: torch.Tensor) -> tuple[object, object]:
-    """TMA descriptors of an item's activation boxes ([BLOCK_M / 2, BLOCK_K] of ``rows``) and of a weight box ([64,
-    BLOCK_K] of ``weight`` [E, N, K] seen as [E·N, K])."""
+def _descriptors(rows: torch.Tensor, weight: torch.Tensor, block_k: int, dtype) -> tuple[object, object]:  # noqa: ANN001
+    """TMA descriptors of an item's activation box ([BLOCK_M, block_k] of ``rows``) and of a weight box ([BOX,
+    block_k] of ``weight`` [E, N, K] seen as [E·N, K]), ``dtype`` the Gluon type of both."""
     E, N, K = weight.shape
-    dtype = _gl_dtype(rows.dtype)
-    a_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, BLOCK_K], dtype)
-    w_layout = gl.NVMMASharedLayout.get_default_for([BOX, BLOCK_K], dtype)
-    return (TensorDescriptor.from_tensor(rows, [BLOCK_M // 2, BLOCK_K], a_layout),
-            TensorDescriptor.from_tensor(weight.view(E * N, K), [BOX, BLOCK_K], w_layout))
+    layout = gl.NVMMASharedLayout.get_default_for([BOX, block_k], dtype)  # 128-byte rows: one layout for both
+    return (TensorDescriptor.from_tensor(rows, [BLOCK_M // 2, block_k], layout),
+            TensorDescriptor.from_tensor(weight.view(E * N, K), [BOX, block_k], layout))
 
 
 @dataclass(frozen=True)
 class _Items:
-    """One GEMM's work items over a plan and where an item's four weight boxes lie: box b at rows ``cols * block +
-    (b // 2) * pair_rows + (b % 2) * box_rows`` of its expert's. GEMM1: boxes 2j and 2j + 1 are the gate and the up
-    rows of the item's intermediate columns 64j ..; GEMM2: box b is the item's output columns 64b .."""
+    """One GEMM's work items over a plan and where an item's two weight boxes lie: box b at rows ``cols * block +
+    b * box_stride`` of its expert's. GEMM1: the gate and the up rows of the item's 128 intermediate columns (I
+    apart); GEMM2: the item's output columns 0-127 and 128-255."""
 
     cols: int  # output columns an item computes
     col_blocks: int
     count: int
-    pair_rows: int
-    box_rows: int
+    box_stride: int
     grid: int
 
     @classmethod
@@ -494,8 +506,7 @@ class _Items:
         count = plan.tile_expert.numel() * col_blocks
         sms = _runtime.sm_count(device) if count else 1
         grid = max(1, min(count, sms if programs is None else programs))
-        pair_rows, box_rows = (BOX, width) if gemm1 else (2 * BOX, BOX)
-        return cls(cols, col_blocks, count, pair_rows, box_rows, grid)
+        return cls(cols, col_blocks, count, width if gemm1 else BOX, grid)
 
 
 def _schedule(items: _Items, dynamic: bool, plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -523,11 +534,11 @@ def launch(gemm1: bool, rows: torch.Tensor, weight: torch.Tensor, plan: Dispatch
     items = _Items.of(gemm1, N, plan, rows.device, programs)
     if items.count == 0:
         return
-    a_desc, w_desc = _descriptors(rows, weight)
+    a_desc, w_desc = _descriptors(rows, weight, BLOCK_K, _gl_dtype(rows.dtype))
     claims, counter = _schedule(items, dynamic, plan)
     _persistent_kernel[(items.grid,)](
         a_desc, w_desc, out, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
-        items.count, items.col_blocks, N, items.cols, items.pair_rows, items.box_rows, K, out.stride(0),
+        items.count, items.col_blocks, N, items.cols, items.box_stride, K, out.stride(0),
         0.0 if swiglu_limit is None else float(swiglu_limit), claims, counter, GEMM1=gemm1,
         HAS_LIMIT=swiglu_limit is not None, STAGES=STAGES, DYNAMIC=dynamic,
         PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
@@ -563,16 +574,6 @@ def eligible_fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, plan: 
             and all(w.values.is_contiguous() for w in (gate_up, down)))
 
 
-def _fp8_descriptors(rows: torch.Tensor, values: torch.Tensor) -> tuple[object, object]:
-    """TMA descriptors of the e4m3 activation boxes ([64, 128] of ``rows``) and weight boxes ([64, 128] of
-    ``values`` [E, N, K] seen as [E·N, K])."""
-    E, N, K = values.shape
-    box = [BLOCK_M // 2, FP8_BLOCK_K]
-    layout = gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)
-    return (TensorDescriptor.from_tensor(rows, box, layout),
-            TensorDescriptor.from_tensor(values.view(E * N, K), [BOX, FP8_BLOCK_K], layout))
-
-
 def launch_fp8(gemm1: bool, rows: torch.Tensor, row_scales: torch.Tensor, weight: BlockFP8, plan: DispatchPlan,
                out: torch.Tensor, out_scales: Optional[torch.Tensor], swiglu_limit: Optional[float] = None, *,
                programs: Optional[int] = None, dynamic: bool = True) -> None:
@@ -582,13 +583,12 @@ def launch_fp8(gemm1: bool, rows: torch.Tensor, row_scales: torch.Tensor, weight
     items = _Items.of(gemm1, N, plan, rows.device, programs)
     if items.count == 0:
         return
-    a_desc, w_desc = _fp8_descriptors(rows, weight.values)
+    a_desc, w_desc = _descriptors(rows, weight.values, FP8_BLOCK_K, gl.float8e4nv)
     scales = out if out_scales is None else out_scales  # GEMM2 has none: the kernel never touches it
     claims, counter = _schedule(items, dynamic, plan)
     _persistent_fp8_kernel[(items.grid,)](
         a_desc, w_desc, row_scales, weight.scales, out, scales, plan.tile_expert, plan.tile_row_start,
-        plan.expert_offsets, items.count, items.col_blocks, plan.num_rows, N, items.cols, items.pair_rows,
-        items.box_rows, K,
+        plan.expert_offsets, items.count, items.col_blocks, plan.num_rows, N, items.cols, items.box_stride, K,
         row_scales.stride(0), row_scales.stride(1), *weight.scales.stride(), out.stride(0), scales.stride(0),
         0.0 if swiglu_limit is None else float(swiglu_limit), claims, counter, GEMM1=gemm1,
         HAS_LIMIT=swiglu_limit is not None, STAGES=STAGES, DYNAMIC=dynamic,

@@ -123,9 +123,9 @@ if gluon is not None:
     def _produce(a_desc, w_desc, a_smem, w_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
                  expert_offsets_ptr, num_items, col_blocks, rows_per_expert, item_cols, box_stride, k_steps,
                  claims_ptr, counter_ptr, BK: gl.constexpr, STAGES: gl.constexpr, DYNAMIC: gl.constexpr):
-        """The producer warp: for every ``BK``-deep step of every item of this program, the tile's activation box
-        and the two weight boxes (box b at rows ``item_cols * block + b * box_stride`` of the expert's) into slot
-        ``i % STAGES``. Static: items ``pid, pid + grid, ...``. ``DYNAMIC``: each next item claimed from
+        """The producer warp: for every ``BK``-deep step of every item of this program, the tile's two activation
+        boxes and the two weight boxes (box b at rows ``item_cols * block + b * box_stride`` of the expert's) into
+        slot ``i % STAGES``. Static: items ``pid, pid + grid, ...``. ``DYNAMIC``: each next item claimed from
         ``counter_ptr`` when the last one is issued (as the hardware hands blocks to free SMs), its number passed
         to the consumers through this program's ring of ``CLAIMS`` claims, and past the last item a slot armed with
         no bytes whose claim is ``num_items``: the consumers' end."""
@@ -475,9 +475,9 @@ def _gl_dtype(dtype: torch.dtype):  # noqa: ANN202 (a Gluon dtype)
     return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
 
 
-def _descriptors(rows: torch.Tensor, weight: torch.Tensor, block_k: int, dtype) -> tuple[object, object]:  # noqa: ANN001
-    """TMA descriptors of an item's activation box ([BLOCK_M, block_k] of ``rows``) and of a weight box ([BOX,
-    block_k] of ``weight`` [E, N, K] seen as [E·N, K]), ``dtype`` the Gluon type of both."""
+def _descriptors(rows: torch.Tensor, weight: torch.Tensor, block_k: int, dtype: object) -> tuple[object, object]:
+    """TMA descriptors of a 64-row half of an item's activation rows ([BLOCK_M / 2, block_k] of ``rows``) and of a
+    weight box ([BOX, block_k] of ``weight`` [E, N, K] seen as [E·N, K]), ``dtype`` the Gluon type of both."""
     E, N, K = weight.shape
     layout = gl.NVMMASharedLayout.get_default_for([BOX, block_k], dtype)  # 128-byte rows: one layout for both
     return (TensorDescriptor.from_tensor(rows, [BLOCK_M // 2, block_k], layout),

@@ -213,7 +213,7 @@ if gluon is not None:
                       STAGES: gl.constexpr):
         """Consumer ``C``'s part of one item, its steps from ring position ``i`` (returned past them). GEMM1: the
         gate and the up box each one 64 x 128 wgmma a 16-deep piece; GEMM2: both boxes one 64 x 256 wgmma (four
-        64 x 64 ones, one a 64-row half box, made the 16-bit experts 1-3% slower: docs/PERF-NOTES.md,
+        64 x 64 ones, one a 64-row half box, were up to 3% slower: docs/PERF-NOTES.md,
         twenty-seventh session)."""
         row0 = row_start + C * _HALF
         if expert >= 0:

@@ -336,7 +336,9 @@ if gluon is not None:
                 m = row0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, MMA))
                 as_ptrs = as_ptr + gl.minimum(m, num_rows - 1).to(gl.int64) * stride_am  # past the plan: unstored
                 w_row = block * item_cols  # the item's first weight row within the expert's
-                # each 64-row half's weight-block scales (both halves of a box lie in one block)
+                # each 64-row half's weight-block scale through a pointer of its own, although both halves of a
+                # box lie in one block: with one pointer a box (each half loading the box's scale from it) the
+                # consumers spilled 8-192 bytes (Triton 3.9; PERF-NOTES, twenty-seventh session)
                 ws_expert = ws_ptr + expert.to(gl.int64) * stride_se
                 ws0 = ws_expert + (w_row // 128) * stride_sn
                 ws1 = ws_expert + ((w_row + _HALF) // 128) * stride_sn

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moefuse.bench.experts import _routing, load_stats
@@ -21,3 +22,27 @@ def test_zipf_routing_skew():
     assert ids.shape == (7, 3) and ids.dtype == torch.int32
     assert all(len(set(row.tolist())) == 3 for row in ids)  # distinct experts per token
     assert torch.all(weights > 0)
+
+
+def test_grouped_peer_multiplies_each_expert_rows_by_its_own_weights():
+    """``bench.prefill.grouped_calls``, the peer on the same ragged work: torch's grouped GEMM must give expert e
+    exactly its counts[e] rows in expert order, empty experts included (checked on CPU against one matmul per
+    expert; the bf16 path, torch._grouped_mm)."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    from moefuse.bench.prefill import grouped_calls
+
+    gen = torch.Generator().manual_seed(0)
+    E, H, I = 4, 32, 16
+    counts = torch.tensor([3, 0, 5, 2])
+    w1 = torch.randn(E, 2 * I, H, generator=gen).bfloat16()
+    w2 = torch.randn(E, H, I, generator=gen).bfloat16()
+    a = torch.randn(10, H, generator=gen).bfloat16()
+    h = torch.randn(10, I, generator=gen).bfloat16()
+    up, out = grouped_calls(counts, w1, w2, (a, h))()
+    # bf16 outputs of fp32 sums: one rounding, 2^-9 relative; a row at another expert's weights errs O(1)
+    starts = [0, *torch.cumsum(counts, 0).tolist()]
+    for e in range(E):
+        rows = slice(starts[e], starts[e + 1])
+        torch.testing.assert_close(up[rows].float(), a[rows].float() @ w1[e].float().t(), atol=2e-2, rtol=4e-3)
+        torch.testing.assert_close(out[rows].float(), h[rows].float() @ w2[e].float().t(), atol=2e-2, rtol=4e-3)

@@ -20,15 +20,20 @@ def test_summary_series_from_committed_results():
     """Every line of SUMMARY finds its rows, the ratios are the ones the tables print, and a change of MMA precision
     along a line (MXFP4's W4A8 point in the committed quant run) is noted."""
     records = _records()
-    series = {(s["panel"], s["spec"]["label"]): s for s in run.summary_series(records)}
-    assert {label for _, label in series} == {spec["label"] for spec in run.SUMMARY}
+    series = {(s["panel"], s["label"]): s for s in run.summary_series(records)}
+    assert {s["spec"]["label"] for s in series.values()} == {spec["label"] for spec in run.SUMMARY}
     layer = dict(series[("floor", "layer, bf16")]["points"])
-    assert layer[4096] == pytest.approx(1.444, abs=1e-3)  # x_mem_floor in results/layer.json
-    router = dict(series[("peer", "router (gate)")]["points"])
+    row = next(r for r in records["layer"]["rows"] if r["model"] == "deepseek-v3" and r["M"] == 4096)
+    floor = max(row["mem_floor_us"], row["compute_floor_us"])  # the line's floor: the larger, measured in that run
+    assert layer[4096] == pytest.approx(row["us"] / floor, rel=1e-9)
+    router = dict(series[("peer", "router (gate) vs best public Triton router")]["points"])
     assert all(v < 1 for v in router.values())  # faster than the best public router everywhere
-    cublas = dict(series[("peer", "dispatch + experts + finalize, bf16")]["points"])
+    stage = "dispatch + experts + finalize, bf16 vs "
+    cublas = dict(series[("peer", stage + "cuBLAS dense equivalent, same run")]["points"])
+    grouped = dict(series[("peer", stage + "torch._grouped_mm on the same routing, same run")]["points"])
     table = next(r for r in records["prefill"]["rows"] if r["stage"] == "prefill, uniform routing" and r["M"] == 4096)
     assert cublas[4096] == pytest.approx(table["x_cublas"], rel=1e-9)  # as results/prefill.json prints it
+    assert grouped[4096] == pytest.approx(table["x_grouped"], rel=1e-9)
     assert [n[2] for n in series[("floor", "routed experts, MXFP4 (V4-Flash)")]["notes"]] in ([], ["W4A8"])
     for s in series.values():
         assert [x for x, _ in s["points"]] == sorted(x for x, _ in s["points"])

@@ -9,6 +9,9 @@ combine):
 - ``prefill fp8, <routing> routing``: the weights quantized to fp8 block-scale (W8A8, SPEC §5), beside
   ``torch._scaled_grouped_mm`` on the same tokens per expert (e4m3 with a scale per row and per weight column, GEMM1
   then GEMM2, no SwiGLU and no quantization pass: the dense equivalent, as cuBLAS's is for bf16);
+- ``same routing``: torch's grouped GEMMs on the row counts this routing gives each expert (``torch._grouped_mm``
+  for bf16, ``torch._scaled_grouped_mm`` for fp8; CUTLASS kernels on Hopper), GEMM1 then GEMM2 on rows already in
+  expert order: the peer on the ragged work itself, which the dense equivalents above never see;
 - ``kernels``: which grouped GEMMs the default runs (the persistent ones for fp8 on Hopper from
   ``persistent.FP8_MIN_TOKENS``, else the ``tl`` ones); ``other µs``: the same stage on the other family
   (``MOEFUSE_PERSISTENT=1`` and a 128-row plan, or ``MOEFUSE_PERSISTENT=0`` and the tile table's plan);
@@ -46,6 +49,7 @@ COLUMNS = [
     ("mem_floor_us", "weight-read floor µs"), ("x_floor", "× floor"),
     ("cublas_us", "cuBLAS dense-equivalent µs"), ("x_cublas", "× cuBLAS"),
     ("sgmm_us", "_scaled_grouped_mm µs"), ("x_sgmm", "× _scaled_grouped_mm"),
+    ("grouped_us", "torch grouped, same routing µs"), ("x_grouped", "× torch grouped"),
 ]
 TITLE = "prefill: DeepSeek-V3 routed experts + dispatch + combine (E=256, H=7168, I=2048, top-8, CUDA-graph replay)"
 
@@ -71,24 +75,42 @@ def scaled_grouped_mm_equivalent(M: int, E: int, H: int, I: int, K: int, device:
     return timing.time_or_none([both])
 
 
-def scaled_grouped_mm_calls(M: int, E: int, H: int, I: int, K: int, device: torch.device) -> Callable[[], None]:
-    """``torch._scaled_grouped_mm`` GEMM1 then GEMM2 on E groups of t = M·K/E rows: e4m3 [E·t, H] x [E, H, 2I] then
-    [E·t, I] x [E, I, H] (weights stored [E, N, K] as checkpoints have them, read transposed), fp32 scales per row and
-    per weight column, bf16 out."""
+def scaled_grouped_mm_calls(M: int, E: int, H: int, I: int, K: int, device: torch.device
+                            ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """``torch._scaled_grouped_mm`` GEMM1 then GEMM2 on E groups of t = M·K/E rows (``grouped_calls``)."""
     t = M * K // E
     e4m3 = torch.float8_e4m3fn
-    a = torch.randn(E * t, H, device=device).to(e4m3)
-    h = torch.randn(E * t, I, device=device).to(e4m3)
-    w1 = torch.randn(E, 2 * I, H, device=device).to(e4m3).transpose(1, 2)
-    w2 = torch.randn(E, H, I, device=device).to(e4m3).transpose(1, 2)
-    offs = torch.arange(1, E + 1, device=device, dtype=torch.int32) * t
-    ones = [torch.ones(n, device=device) for n in (E * t, E * 2 * I, E * t, E * H)]
+    w1 = torch.randn(E, 2 * I, H, device=device).to(e4m3)
+    w2 = torch.randn(E, H, I, device=device).to(e4m3)
+    return grouped_calls(torch.full((E,), t, device=device), w1, w2)
 
-    def both() -> None:
-        torch._scaled_grouped_mm(a, w1, ones[0], ones[1].view(E, 2 * I), offs=offs, out_dtype=torch.bfloat16)
-        torch._scaled_grouped_mm(h, w2, ones[2], ones[3].view(E, H), offs=offs, out_dtype=torch.bfloat16)
 
-    return both
+def grouped_calls(counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  rows_in: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """torch's grouped GEMMs, GEMM1 then GEMM2, on ``counts[e]`` rows of expert e in expert order: [rows, H] x
+    [E, H, 2I] then [rows, I] x [E, I, H], the weights stored [E, N, K] as checkpoints have them and read transposed.
+    bf16 or fp16 weights: ``torch._grouped_mm``; e4m3: ``torch._scaled_grouped_mm`` with fp32 scales per row and
+    per weight column (ones). Out in bf16; no SwiGLU between the two. ``rows_in``: the two GEMMs' activations
+    ([rows, H] and [rows, I] in the weights' dtype; random where None). The closure returns both products."""
+    E, I2, H = gate_up.shape
+    device, rows = gate_up.device, int(counts.sum())
+    offs = torch.cumsum(counts.to(device=device, dtype=torch.int32), 0, dtype=torch.int32)
+    a, h = rows_in or (torch.randn(rows, H, device=device).to(gate_up.dtype),
+                       torch.randn(rows, I2 // 2, device=device).to(gate_up.dtype))
+    w1, w2 = gate_up.transpose(1, 2), down.transpose(1, 2)
+    if gate_up.dtype != torch.float8_e4m3fn:
+        def both() -> tuple[torch.Tensor, torch.Tensor]:
+            return (torch._grouped_mm(a, w1, offs=offs, out_dtype=torch.bfloat16),
+                    torch._grouped_mm(h, w2, offs=offs, out_dtype=torch.bfloat16))
+        return both
+    ones = [torch.ones(n, device=device) for n in (rows, E * I2, rows, E * H)]
+
+    def both_fp8() -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch._scaled_grouped_mm(a, w1, ones[0], ones[1].view(E, I2), offs=offs, out_dtype=torch.bfloat16),
+                torch._scaled_grouped_mm(h, w2, ones[2], ones[3].view(E, H), offs=offs, out_dtype=torch.bfloat16))
+
+    return both_fp8
 
 
 def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict[str, Any]]:
@@ -100,8 +122,9 @@ def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict[str, Any]]:
     cfg = preset("deepseek-v3")
     E, H, I, K = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
     w1, w2 = _weights(E, H, I, device, gen)
-    formats: dict[str, tuple[Any, Any, int]] = {
-        "": (w1, w2, 2), " fp8": (BlockFP8.quantize(w1), BlockFP8.quantize(w2), 1)}
+    q1, q2 = BlockFP8.quantize(w1), BlockFP8.quantize(w2)
+    formats: dict[str, tuple[Any, Any, int]] = {"": (w1, w2, 2), " fp8": (q1, q2, 1)}
+    stored = {"": (w1, w2), " fp8": (q1.values, q2.values)}  # what torch's grouped GEMMs read
     rows: list[dict[str, Any]] = []
     for M in (SKEW_TOKENS if quick else sorted(set(DENSE_TOKENS) | set(SKEW_TOKENS))):
         x = torch.randn(M, H, device=device, generator=gen).bfloat16()
@@ -110,6 +133,7 @@ def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict[str, Any]]:
         for routing, gain in SKEW_GAINS.items() if M in SKEW_TOKENS else [("uniform", 0.0)]:
             weights, ids = _routing(M, E, K, device, gen, gain)
             touched, skew = load_stats(ids, E)
+            counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
             for name, (gate_up, down, width) in formats.items():
                 block_m = plan_block_m(M, gate_up, K, torch.bfloat16)
 
@@ -126,13 +150,15 @@ def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict[str, Any]]:
                 mem_floor = touched * 3 * H * I * width / (ceilings.read_tbps * 1e12) * 1e6
                 peer = dense[name] if routing == "uniform" else None
                 ratio = us / peer if us and peer else None
+                grouped = timing.time_or_none([grouped_calls(counts, *stored[name])])
                 rows.append({
                     "stage": f"prefill{name}, {routing} routing", "M": M, "experts_touched": touched,
                     "block_m": block_m, "max_over_mean": skew, "kernels": "persistent" if persistent else "tl",
                     "us": us, "other_us": other_us, "mem_floor_us": mem_floor,
                     "x_floor": us / mem_floor if us else None,
                     **({"cublas_us": peer, "x_cublas": ratio} if name == "" else {"sgmm_us": peer, "x_sgmm": ratio}),
+                    "grouped_us": grouped, "x_grouped": us / grouped if us and grouped else None,
                 })
-    del w1, w2, formats
+    del w1, w2, q1, q2, formats, stored
     torch.cuda.empty_cache()
     return rows

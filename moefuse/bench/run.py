@@ -32,7 +32,8 @@ PLOTS: dict[str, dict[str, Any]] = {
                                                        "anchor_us": "best public Triton", "torch_us": "torch"}},
     "prefill": {"x": "M", "group": "stage",
                 "series": {"us": "moefuse", "other_us": "other kernels", "mem_floor_us": "memory floor",
-                           "cublas_us": "cuBLAS bmm", "sgmm_us": "torch._scaled_grouped_mm"}},
+                           "cublas_us": "cuBLAS bmm", "sgmm_us": "torch._scaled_grouped_mm",
+                           "grouped_us": "torch grouped, same routing"}},
     "quant": {"x": "M", "group": "model",
               "series": {"us": "moefuse", "read_floor_us": "read floor", "peer_us": "vLLM fp8", "bf16_us": "bf16"}},
     "layer": {"x": "M", "group": "model",
@@ -60,6 +61,13 @@ SUMMARY: list[dict[str, Any]] = [
      "where": {"stage": "prefill fp8, uniform routing"}, "us": "us", "peer": "sgmm_us",
      "peer_name": "torch._scaled_grouped_mm dense equivalent, same run", "kind": "experts", "fmt": "fp8",
      "marker": "D"},
+    {"label": "dispatch + experts + finalize, bf16", "stage": "prefill", "where": {"stage": "prefill, uniform routing"},
+     "us": "us", "peer": "grouped_us", "peer_name": "torch._grouped_mm on the same routing, same run",
+     "kind": "experts", "fmt": "bf16", "marker": "P", "dash": "-."},
+    {"label": "dispatch + experts + finalize, fp8", "stage": "prefill",
+     "where": {"stage": "prefill fp8, uniform routing"}, "us": "us", "peer": "grouped_us",
+     "peer_name": "torch._scaled_grouped_mm on the same routing, same run", "kind": "experts", "fmt": "fp8",
+     "marker": "P"},
     {"label": "routed experts, fp8", "stage": "quant", "where": {"format": "fp8", "model": "deepseek-v3"}, "us": "us",
      "floor": ("read_floor_us", "mma_floor_us"), "peer": "peer_us", "peer_name": "vLLM Triton fp8",
      "kind": "experts", "fmt": "fp8"},
@@ -181,9 +189,9 @@ def summary_plot(records: dict[str, Any], path: Path) -> bool:
     when = (dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}") if dates else "undated"
     fig.suptitle(f"moefuse on one {gpus}, runs of {when}: DeepSeek-V3 shapes (MXFP4: DeepSeek-V4-Flash), "
                  "device time under CUDA-graph replay", fontsize=12)
-    fig.text(0.5, 0.01, "Peers: moefuse/bench/anchors_h200.json (the same GPU model, their own runs); cuBLAS in the "
-             "same run. Each stage's date and the full tables: results/RESULTS.md.", ha="center", fontsize=8,
-             color="0.35")
+    fig.text(0.5, 0.01, "Peers: moefuse/bench/anchors_h200.json (the same GPU model, their own runs); cuBLAS and "
+             "torch's grouped GEMMs in the same run. Each stage's date and the full tables: results/RESULTS.md.",
+             ha="center", fontsize=8, color="0.35")
     fig.tight_layout(rect=(0, 0.03, 1, 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -21,7 +21,10 @@ each kernel of one replay starts and ends (PDL lets a kernel start before the on
 the touched experts' gate and up boxes through TMA (DeepSeek-V3 at one token: 8 experts, [4096, 7168] e4m3 each)
 on GEMM1's grid (a program per expert and box of rows, split along K) and multiplies each by a block of ones (one
 wgmma, so that the loads are pipelined as GEMM1's are), with boxes of 128 rows x 128 bytes (GEMM1's), 64 x 256 and
-128 x 256, on 2-4 stages; µs and TB/s under graph replay.
+128 x 256, on 2-4 stages; µs and TB/s under graph replay. Then the same bytes stored box by box (each 128 x 128 box
+16 KB contiguous, as a repacked weight would be), on 1, 2 and 4 splits at 3 and 4 stages; and a plain grid-stride
+read (``_stream_kernel``: 4 or 8 programs an SM, no TMA) of exactly each preset's one-token expert bytes, all and
+GEMM1's alone, against the floor the bench uses (bytes at the 1 GiB ``torch.sum`` read rate).
 """
 from __future__ import annotations
 
@@ -187,6 +190,84 @@ def read_pattern(device: torch.device, read_tbps: float) -> list[dict[str, Any]]
     return rows
 
 
+@triton.jit
+def _read_tiled_kernel(desc, experts_ptr, out_ptr, N, K, BOX_N: tl.constexpr, BOX_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr):
+    """``_read_boxes_kernel``'s grid and boxes on weights stored box by box: box (n-block, k-step) of the [E·2N, K]
+    weights is rows ((n-block · K/BOX_K) + k-step) · BOX_N of the [-1, BOX_K] view ``desc`` covers, BOX_N · BOX_K
+    contiguous bytes."""
+    blocks = N // BOX_N
+    steps = K // BOX_K
+    expert = tl.load(experts_ptr + tl.program_id(0) // blocks)
+    gate = expert * 2 * blocks + tl.program_id(0) % blocks  # the gate rows' n-block; up's is `blocks` further
+    per = tl.cdiv(tl.cdiv(K, BOX_K), SPLIT_K) * BOX_K
+    k_begin = tl.program_id(1) * per
+    ones = tl.full([BOX_K, 16], 1.0, tl.float32).to(tl.float8e4nv)
+    acc = tl.zeros([BOX_N, 16], dtype=tl.float32)
+    for k0 in range(k_begin, tl.minimum(k_begin + per, K), BOX_K):
+        acc = tl.dot(desc.load([(gate * steps + k0 // BOX_K) * BOX_N, 0]), ones, acc)
+        acc = tl.dot(desc.load([((gate + blocks) * steps + k0 // BOX_K) * BOX_N, 0]), ones, acc)
+    tl.store(out_ptr + tl.program_id(0) * SPLIT_K + tl.program_id(1) + tl.zeros([1], tl.int32),
+             tl.sum(tl.sum(acc, 1), 0)[None])
+
+
+@triton.jit
+def _stream_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """A grid-stride sum of ``n`` fp32 values: the plainest way to read the bytes."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(pid * BLOCK, n, programs * BLOCK):
+        acc += tl.load(x_ptr + start + offs, mask=start + offs < n, other=0.0)
+    tl.store(out_ptr + pid, tl.sum(acc))
+
+
+def read_tiled(device: torch.device, read_tbps: float) -> list[dict[str, Any]]:
+    """GEMM1's boxes at one token (DeepSeek-V3) from weights stored box by box (``_read_tiled_kernel``)."""
+    cfg = preset("deepseek-v3")
+    E, H, I, K = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
+    values = torch.empty(E * 2 * I, H, dtype=torch.uint8, device=device).random_(0, 0x7E).view(torch.float8_e4m3fn)
+    desc = TensorDescriptor.from_tensor(values.view(-1, 128), [128, 128])
+    gen = torch.Generator(device).manual_seed(2)
+    experts = [torch.randperm(E, device=device, generator=gen)[:K].int()
+               for _ in range(timing.rotations(K * 2 * I * H))]
+    out = torch.empty(1 << 16, dtype=torch.float32, device=device)
+    rows = []
+    for split in (1, 2, 4):
+        for stages in (3, 4):
+            grid = (K * I // 128, split)
+            us = timing.time_or_none([lambda e=e: _read_tiled_kernel[grid](desc, e, out, I, H, 128, 128, split,
+                                                                          num_warps=4, num_stages=stages)
+                                      for e in experts])
+            rows.append({"layout": "box by box", "box": [128, 128], "split_k": split, "stages": stages, "us": us,
+                         "floor_us": K * 2 * I * H / (read_tbps * 1e12) * 1e6})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def read_sizes(device: torch.device, read_tbps: float) -> list[dict[str, Any]]:
+    """``_stream_kernel`` at each preset's one-token fp8 expert bytes (top-k experts, both GEMMs; then GEMM1's
+    alone), the best of 4 or 8 programs an SM and 4,096 or 8,192 values a program's step."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    part = torch.empty(16 * sms, device=device)
+    rows = []
+    for model in PRESETS:
+        cfg = preset(model)
+        per = cfg.top_k * cfg.hidden_size * cfg.intermediate_size
+        for what, nbytes in (("experts", 3 * per), ("gemm1", 2 * per)):
+            bufs = [torch.empty(nbytes // 4, device=device).normal_() for _ in range(timing.rotations(nbytes))]
+            best = min(timing.graph_time_us([lambda b=b: _stream_kernel[(sms * per_sm,)](b, part, b.numel(), block,
+                                                                                         num_warps=8)
+                                             for b in bufs], replays=30)
+                       for per_sm in (4, 8) for block in (4096, 8192))
+            floor = nbytes / (read_tbps * 1e12) * 1e6
+            rows.append({"model": model, "bytes": what, "nbytes": nbytes, "us": best, "floor_us": floor,
+                         "x_floor": best / floor})
+            print(rows[-1], flush=True)
+            del bufs
+    return rows
+
+
 def layer_timelines(device: torch.device) -> list[dict[str, Any]]:
     """The fp8 layer at one token as one CUDA graph: its time, and each kernel's start and end in one replay."""
     rows = []
@@ -229,9 +310,11 @@ def main() -> int:
     device = torch.device("cuda")
     ceilings = timing.measure_ceilings(gemm=False)
     if args.read:
-        rows = read_pattern(device, ceilings.read_tbps)
+        rows = read_pattern(device, ceilings.read_tbps) + read_tiled(device, ceilings.read_tbps)
+        sizes = read_sizes(device, ceilings.read_tbps)
         if args.json:
-            args.json.write_text(json.dumps({"read_tbps": ceilings.read_tbps, "read": rows}, indent=1))
+            args.json.write_text(json.dumps({"read_tbps": ceilings.read_tbps, "read": rows, "sizes": sizes},
+                                            indent=1))
         return 0
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                               "read_tbps": ceilings.read_tbps, "errors": errors(device),

@@ -1,7 +1,7 @@
 """Issue 39's probe: the persistent warp-specialized grouped GEMMs (``experts/persistent.py``) against the ``tl``
 kernels (``experts/bf16.py``, the plan's 128-row tiles and the table's) and cuBLAS on the same work, on one GPU.
 
-    python scripts/prefill_probe.py [--check] [--time] [--fp8] [--ncu-kernel tl|persistent] [--json FILE]
+    python scripts/prefill_probe.py [--check] [--time] [--fp8] [--ragged] [--ncu-kernel tl|persistent] [--json FILE]
 
 ``--check``: the persistent kernels against the ``tl`` kernels and the float64 reference on DeepSeek-V3 shapes and
 on narrow, ragged, clamped and empty-expert cases (max relative error per case). ``--time``: µs under CUDA-graph
@@ -10,6 +10,12 @@ with exactly balanced routing (every expert M·K/E rows), random uniform routing
 cuBLAS ``bmm`` on the same work as dense batches; each with items claimed from a counter (the default), every
 grid-th item a program, and one item a program (issue 39's experiments). ``--fp8``: the same for fp8 block-scale
 weights (``tl`` against persistent), and the persistent kernels' error against SPEC §5's float64 emulation.
+``--ragged``: where ragged routing's cost goes (issue 39, twenty-eighth session): the default experts (``tl`` bf16, the
+persistent fp8 kernels) and torch's grouped GEMMs on the same row counts (``bench.prefill.grouped_calls``) at 4,096
+and 8,192 tokens, on balanced routing, on ``pmD`` (even experts D rows over the mean, odd ones D under: the same
+rows, more items) and on uniform and Zipf routing; then fp8's time fitted, by least squares over the 4,096-token
+controlled routings, as ``a`` per 128-row item + ``b`` per 64-row MMA block + ``c``, and that fit's prediction for
+the other rows (``c`` refitted on 8,192's balanced row).
 ``--ncu-kernel``: one GEMM1 launch of that kernel at 4,096 tokens with ``--routing``, for Nsight Compute (``ncu
 --launch-skip 2 --launch-count 1``); with ``--gemm2``, one GEMM2 launch (``ncu -k`` the GEMM2 kernel,
 ``--launch-skip 2``).
@@ -29,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moefuse.bench import timing  # noqa: E402
 from moefuse.bench.experts import _routing  # noqa: E402
-from moefuse.bench.prefill import cublas_dense_equivalent, scaled_grouped_mm_calls  # noqa: E402
+from moefuse.bench.prefill import cublas_dense_equivalent, grouped_calls, scaled_grouped_mm_calls  # noqa: E402
 from moefuse.dispatch import moe_dispatch  # noqa: E402
-from moefuse.experts import configs, moe_experts, persistent  # noqa: E402
+from moefuse.experts import configs, moe_experts, persistent, plan_block_m  # noqa: E402
 from moefuse.experts.bf16 import gemm1_swiglu, gemm2  # noqa: E402
 from moefuse.experts.reference import moe_experts_fp8_torch, moe_experts_torch  # noqa: E402
 from moefuse.formats import BlockFP8  # noqa: E402
@@ -177,10 +183,67 @@ def time_fp8(device: torch.device) -> list[dict]:
     return rows
 
 
+def ids_from_counts(counts: torch.Tensor, M: int, device: torch.device) -> torch.Tensor:
+    """[M, K] ids, distinct per token, expert e exactly ``counts[e]`` times (each at most M, summing to M·K)."""
+    flat = torch.repeat_interleave(torch.arange(E, device=device), counts.to(device))
+    return flat.view(K, M).t().contiguous().int()  # slot i -> token i % M: an expert's run meets distinct tokens
+
+
 def routed_ids(M: int, routing: str, device: torch.device, gen: torch.Generator) -> torch.Tensor:
     if routing == "balanced":
         return balanced_ids(M, E, K, device)
+    if routing.startswith("pm"):  # even experts D rows over the mean, odd ones D under
+        d, mean = int(routing[2:]), M * K // E
+        return ids_from_counts(torch.tensor([mean + (d if e % 2 == 0 else -d) for e in range(E)]), M, device)
     return _routing(M, E, K, device, gen, {"uniform": 0.0, "zipf-0.6": 0.6, "zipf-1.0": 1.0}[routing])[1]
+
+
+RAGGED = [(4096, "balanced"), (4096, "pm1"), (4096, "pm16"), (4096, "pm64"), (4096, "uniform"), (4096, "zipf-0.6"),
+          (4096, "zipf-1.0"), (8192, "balanced"), (8192, "uniform")]
+FIT = ("balanced", "pm1", "pm16", "pm64", "uniform")  # the 4,096-token routings the fp8 fit takes
+
+
+def fit_items_blocks(points: list[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """Least-squares ``(a, b, c)`` with µs ≈ a·items + b·blocks + c over ``(items, blocks, µs)`` points."""
+    A = torch.tensor([[i, b, 1.0] for i, b, _ in points], dtype=torch.float64)
+    y = torch.tensor([[us] for _, _, us in points], dtype=torch.float64)
+    a, b, c = torch.linalg.lstsq(A, y).solution[:, 0].tolist()
+    return a, b, c
+
+
+def ragged(device: torch.device) -> list[dict]:
+    """``--ragged`` (module docstring): µs under graph replay per routing, then the fp8 fit."""
+    w1, w2 = weights(E, H, I, device)
+    q1, q2 = BlockFP8.quantize(w1), BlockFP8.quantize(w2)
+    gen = torch.Generator(device).manual_seed(1)
+    rows = []
+    for M, routing in RAGGED:
+        ids = routed_ids(M, routing, device, gen)
+        counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
+        x = torch.randn(M, H, device=device, generator=gen).bfloat16()
+        p16 = moe_dispatch(ids, E, plan_block_m(M, w1, K, torch.bfloat16))
+        p8 = moe_dispatch(ids, E, plan_block_m(M, q1, K, torch.bfloat16))
+        row = {"M": M, "routing": routing, "busiest": int(counts.max()),
+               "items": int(((counts + 127) // 128).sum()), "blocks64": int(((counts + 63) // 64).sum()),
+               "bf16": timing.time_or_none([lambda: moe_experts(x, w1, w2, p16)]),
+               "grouped_bf16": timing.time_or_none([grouped_calls(counts, w1, w2)]),
+               "fp8": timing.time_or_none([lambda: moe_experts(x, q1, q2, p8)]),
+               "grouped_fp8": timing.time_or_none([grouped_calls(counts, q1.values, q2.values)])}
+        if routing == "balanced":
+            row["cublas_bmm"] = cublas_dense_equivalent(M, E, H, I, K, device)
+        rows.append(row)
+        print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    fit = [r for r in rows if r["M"] == 4096 and r["routing"] in FIT and r["fp8"]]
+    if len(fit) >= 3:
+        a, b, c = fit_items_blocks([(r["items"], r["blocks64"], r["fp8"]) for r in fit])
+        for r in rows:
+            balanced = next((q for q in rows if q["M"] == r["M"] and q["routing"] == "balanced" and q["fp8"]), None)
+            if balanced:  # the fixed part from the token count's balanced row (the pass grows with the rows)
+                fixed = c if r["M"] == 4096 else balanced["fp8"] - a * balanced["items"] - b * balanced["blocks64"]
+                r["fp8_fit"] = a * r["items"] + b * r["blocks64"] + fixed
+        print(f"fp8 fit: {a:.2f} µs per 128-row item + {b:.2f} per 64-row block + {c:.0f}", flush=True)
+        rows.append({"fit_us_per_item": a, "fit_us_per_block64": b, "fit_us_fixed_4096": c})
+    return rows
 
 
 def ncu_launch(kernel: str, routing: str, device: torch.device, item_per_program: bool = False, fp8: bool = False,
@@ -234,6 +297,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--time", action="store_true")
     parser.add_argument("--fp8", action="store_true", help="time the fp8 block-scale kernels too")
+    parser.add_argument("--ragged", action="store_true", help="where ragged routing's cost goes (docstring)")
     parser.add_argument("--ncu-kernel", choices=["tl", "persistent", "sgmm"])
     parser.add_argument("--routing", default="balanced", choices=["balanced", "uniform", "zipf-0.6", "zipf-1.0"])
     parser.add_argument("--item-per-program", action="store_true",
@@ -256,6 +320,8 @@ def main() -> int:
         result["time"] = time_all(device)
     if args.fp8:
         result["fp8"] = time_fp8(device)
+    if args.ragged:
+        result["ragged"] = ragged(device)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

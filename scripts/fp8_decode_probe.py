@@ -145,20 +145,27 @@ def errors(device: torch.device) -> list[dict[str, Any]]:
 
 @triton.jit
 def _read_boxes_kernel(desc, experts_ptr, out_ptr, N, K, BOX_N: tl.constexpr, BOX_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr):
+                       SPLIT_K: tl.constexpr, TILED: tl.constexpr = False):
     """Program (p, s): expert ``experts[p // (N / BOX_N)]``'s rows of block p % (N / BOX_N) (gate and, N further on,
     up), the s-th of SPLIT_K runs of K, box by box through TMA, each box times a 16-column block of ones: one fp8
-    wgmma per box (about one instruction per weight), so that Triton pipelines the loads as it does GEMM1's."""
+    wgmma per box (about one instruction per weight), so that Triton pipelines the loads as it does GEMM1's.
+    ``TILED``: the weights stored box by box, box (n-block, k-step) of the [E·2N, K] weights at rows
+    (n-block · K/BOX_K + k-step) · BOX_N of the [-1, BOX_K] view ``desc`` covers (BOX_N · BOX_K contiguous bytes)."""
     blocks = N // BOX_N
+    steps = K // BOX_K
     expert = tl.load(experts_ptr + tl.program_id(0) // blocks)
-    row = expert * 2 * N + tl.program_id(0) % blocks * BOX_N
+    gate = expert * 2 * blocks + tl.program_id(0) % blocks  # the gate rows' n-block; up's is `blocks` further
     per = tl.cdiv(tl.cdiv(K, BOX_K), SPLIT_K) * BOX_K
     k_begin = tl.program_id(1) * per
     ones = tl.full([BOX_K, 16], 1.0, tl.float32).to(tl.float8e4nv)
     acc = tl.zeros([BOX_N, 16], dtype=tl.float32)
     for k0 in range(k_begin, tl.minimum(k_begin + per, K), BOX_K):
-        acc = tl.dot(desc.load([row, k0]), ones, acc)
-        acc = tl.dot(desc.load([row + N, k0]), ones, acc)
+        for n_block in tl.static_range(2):  # gate, then up
+            if TILED:
+                box = desc.load([((gate + n_block * blocks) * steps + k0 // BOX_K) * BOX_N, 0])
+            else:
+                box = desc.load([(gate + n_block * blocks) * BOX_N, k0])
+            acc = tl.dot(box, ones, acc)
     tl.store(out_ptr + tl.program_id(0) * SPLIT_K + tl.program_id(1) + tl.zeros([1], tl.int32),
              tl.sum(tl.sum(acc, 1), 0)[None])
 
@@ -191,27 +198,6 @@ def read_pattern(device: torch.device, read_tbps: float) -> list[dict[str, Any]]
 
 
 @triton.jit
-def _read_tiled_kernel(desc, experts_ptr, out_ptr, N, K, BOX_N: tl.constexpr, BOX_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr):
-    """``_read_boxes_kernel``'s grid and boxes on weights stored box by box: box (n-block, k-step) of the [E·2N, K]
-    weights is rows ((n-block · K/BOX_K) + k-step) · BOX_N of the [-1, BOX_K] view ``desc`` covers, BOX_N · BOX_K
-    contiguous bytes."""
-    blocks = N // BOX_N
-    steps = K // BOX_K
-    expert = tl.load(experts_ptr + tl.program_id(0) // blocks)
-    gate = expert * 2 * blocks + tl.program_id(0) % blocks  # the gate rows' n-block; up's is `blocks` further
-    per = tl.cdiv(tl.cdiv(K, BOX_K), SPLIT_K) * BOX_K
-    k_begin = tl.program_id(1) * per
-    ones = tl.full([BOX_K, 16], 1.0, tl.float32).to(tl.float8e4nv)
-    acc = tl.zeros([BOX_N, 16], dtype=tl.float32)
-    for k0 in range(k_begin, tl.minimum(k_begin + per, K), BOX_K):
-        acc = tl.dot(desc.load([(gate * steps + k0 // BOX_K) * BOX_N, 0]), ones, acc)
-        acc = tl.dot(desc.load([((gate + blocks) * steps + k0 // BOX_K) * BOX_N, 0]), ones, acc)
-    tl.store(out_ptr + tl.program_id(0) * SPLIT_K + tl.program_id(1) + tl.zeros([1], tl.int32),
-             tl.sum(tl.sum(acc, 1), 0)[None])
-
-
-@triton.jit
 def _stream_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     """A grid-stride sum of ``n`` fp32 values: the plainest way to read the bytes."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
@@ -223,7 +209,7 @@ def _stream_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 def read_tiled(device: torch.device, read_tbps: float) -> list[dict[str, Any]]:
-    """GEMM1's boxes at one token (DeepSeek-V3) from weights stored box by box (``_read_tiled_kernel``)."""
+    """GEMM1's boxes at one token (DeepSeek-V3) from weights stored box by box (``_read_boxes_kernel``, TILED)."""
     cfg = preset("deepseek-v3")
     E, H, I, K = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
     values = torch.empty(E * 2 * I, H, dtype=torch.uint8, device=device).random_(0, 0x7E).view(torch.float8_e4m3fn)
@@ -236,7 +222,7 @@ def read_tiled(device: torch.device, read_tbps: float) -> list[dict[str, Any]]:
     for split in (1, 2, 4):
         for stages in (3, 4):
             grid = (K * I // 128, split)
-            us = timing.time_or_none([lambda e=e: _read_tiled_kernel[grid](desc, e, out, I, H, 128, 128, split,
+            us = timing.time_or_none([lambda e=e: _read_boxes_kernel[grid](desc, e, out, I, H, 128, 128, split, True,
                                                                           num_warps=4, num_stages=stages)
                                       for e in experts])
             rows.append({"layout": "box by box", "box": [128, 128], "split_k": split, "stages": stages, "us": us,

@@ -170,8 +170,14 @@ def _read_boxes_kernel(desc, experts_ptr, out_ptr, N, K, BOX_N: tl.constexpr, BO
              tl.sum(tl.sum(acc, 1), 0)[None])
 
 
+# read_pattern's layouts: (layout, box shape, stage counts); the splits are 1, 2 and 4 for each.
+READ_LAYOUTS = [("checkpoint", box, (2, 3, 4)) for box in ((128, 128), (64, 256), (128, 256))] + [
+    ("box by box", (128, 128), (3, 4))]
+
+
 def read_pattern(device: torch.device, read_tbps: float) -> list[dict[str, Any]]:
-    """GEMM1's boxes streamed with no arithmetic (DeepSeek-V3 at one token), per box shape, split and stages."""
+    """GEMM1's boxes streamed with no arithmetic (DeepSeek-V3 at one token), per layout (the checkpoint's, or the
+    same bytes stored box by box: ``_read_boxes_kernel``'s ``TILED``), box shape, split and stages."""
     cfg = preset("deepseek-v3")
     E, H, I, K = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
     values = torch.empty(E * 2 * I, H, dtype=torch.uint8, device=device).random_(0, 0x7E).view(torch.float8_e4m3fn)
@@ -180,18 +186,19 @@ def read_pattern(device: torch.device, read_tbps: float) -> list[dict[str, Any]]
     experts = [torch.randperm(E, device=device, generator=gen)[:K].int() for _ in range(sets)]
     out = torch.empty(1 << 16, dtype=torch.float32, device=device)
     rows = []
-    for box_n, box_k in ((128, 128), (64, 256), (128, 256)):
-        desc = TensorDescriptor.from_tensor(values, [box_n, box_k])
+    for layout, (box_n, box_k), stage_counts in READ_LAYOUTS:
+        tiled = layout == "box by box"
+        desc = TensorDescriptor.from_tensor(values.view(-1, box_k) if tiled else values, [box_n, box_k])
         for split in (1, 2, 4):
-            for stages in (2, 3, 4):
+            for stages in stage_counts:
                 grid = (K * I // box_n, split)
-                calls = [lambda e=e: _read_boxes_kernel[grid](desc, e, out, I, H, box_n, box_k, split, num_warps=4,
-                                                             num_stages=stages) for e in experts]
+                calls = [lambda e=e: _read_boxes_kernel[grid](desc, e, out, I, H, box_n, box_k, split, tiled,
+                                                             num_warps=4, num_stages=stages) for e in experts]
                 us = timing.time_or_none(calls)
                 if us is None:
                     continue
-                rows.append({"box": [box_n, box_k], "split_k": split, "stages": stages, "programs": grid[0] * split,
-                             "us": us, "tbps": K * 2 * I * H / us / 1e6,
+                rows.append({"layout": layout, "box": [box_n, box_k], "split_k": split, "stages": stages,
+                             "programs": grid[0] * split, "us": us, "tbps": K * 2 * I * H / us / 1e6,
                              "floor_us": K * 2 * I * H / (read_tbps * 1e12) * 1e6})
                 print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
     return rows
@@ -206,29 +213,6 @@ def _stream_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     for start in range(pid * BLOCK, n, programs * BLOCK):
         acc += tl.load(x_ptr + start + offs, mask=start + offs < n, other=0.0)
     tl.store(out_ptr + pid, tl.sum(acc))
-
-
-def read_tiled(device: torch.device, read_tbps: float) -> list[dict[str, Any]]:
-    """GEMM1's boxes at one token (DeepSeek-V3) from weights stored box by box (``_read_boxes_kernel``, TILED)."""
-    cfg = preset("deepseek-v3")
-    E, H, I, K = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
-    values = torch.empty(E * 2 * I, H, dtype=torch.uint8, device=device).random_(0, 0x7E).view(torch.float8_e4m3fn)
-    desc = TensorDescriptor.from_tensor(values.view(-1, 128), [128, 128])
-    gen = torch.Generator(device).manual_seed(2)
-    experts = [torch.randperm(E, device=device, generator=gen)[:K].int()
-               for _ in range(timing.rotations(K * 2 * I * H))]
-    out = torch.empty(1 << 16, dtype=torch.float32, device=device)
-    rows = []
-    for split in (1, 2, 4):
-        for stages in (3, 4):
-            grid = (K * I // 128, split)
-            us = timing.time_or_none([lambda e=e: _read_boxes_kernel[grid](desc, e, out, I, H, 128, 128, split, True,
-                                                                          num_warps=4, num_stages=stages)
-                                      for e in experts])
-            rows.append({"layout": "box by box", "box": [128, 128], "split_k": split, "stages": stages, "us": us,
-                         "floor_us": K * 2 * I * H / (read_tbps * 1e12) * 1e6})
-            print(rows[-1], flush=True)
-    return rows
 
 
 def read_sizes(device: torch.device, read_tbps: float) -> list[dict[str, Any]]:
@@ -296,7 +280,7 @@ def main() -> int:
     device = torch.device("cuda")
     ceilings = timing.measure_ceilings(gemm=False)
     if args.read:
-        rows = read_pattern(device, ceilings.read_tbps) + read_tiled(device, ceilings.read_tbps)
+        rows = read_pattern(device, ceilings.read_tbps)
         sizes = read_sizes(device, ceilings.read_tbps)
         if args.json:
             args.json.write_text(json.dumps({"read_tbps": ceilings.read_tbps, "read": rows, "sizes": sizes},

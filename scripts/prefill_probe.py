@@ -15,7 +15,7 @@ persistent fp8 kernels) and torch's grouped GEMMs on the same row counts (``benc
 and 8,192 tokens, on balanced routing, on ``pmD`` (even experts D rows over the mean, odd ones D under: the same
 rows, more items) and on uniform and Zipf routing; then fp8's time fitted, by least squares over the 4,096-token
 controlled routings, as ``a`` per 128-row item + ``b`` per 64-row MMA block + ``c``, and that fit's prediction for
-the other rows (``c`` refitted on 8,192's balanced row).
+the other rows (the fixed part taken from 8,192's balanced row there).
 ``--ncu-kernel``: one GEMM1 launch of that kernel at 4,096 tokens with ``--routing``, for Nsight Compute (``ncu
 --launch-skip 2 --launch-count 1``); with ``--gemm2``, one GEMM2 launch (``ncu -k`` the GEMM2 kernel,
 ``--launch-skip 2``).
@@ -53,9 +53,14 @@ SCHEDULES: dict[str, dict[str, Any]] = {
 
 
 def balanced_ids(M: int, E: int, K: int, device: torch.device) -> torch.Tensor:
-    """[M, K] ids, distinct per token, every expert exactly M·K/E times (M·K a multiple of E)."""
-    base = torch.arange(M * K, device=device) % E
-    return base.view(M, K).int()
+    """[M, K] ids, distinct per token, every expert exactly M·K/E times (M·K a multiple of E, K at most E)."""
+    return ids_from_counts(torch.full((E,), M * K // E), M, K, device)
+
+
+def ids_from_counts(counts: torch.Tensor, M: int, K: int, device: torch.device) -> torch.Tensor:
+    """[M, K] ids, distinct per token, expert e exactly ``counts[e]`` times (each at most M, summing to M·K)."""
+    flat = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts.to(device))
+    return flat.view(K, M).t().contiguous().int()  # slot i -> token i % M: an expert's run meets distinct tokens
 
 
 def weights(E: int, H: int, I: int, device: torch.device, dtype=torch.bfloat16, seed: int = 0):
@@ -183,18 +188,12 @@ def time_fp8(device: torch.device) -> list[dict]:
     return rows
 
 
-def ids_from_counts(counts: torch.Tensor, M: int, device: torch.device) -> torch.Tensor:
-    """[M, K] ids, distinct per token, expert e exactly ``counts[e]`` times (each at most M, summing to M·K)."""
-    flat = torch.repeat_interleave(torch.arange(E, device=device), counts.to(device))
-    return flat.view(K, M).t().contiguous().int()  # slot i -> token i % M: an expert's run meets distinct tokens
-
-
 def routed_ids(M: int, routing: str, device: torch.device, gen: torch.Generator) -> torch.Tensor:
     if routing == "balanced":
         return balanced_ids(M, E, K, device)
     if routing.startswith("pm"):  # even experts D rows over the mean, odd ones D under
         d, mean = int(routing[2:]), M * K // E
-        return ids_from_counts(torch.tensor([mean + (d if e % 2 == 0 else -d) for e in range(E)]), M, device)
+        return ids_from_counts(torch.tensor([mean + (d if e % 2 == 0 else -d) for e in range(E)]), M, K, device)
     return _routing(M, E, K, device, gen, {"uniform": 0.0, "zipf-0.6": 0.6, "zipf-1.0": 1.0}[routing])[1]
 
 
@@ -236,11 +235,12 @@ def ragged(device: torch.device) -> list[dict]:
     fit = [r for r in rows if r["M"] == 4096 and r["routing"] in FIT and r["fp8"]]
     if len(fit) >= 3:
         a, b, c = fit_items_blocks([(r["items"], r["blocks64"], r["fp8"]) for r in fit])
+        fixed = {r["M"]: r["fp8"] - a * r["items"] - b * r["blocks64"]  # the pass grows with the rows
+                 for r in rows if r["routing"] == "balanced" and r["fp8"]}
+        fixed[4096] = c
         for r in rows:
-            balanced = next((q for q in rows if q["M"] == r["M"] and q["routing"] == "balanced" and q["fp8"]), None)
-            if balanced:  # the fixed part from the token count's balanced row (the pass grows with the rows)
-                fixed = c if r["M"] == 4096 else balanced["fp8"] - a * balanced["items"] - b * balanced["blocks64"]
-                r["fp8_fit"] = a * r["items"] + b * r["blocks64"] + fixed
+            if r["M"] in fixed:
+                r["fp8_fit"] = a * r["items"] + b * r["blocks64"] + fixed[r["M"]]
         print(f"fp8 fit: {a:.2f} µs per 128-row item + {b:.2f} per 64-row block + {c:.0f}", flush=True)
         rows.append({"fit_us_per_item": a, "fit_us_per_block64": b, "fit_us_fixed_4096": c})
     return rows

@@ -25,10 +25,18 @@ wgmma, so that the loads are pipelined as GEMM1's are), with boxes of 128 rows x
 16 KB contiguous, as a repacked weight would be), on 1, 2 and 4 splits at 3 and 4 stages; and a plain grid-stride
 read (``_stream_kernel``: 4 or 8 programs an SM, no TMA) of exactly each preset's one-token expert bytes, all and
 GEMM1's alone, against the floor the bench uses (bytes at the 1 GiB ``torch.sum`` read rate).
+
+``--fused``: both GEMMs as one persistent launch (``fused_decode.py``). First every build (runs per GEMM1 column
+block, warps and register cap, stages, activations quantized in GEMM1's loop or by items of their own) and launch
+(programs an SM, lag) on DeepSeek-V3 at one token; then the
+fastest few on every preset at 1, 2 and 16 tokens (and 1 with the shared expert's slot), beside the op and
+``experts_fp8`` split as the op splits. Each fused time comes with whether its output has the same bits as
+``experts_fp8`` split the same way on the same tiles.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections import defaultdict
@@ -42,6 +50,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fused_decode import fused_experts_fp8  # noqa: E402
 
 from moefuse.bench import timing  # noqa: E402
 from moefuse.bench.experts import _routing  # noqa: E402
@@ -271,14 +281,102 @@ def layer_timelines(device: torch.device) -> list[dict[str, Any]]:
     return rows
 
 
+# The fused kernel's builds and launches swept on DeepSeek-V3 at one token: runs of GEMM1's H per column block
+# (56 steps: 8, 4 or 2 steps an item), (warps, register cap), stages; programs an SM, and the lag (None: GEMM1 first).
+FUSED_SPLITS = (7, 14, 28)
+FUSED_BUILDS = ((4, None), (8, None), (8, 128))
+FUSED_STAGES = (3, 4)
+FUSED_PER_SM = (1, 2, 3)
+FUSED_LAGS = (1, None)
+FUSED_PREQUANT = (False, True)
+
+
+def fused_sweep(device: torch.device, read_tbps: float, save: Callable[[dict[str, Any]], None],
+                keep: int = 4) -> None:
+    """The fused kernel against the op: every configuration on DeepSeek-V3 at one token, then the ``keep`` fastest
+    on every preset and token count; ``save`` gets the results so far after the sweep and after each preset."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    gen = torch.Generator(device).manual_seed(3)
+
+    def shapes(name: str) -> list[tuple[int, int]]:
+        cfg = preset(name)
+        return [(1, cfg.top_k), (2, cfg.top_k), (16, cfg.top_k)] + (
+            [(1, cfg.top_k + 1)] if cfg.num_shared_experts else [])
+
+    def run(name: str, shape_list: Sequence[tuple[int, int]], configs_: Sequence[dict[str, Any]]) -> list[dict]:
+        cfg = preset(name)
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        w1, w2 = random_fp8(E, 2 * I, H, device), random_fp8(E, H, I, device)
+        bytes_per_expert = sum(w.values[0].numel() + w.scales[0].numel() * 4 for w in (w1, w2))
+        rows = []
+        for M, K in shape_list:
+            x = torch.randn(M, H, device=device, generator=gen).bfloat16()
+            block_m = plan_block_m(M, w1, K, torch.bfloat16)
+            sets = timing.rotations(M * K * bytes_per_expert)
+            plans = [moe_dispatch(_routing(M, E, K, device, gen)[1], E, block_m) for _ in range(sets)]
+            touched = sum(int(torch.unique(p.tile_expert[p.tile_expert >= 0]).numel()) for p in plans) / sets
+            tiles = configs.pick(M, E, H, I, K, tile_dtype(w1, torch.bfloat16), block_m=block_m)
+            outs = [torch.empty(p.num_rows, H, dtype=torch.bfloat16, device=device) for p in plans]
+            split = default_split_k(M * K, I, device)
+            op: list[Callable[[], object]] = [lambda p=p, o=o: moe_experts(x, w1, w2, p, out=o)
+                                              for p, o in zip(plans, outs)]
+            split_op: list[Callable[[], object]] = [
+                lambda p=p, o=o: experts_fp8(x, w1, w2, p, o, tiles.gemm1, tiles.gemm2, split_k=split)
+                for p, o in zip(plans, outs)]
+            base = {"model": name, "M": M, "slots": K, "block_m": block_m,
+                    "read_floor_us": touched * bytes_per_expert / (read_tbps * 1e12) * 1e6,
+                    "op_us": timing.time_or_none(op), "split_op_us": timing.time_or_none(split_op), "op_split": split}
+            for c in configs_:
+                calls = [lambda p=p, o=o, c=c: fused_experts_fp8(
+                    x, w1, w2, p, o, split=c["split"], lag=p.tile_expert.numel() if c["lag"] is None else c["lag"],
+                    programs=c["per_sm"] * sms, block_n2=128, num_warps=c["warps"], num_stages=c["stages"],
+                    maxnreg=c["maxnreg"], prequant=c["prequant"]) for p, o in zip(plans, outs)]
+                us = timing.time_or_none(calls)
+                want = torch.empty_like(outs[0])
+                experts_fp8(x, w1, w2, plans[0], want, tiles.gemm1, dataclasses.replace(tiles.gemm2, block_n=128),
+                            split_k=c["split"])
+                calls[0]()
+                n = int(plans[0].expert_offsets[-1])
+                steps_per_run = triton.cdiv(triton.cdiv(H, 128), c["split"])
+                rows.append({**base, **c, "fused_us": us, "same_bits": bool(torch.equal(outs[0][:n], want[:n])),
+                             "gemm1_item_kb": 2 * 128 * 128 * steps_per_run / 1024, "gemm2_item_kb": 128 * I / 1024})
+                print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
+        del w1, w2
+        torch.cuda.empty_cache()
+        return rows
+
+    every = [{"split": split, "warps": warps, "maxnreg": maxnreg, "stages": stages, "prequant": prequant,
+              "per_sm": per_sm, "lag": lag}
+             for split in FUSED_SPLITS for warps, maxnreg in FUSED_BUILDS for stages in FUSED_STAGES
+             for prequant in FUSED_PREQUANT for per_sm in FUSED_PER_SM for lag in FUSED_LAGS]
+    sweep = run("deepseek-v3", [(1, preset("deepseek-v3").top_k)], every)
+    save({"sweep": sweep})
+    timed = sorted((r for r in sweep if r["fused_us"] is not None), key=lambda r: r["fused_us"])
+    best = [{k: r[k] for k in every[0]} for r in timed[:keep]]
+    presets: list[dict[str, Any]] = []
+    for name in PRESETS:
+        presets += run(name, shapes(name), best)
+        save({"sweep": sweep, "presets": presets})
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path)
     parser.add_argument("--layer", action="store_true", help="the fp8 layers' one-token timelines too")
     parser.add_argument("--read", action="store_true", help="only GEMM1's boxes streamed with no arithmetic")
+    parser.add_argument("--fused", action="store_true", help="only the one-launch kernel over both GEMMs")
     args = parser.parse_args()
     device = torch.device("cuda")
     ceilings = timing.measure_ceilings(gemm=False)
+    if args.fused:
+        def save(results: dict[str, Any]) -> None:
+            if args.json:
+                args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                                 "triton": triton.__version__, "read_tbps": ceilings.read_tbps,
+                                                 **results}, indent=1))
+
+        fused_sweep(device, ceilings.read_tbps, save)
+        return 0
     if args.read:
         rows = read_pattern(device, ceilings.read_tbps)
         sizes = read_sizes(device, ceilings.read_tbps)

@@ -4,6 +4,7 @@
     python scripts/sass.py experts [--preset NAME ...] [--dtype bf16 fp32] [--check]
     python scripts/sass.py mxfp4-ws [--check]
     python scripts/sass.py persistent [--check]
+    python scripts/sass.py fused [--check]
 
 ``router``: per model config and rows per program (BLOCK_M from ``launch_config`` at M = 8192, and 1): SASS
 instructions (NOPs and the out-of-line slow paths after the last EXIT left out), instructions per row, SHFL and
@@ -363,6 +364,34 @@ def compile_persistent_gemm(gemm: int, has_limit: bool, dtype: str = "bf16", dyn
     return compile_gluon(p._persistent_kernel, types, constexprs, p.MAXNREG)
 
 
+def compile_fused_decode(split: int, num_warps: int, num_stages: int, maxnreg: Optional[int], prequant: bool,
+                         block_m: int = 16):
+    """Issue 40's one-launch fp8 decode kernel (``scripts/fused_decode.py``) as ``fused_experts_fp8`` launches it
+    on sm_90 for the presets' widths (multiples of 128): TMA weight boxes of 128 x 128, bf16 activations and output,
+    GEMM2 on 128 output columns an item."""
+    import fused_decode
+
+    fn = fused_decode._fused_decode_kernel
+    constexprs = {"HAS_LIMIT": False, "EMULATE_RTNE": False, "OUT_RTNE": False, "BLOCK_M": block_m, "BLOCK_N2": 128,
+                  "SPLIT": split, "SWAP": block_m < experts_fp8.WGMMA_MIN_ROWS, "PREQUANT": prequant,
+                  "USE_PDL": True, **{name: 1 for name in ("stride_hk", "stride_s1k", "stride_s2k", "stride_on")}}
+    box = "tensordesc<fp8e4nv[128, 128]>"
+    types = {"hidden_ptr": "*bf16", "out_ptr": "*bf16", "inter_ptr": "*fp8e4nv", "aq_ptr": "*fp8e4nv",
+             "w1s_ptr": "*fp32", "w2s_ptr": "*fp32", "is_ptr": "*fp32", "as_ptr": "*fp32", "part_ptr": "*fp32",
+             "limit": "fp32", "w1_desc": box, "w2_desc": box}
+    signature = {name: types.get(name, "*i32" if name.endswith("_ptr") else "i32")
+                 for name in fn.arg_names if name not in constexprs}
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    # as a launch specializes them: pointers, strides and the widths I and H divisible by 16
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in signature.items()
+             if ty.startswith("*") or (ty == "i32" and (name.startswith("stride_") or name in ("I", "H")))}
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    options: dict[str, Any] = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=SM90, options=options)
+
+
 def compiled_stats(where: str, problems: list[str], build: Callable[[], Any]) -> Optional[tuple[str, dict, int]]:
     """``build()``'s kernel: its SASS, ``sass_stats`` and shared memory bytes, or None when it does not compile.
     A compile error, or more shared memory than a Hopper block may have, goes into ``problems``."""
@@ -488,6 +517,32 @@ def persistent(args: argparse.Namespace) -> list[str]:
     return problems
 
 
+def fused(args: argparse.Namespace) -> list[str]:
+    """The fused decode kernel's builds that ``fp8_decode_probe.py --fused`` times, at the most stages it takes
+    (the most shared memory): per runs of GEMM1's K, (warps, register cap) and where the activations are quantized."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import fp8_decode_probe as probe
+
+    problems = []
+    print(f"{'split':>5s} {'warps':>5s} {'maxnreg':>7s} {'prequant':>8s} {'stages':>6s} {'smem':>6s} {'regs':>4s} "
+          f"{'stack':>5s} {'HMMA':>5s} {'HGMMA':>5s} {'GEMM1 step':>10s}")
+    stages = max(probe.FUSED_STAGES)
+    for split in probe.FUSED_SPLITS:
+        for warps, maxnreg in probe.FUSED_BUILDS:
+            for prequant in probe.FUSED_PREQUANT:
+                where = f"fused decode, split {split}, {warps} warps, maxnreg {maxnreg}, prequant {prequant}"
+                result = compiled_stats(where, problems,
+                                        lambda: compile_fused_decode(split, warps, stages, maxnreg, prequant))
+                if result is None:
+                    continue
+                text, s, smem = result
+                # GEMM1's loop: the shortest backward branch's body with mma.sync in it, per warp
+                print(f"{split:5d} {warps:5d} {str(maxnreg):>7s} {str(prequant):>8s} {stages:6d} {smem:6d} "
+                      f"{s['regs']:4d} {s['stack']:5d} {s['hmma']:5d} {s['hgmma']:5d} "
+                      f"{main_loop_instructions(text, shortest_with='HMMA'):10d}", flush=True)
+    return problems
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="kernel", required=True)
@@ -501,12 +556,14 @@ def main() -> int:
                                 "block-scale e4m3 weights with bf16 activations")
     p_ws = sub.add_parser("mxfp4-ws", help="the warp-specialized MXFP4 GEMMs (Gluon), per tile height")
     p_persistent = sub.add_parser("persistent", help="the persistent prefill GEMMs (Gluon), bf16, fp16 and fp8")
-    for p in (p_router, p_experts, p_ws, p_persistent):
+    p_fused = sub.add_parser("fused", help="issue 40's one-launch fp8 decode kernel (scripts/fused_decode.py)")
+    for p in (p_router, p_experts, p_ws, p_persistent, p_fused):
         p.add_argument("--check", action="store_true", help="exit 1 on a kernel that would fail on an H200")
     args = parser.parse_args()
     if _runtime.interpreting():
         parser.error("TRITON_INTERPRET is set: the kernels must be compiled, not interpreted")
-    problems = {"router": router, "experts": experts, "mxfp4-ws": mxfp4_ws, "persistent": persistent}[args.kernel](args)
+    problems = {"router": router, "experts": experts, "mxfp4-ws": mxfp4_ws, "persistent": persistent,
+                "fused": fused}[args.kernel](args)
     for problem in problems:
         print(f"PROBLEM: {problem}")
     return 1 if args.check and problems else 0

@@ -44,3 +44,9 @@ def test_persistent_kernels_fit_sm90():
     """The persistent prefill GEMMs (``experts/persistent.py``, Gluon): bf16 and fp16, with and without the clamp,
     none spills."""
     run_check("persistent")
+
+
+def test_fused_decode_probe_builds_fit_sm90():
+    """Issue 40's one-launch decode kernel (``scripts/fused_decode.py``): every build its probe times compiles for
+    sm_90 within a block's shared memory (a GPU session should spend its time timing them, not finding this out)."""
+    run_check("fused")

@@ -1,0 +1,120 @@
+"""``scripts/fused_decode.py`` (issue 40's candidate: both fp8 GEMMs at decode in one persistent launch): the same
+bits as ``experts_fp8`` split the same way, within the fp8 tolerance of the float64 spec emulation, and its
+arguments checked before any launch.
+
+Under the interpreter the programs run one after another, so the first takes every item in order and no GEMM2 item
+ever waits; on a GPU they run at once, the waits and the split's last arriver happen for real, and the same
+comparison holds (the bits do not depend on which program arrives last).
+"""
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from conftest import DEVICE
+from tolerances import experts_tolerance
+
+from moefuse.dispatch import moe_dispatch
+from moefuse.experts import configs, plan_block_m
+from moefuse.experts.fp8.kernels import experts_fp8
+from moefuse.experts.reference import moe_experts_fp8_torch
+from moefuse.formats import BlockFP8, tile_dtype
+from moefuse.testing import rel_error, rms_rel_error
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "fused_decode.py"
+spec = importlib.util.spec_from_file_location("fused_decode", SCRIPT)
+fused = importlib.util.module_from_spec(spec)
+sys.modules["fused_decode"] = fused
+spec.loader.exec_module(fused)
+_item_at = fused._item_at
+
+
+def _case(E, H, I, M, K, gen, dtype=torch.bfloat16, dropped=0):
+    w1 = BlockFP8.quantize((torch.randn(E, 2 * I, H, generator=gen) / H**0.5).to(DEVICE))
+    w2 = BlockFP8.quantize((torch.randn(E, H, I, generator=gen) / I**0.5).to(DEVICE))
+    x = torch.randn(M, H, generator=gen).to(DEVICE, dtype)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(M)]).int()
+    ids.view(-1)[torch.randperm(M * K, generator=gen)[:dropped]] = -1
+    plan = moe_dispatch(ids.to(DEVICE), E, plan_block_m(M, w1, K, dtype))
+    return x, w1, w2, plan
+
+
+# (E, H, I, M, K, split, lag, block_n2, programs, dtype, -1 slots, clamp, prequant): one token and a few; splits
+# whose runs are uneven or empty (H = 384: 3 steps in 2 or 4 runs); GEMM2 after each tile or after all of GEMM1;
+# fp16; the activations quantized in GEMM1's loop or by items of their own (prequant)
+CASES = [
+    (4, 256, 256, 1, 2, 2, 1, 128, 3, torch.bfloat16, 0, None, False),
+    (4, 256, 256, 1, 2, 2, 1, 128, 3, torch.bfloat16, 0, None, True),
+    (6, 384, 128, 1, 3, 4, 0, 64, 2, torch.bfloat16, 0, 7.0, True),
+    (5, 384, 256, 3, 2, 2, 2, 128, 4, torch.float16, 1, None, False),
+    (3, 128, 128, 2, 3, 1, 10, 64, 1, torch.bfloat16, 2, None, True),
+]
+
+
+@pytest.mark.parametrize("E,H,I,M,K,split,lag,block_n2,programs,dtype,dropped,limit,prequant", CASES)
+def test_same_bits_as_the_split_op(E, H, I, M, K, split, lag, block_n2, programs, dtype, dropped, limit, prequant,
+                                   gen):
+    x, w1, w2, plan = _case(E, H, I, M, K, gen, dtype, dropped)
+    n = int(plan.expert_offsets[-1])
+    tiles = configs.pick(M, E, H, I, K, tile_dtype(w1, dtype), block_m=plan.block_m)
+    gemm2 = dataclasses.replace(tiles.gemm2, block_n=block_n2)  # the op's tile width: on the same tiles, the same sums
+    want = torch.full((plan.num_rows, H), float("nan"), dtype=dtype, device=DEVICE)
+    experts_fp8(x, w1, w2, plan, want, tiles.gemm1, gemm2, limit, split_k=split)
+    got = torch.full_like(want, float("nan"))
+    fused.fused_experts_fp8(x, w1, w2, plan, got, split=split, lag=lag, programs=programs, block_n2=block_n2,
+                            prequant=prequant, swiglu_limit=limit)
+    assert torch.equal(got[:n], want[:n])
+    assert got[n:].isnan().all(), "a row past the plan's valid ones was written"
+    ref = moe_experts_fp8_torch(x, w1, w2, plan, swiglu_limit=limit, dtype=torch.float64,
+                                out=torch.zeros(plan.num_rows, H, dtype=torch.float64, device=DEVICE))[:n]
+    max_err, rms_err = experts_tolerance("fp8", plan.block_m)
+    assert rel_error(got[:n], ref) < max_err and rms_rel_error(got[:n], ref) < rms_err
+
+
+@triton.jit
+def _order_kernel(gemm1_ptr, tile_ptr, sub_ptr, total, num_tiles, lag, g1n, g2n, BLOCK: tl.constexpr):
+    items = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    gemm1, tile, sub = _item_at(items, num_tiles, lag, g1n, g2n)
+    tl.store(gemm1_ptr + items, gemm1.to(tl.int32), mask=items < total)
+    tl.store(tile_ptr + items, tile, mask=items < total)
+    tl.store(sub_ptr + items, sub, mask=items < total)
+
+
+@pytest.mark.parametrize("num_tiles,g1n,g2n", [(1, 3, 2), (5, 4, 3), (9, 32, 56)])
+def test_item_order_takes_each_item_once_and_gemm1_of_a_tile_first(num_tiles, g1n, g2n):
+    """``_item_at`` over all items: every (GEMM, tile, index) once, and each GEMM2 item after all of its tile's
+    GEMM1 items, for lags from 0 past the tile count."""
+    total = num_tiles * (g1n + g2n)
+    for lag in (0, 1, 2, num_tiles, num_tiles + 3):
+        gemm1, tile, sub = (torch.empty(total, dtype=torch.int32, device=DEVICE) for _ in range(3))
+        _order_kernel[(triton.cdiv(total, 64),)](gemm1, tile, sub, total, num_tiles, lag, g1n, g2n, BLOCK=64)
+        order = list(zip(gemm1.tolist(), tile.tolist(), sub.tolist()))
+        assert sorted(order) == sorted([(1, t, s) for t in range(num_tiles) for s in range(g1n)]
+                                       + [(0, t, s) for t in range(num_tiles) for s in range(g2n)]), lag
+        gemm1_done = [0] * num_tiles
+        for is_gemm1, t, _ in order:
+            if is_gemm1:
+                gemm1_done[t] += 1
+            else:
+                assert gemm1_done[t] == g1n, f"lag {lag}: a GEMM2 item of tile {t} before its tile's GEMM1"
+
+
+@pytest.mark.parametrize("kwargs,message", [({"split": 0}, "split"), ({"lag": -1}, "lag"),
+                                             ({"programs": 0}, "programs"), ({"block_n2": 32}, "block_n2")])
+def test_bad_arguments_raise_before_launch(kwargs, message, gen):
+    x, w1, w2, plan = _case(2, 128, 128, 1, 1, gen)
+    out = torch.empty(plan.num_rows, 128, dtype=torch.bfloat16, device=DEVICE)
+    args = {"split": 1, "lag": 1, "programs": 1, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        fused.fused_experts_fp8(x, w1, w2, plan, out, **args)
+
+
+def test_widths_not_multiples_of_128_are_refused(gen):
+    x, w1, w2, plan = _case(2, 160, 128, 1, 1, gen)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        fused.fused_experts_fp8(x, w1, w2, plan, torch.empty(plan.num_rows, 160, device=DEVICE), split=1, lag=0,
+                                programs=1)

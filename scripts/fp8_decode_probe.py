@@ -27,8 +27,8 @@ read (``_stream_kernel``: 4 or 8 programs an SM, no TMA) of exactly each preset'
 GEMM1's alone, against the floor the bench uses (bytes at the 1 GiB ``torch.sum`` read rate).
 
 ``--fused``: both GEMMs as one persistent launch (``fused_decode.py``). First every build (runs per GEMM1 column
-block, warps and register cap, stages, activations quantized in GEMM1's loop or by items of their own) and launch
-(programs an SM, lag) on DeepSeek-V3 at one token; then the
+block, warps and register cap, stages, activations quantized in GEMM1's loop or by items of their own, the next
+item's first lines prefetched or not) and launch (programs an SM, lag) on DeepSeek-V3 at one token; then the
 fastest few on every preset at 1, 2 and 16 tokens (and 1 with the shared expert's slot), beside the op and
 ``experts_fp8`` split as the op splits. Each fused time comes with whether its output has the same bits as
 ``experts_fp8`` split the same way on the same tiles.
@@ -282,13 +282,16 @@ def layer_timelines(device: torch.device) -> list[dict[str, Any]]:
 
 
 # The fused kernel's builds and launches swept on DeepSeek-V3 at one token: runs of GEMM1's H per column block
-# (56 steps: 8, 4 or 2 steps an item), (warps, register cap), stages; programs an SM, and the lag (None: GEMM1 first).
+# (56 steps: 8, 4 or 2 steps an item), (warps, register cap), stages (3: two programs an SM fit in shared memory, as
+# the op's split GEMM1 takes), the activations' quantization, the next item's prefetch; programs an SM, and the lag
+# (None: GEMM1 first).
 FUSED_SPLITS = (7, 14, 28)
 FUSED_BUILDS = ((4, None), (8, None), (8, 128))
-FUSED_STAGES = (3, 4)
+FUSED_STAGES = (3,)
+FUSED_PREQUANT = (False, True)
+FUSED_PREFETCH = (False, True)
 FUSED_PER_SM = (1, 2, 3)
 FUSED_LAGS = (1, None)
-FUSED_PREQUANT = (False, True)
 
 
 def fused_sweep(device: torch.device, read_tbps: float, save: Callable[[dict[str, Any]], None],
@@ -330,7 +333,7 @@ def fused_sweep(device: torch.device, read_tbps: float, save: Callable[[dict[str
                 calls = [lambda p=p, o=o, c=c: fused_experts_fp8(
                     x, w1, w2, p, o, split=c["split"], lag=p.tile_expert.numel() if c["lag"] is None else c["lag"],
                     programs=c["per_sm"] * sms, block_n2=128, num_warps=c["warps"], num_stages=c["stages"],
-                    maxnreg=c["maxnreg"], prequant=c["prequant"]) for p, o in zip(plans, outs)]
+                    maxnreg=c["maxnreg"], prequant=c["prequant"], prefetch=c["prefetch"]) for p, o in zip(plans, outs)]
                 us = timing.time_or_none(calls)
                 want = torch.empty_like(outs[0])
                 experts_fp8(x, w1, w2, plans[0], want, tiles.gemm1, dataclasses.replace(tiles.gemm2, block_n=128),
@@ -346,9 +349,10 @@ def fused_sweep(device: torch.device, read_tbps: float, save: Callable[[dict[str
         return rows
 
     every = [{"split": split, "warps": warps, "maxnreg": maxnreg, "stages": stages, "prequant": prequant,
-              "per_sm": per_sm, "lag": lag}
+              "prefetch": prefetch, "per_sm": per_sm, "lag": lag}
              for split in FUSED_SPLITS for warps, maxnreg in FUSED_BUILDS for stages in FUSED_STAGES
-             for prequant in FUSED_PREQUANT for per_sm in FUSED_PER_SM for lag in FUSED_LAGS]
+             for prequant in FUSED_PREQUANT for prefetch in FUSED_PREFETCH for per_sm in FUSED_PER_SM
+             for lag in FUSED_LAGS]
     sweep = run("deepseek-v3", [(1, preset("deepseek-v3").top_k)], every)
     save({"sweep": sweep})
     timed = sorted((r for r in sweep if r["fused_us"] is not None), key=lambda r: r["fused_us"])

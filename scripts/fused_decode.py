@@ -1,6 +1,6 @@
 """Issue 40's candidate: fp8 block-scale experts at decode as one persistent kernel over both GEMMs.
 
-Today ``experts_fp8`` launches GEMM1 (split along K at a token or two) and then GEMM2: at one token each GEMM is
+``experts_fp8`` launches GEMM1 (split along K at a token or two) and then GEMM2: at one token each GEMM is
 one wave of programs that each stream a large piece of the weights, so each has its own ramp and its own tail
 (the slowest program), and GEMM2's weights start streaming only as GEMM1's programs end. Here one launch of a
 few programs per SM takes small work items from one counter, in one order:
@@ -10,8 +10,7 @@ few programs per SM takes small work items from one counter, in one order:
   them in run order and runs the epilogue (SwiGLU, the intermediate's quantization), as ``_gemm1_fp8_kernel``
   split along K does; then it counts the column block as done for its tile;
 - a **GEMM2 item** is one tile's ``BLOCK_N2`` output columns over all of I; it first waits until its tile's
-  column blocks are all done, then runs as ``_gemm2_fp8_kernel`` (swapped operands under 64 rows).
-
+  column blocks are all done, then runs as ``_gemm2_fp8_kernel`` (swapped operands under 64 rows);
 - with ``prequant``, a **quantization item** per tile and run: the tile's rows gathered and quantized over the
   run's steps (SPEC §5, as ``_quantize_rows_kernel`` does at prefill), ahead of every GEMM item; a GEMM1 item then
   waits for its tile and run's, and loads e4m3 rows instead of quantizing in its loop (once per column block).
@@ -59,6 +58,40 @@ def _item_at(item, num_tiles, lag, g1n, g2n):
                                                    num_tiles - lag + k // g2n))
     sub = tl.where(in_head, item % g1n, tl.where(in_mid, tl.where(r < g1n, r, r - g1n), k % g2n))
     return gemm1, tile, sub
+
+
+PREFETCH_STEPS = tl.constexpr(2)  # the steps a 3-stage pipeline's prologue loads at once
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask the L2 for the 128-byte lines at ``ptrs``, to be kept there first (evict_last); nothing comes back."""
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_item(item, first, total, num_tiles, lag, g1n, g2n, w1_ptr, w2_ptr, tile_expert_ptr, I, H,
+                   stride_w1n, stride_w2n, BLOCK_N2: tl.constexpr, SPLIT: tl.constexpr):
+    """The weight rows of the first ``PREFETCH_STEPS`` steps of work item ``item`` (GEMM1: its gate and up rows;
+    GEMM2: its output columns' rows), asked of the L2 while this program works on the item before: a ``tl`` program
+    issues an item's first loads only once the item before has ended, so each item would start on a DRAM latency."""
+    if (item >= first) & (item < total):
+        gemm1, tile, sub = _item_at(item - first, num_tiles, lag, g1n, g2n)
+        expert = tl.load(tile_expert_ptr + tile)
+        if expert >= 0:
+            steps = tl.arange(0, PREFETCH_STEPS) * 128
+            if gemm1:
+                r = tl.arange(0, 256)  # 128 gate rows, then their 128 up rows
+                per = tl.cdiv(tl.cdiv(H, 128), SPLIT) * 128
+                k = (sub % SPLIT) * per + steps
+                k = tl.where(k < tl.minimum((sub % SPLIT) * per + per, H), k, 0)  # past the run: a line of the row
+                gate_up_rows = expert * 2 * I + (sub // SPLIT) * 128 + r % 128 + (r // 128) * I
+                _prefetch_l2(w1_ptr + gate_up_rows.to(tl.int64)[:, None] * stride_w1n + k[None, :])
+            else:  # (names of their own: a name bound in both branches must have one shape)
+                down_rows = expert * H + sub * BLOCK_N2 + tl.arange(0, BLOCK_N2)
+                k = tl.where(steps < I, steps, 0)
+                _prefetch_l2(w2_ptr + down_rows.to(tl.int64)[:, None] * stride_w2n + k[None, :])
 
 
 @triton.jit
@@ -193,13 +226,14 @@ def _gemm2_item(tile, sub, inter_ptr, is_ptr, w2_desc, w2s_ptr, out_ptr, done_pt
 
 @triton.jit(do_not_specialize=["num_tiles", "num_rows", "lag"])
 def _fused_decode_kernel(
-    hidden_ptr, aq_ptr, as_ptr, w1_desc, w1s_ptr, w2_desc, w2s_ptr, inter_ptr, is_ptr, out_ptr,
+    hidden_ptr, aq_ptr, as_ptr, w1_ptr, w1_desc, w1s_ptr, w2_ptr, w2_desc, w2s_ptr, inter_ptr, is_ptr, out_ptr,
     tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, p2e_ptr, part_ptr, counters_ptr,
     num_tiles, I, H, top_k, limit, num_rows, lag,
-    stride_hm, stride_hk, stride_aqm, stride_asm, stride_s1e, stride_s1n, stride_s1k, stride_s2e, stride_s2n,
-    stride_s2k, stride_im, stride_ism, stride_om, stride_on,
+    stride_hm, stride_hk, stride_aqm, stride_asm, stride_w1n, stride_s1e, stride_s1n, stride_s1k, stride_w2n,
+    stride_s2e, stride_s2n, stride_s2k, stride_im, stride_ism, stride_om, stride_on,
     HAS_LIMIT: tl.constexpr, EMULATE_RTNE: tl.constexpr, OUT_RTNE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N2: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, PREQUANT: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N2: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, PREQUANT: tl.constexpr,
+    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Both GEMMs of ``experts_fp8`` over the plan's tiles, items taken from ``counters_ptr[0]``. ``counters_ptr``
     (int32, zeroed per launch): [0] the next item, then per tile and GEMM1 column block the runs arrived, per tile
@@ -217,6 +251,9 @@ def _fused_decode_kernel(
     item = tl.atomic_add(counters_ptr, 1)
     while item < total:
         ahead = tl.atomic_add(counters_ptr, 1)  # the next item, taken now so that its latency overlaps this one
+        if PREFETCH:
+            _prefetch_item(ahead, first, total, num_tiles, lag, g1n, g2n, w1_ptr, w2_ptr, tile_expert_ptr, I, H,
+                           stride_w1n, stride_w2n, BLOCK_N2, SPLIT)
         if item < first:
             _quantize_item(item // SPLIT, item % SPLIT, hidden_ptr, aq_ptr, as_ptr, quantized_ptr, tile_expert_ptr,
                            tile_row_start_ptr, expert_offsets_ptr, p2e_ptr, H, top_k, stride_hm, stride_hk,
@@ -239,15 +276,20 @@ def _fused_decode_kernel(
 def fused_experts_fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, plan: DispatchPlan,
                       out: torch.Tensor, *, split: int, lag: int, programs: int, block_n2: int = 128,
                       num_warps: int = 4, num_stages: int = 3, maxnreg: Optional[int] = None,
-                      prequant: bool = False, swiglu_limit: Optional[float] = None, use_pdl: bool = False) -> None:
+                      prequant: bool = False, prefetch: bool = False, swiglu_limit: Optional[float] = None,
+                      use_pdl: bool = False) -> None:
     """``experts_fp8(hidden, gate_up, down, plan, out, ..., split_k=split)`` as one launch of ``programs``
     programs (the order and items above). Widths: H and I multiples of 128 (every preset's), contiguous weights.
     ``maxnreg``: a register cap per thread (8 warps at 128 registers fit two programs an SM; left to Triton, about
     200 compiled for sm_90). ``prequant``: the activations quantized once per tile and run by items of their own
-    ahead of GEMM1's, which then wait for them, instead of in each GEMM1 item's loop (once per column block)."""
+    ahead of GEMM1's, which then wait for them, instead of in each GEMM1 item's loop (once per column block).
+    ``prefetch``: each program asks the L2 for its next item's first weight lines as it starts an item (inline PTX:
+    compiled kernels only)."""
     I, H = down.shape[2], hidden.shape[1]
     if I % BLOCK or H % BLOCK:
         raise ValueError(f"the fused decode kernel takes H and I multiples of 128, got H={H}, I={I}")
+    if prefetch and _runtime.interpreting():
+        raise ValueError("prefetch is inline PTX: the interpreter cannot run it")
     if block_n2 not in (64, 128):
         raise ValueError(f"block_n2 must be 64 or 128, got {block_n2}")
     for name, value in (("split", split), ("lag", lag), ("programs", programs)):
@@ -271,14 +313,15 @@ def fused_experts_fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, p
         launch["maxnreg"] = maxnreg
     emulate = _runtime.interpreting()  # the interpreter's casts round wrongly: rounded on the bits first
     _fused_decode_kernel[(programs,)](
-        hidden, aq, a_scales, desc1, gate_up.scales, desc2, down.scales, inter, inter_scales, out,
+        hidden, aq, a_scales, gate_up.values, desc1, gate_up.scales, down.values, desc2, down.scales, inter,
+        inter_scales, out,
         plan.tile_expert, plan.tile_row_start, plan.expert_offsets, plan.permuted_to_expanded, part, counters,
         num_tiles, I, H, plan.top_k, 0.0 if swiglu_limit is None else float(swiglu_limit), plan.num_rows, lag,
-        hidden.stride(0), hidden.stride(1), aq.stride(0), a_scales.stride(0), *gate_up.scales.stride(),
-        *down.scales.stride(),
-        inter.stride(0), inter_scales.stride(0), *out.stride(),
+        hidden.stride(0), hidden.stride(1), aq.stride(0), a_scales.stride(0), gate_up.values.stride(1),
+        *gate_up.scales.stride(), down.values.stride(1), *down.scales.stride(), inter.stride(0),
+        inter_scales.stride(0), *out.stride(),
         HAS_LIMIT=swiglu_limit is not None, EMULATE_RTNE=emulate, OUT_RTNE=emulate and out.dtype == torch.bfloat16,
-        BLOCK_M=plan.block_m,
-        BLOCK_N2=block_n2, SPLIT=split, SWAP=plan.block_m < WGMMA_MIN_ROWS, PREQUANT=prequant, USE_PDL=use_pdl,
+        BLOCK_M=plan.block_m, BLOCK_N2=block_n2, SPLIT=split, SWAP=plan.block_m < WGMMA_MIN_ROWS, PREQUANT=prequant,
+        PREFETCH=prefetch, USE_PDL=use_pdl,
         num_warps=num_warps, num_stages=num_stages, **launch,
     )

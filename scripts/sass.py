@@ -365,7 +365,7 @@ def compile_persistent_gemm(gemm: int, has_limit: bool, dtype: str = "bf16", dyn
 
 
 def compile_fused_decode(split: int, num_warps: int, num_stages: int, maxnreg: Optional[int], prequant: bool,
-                         block_m: int = 16):
+                         prefetch: bool, block_m: int = 16):
     """Issue 40's one-launch fp8 decode kernel (``scripts/fused_decode.py``) as ``fused_experts_fp8`` launches it
     on sm_90 for the presets' widths (multiples of 128): TMA weight boxes of 128 x 128, bf16 activations and output,
     GEMM2 on 128 output columns an item."""
@@ -374,9 +374,11 @@ def compile_fused_decode(split: int, num_warps: int, num_stages: int, maxnreg: O
     fn = fused_decode._fused_decode_kernel
     constexprs = {"HAS_LIMIT": False, "EMULATE_RTNE": False, "OUT_RTNE": False, "BLOCK_M": block_m, "BLOCK_N2": 128,
                   "SPLIT": split, "SWAP": block_m < experts_fp8.WGMMA_MIN_ROWS, "PREQUANT": prequant,
-                  "USE_PDL": True, **{name: 1 for name in ("stride_hk", "stride_s1k", "stride_s2k", "stride_on")}}
+                  "PREFETCH": prefetch, "USE_PDL": True,
+                  **{name: 1 for name in ("stride_hk", "stride_s1k", "stride_s2k", "stride_on")}}
     box = "tensordesc<fp8e4nv[128, 128]>"
     types = {"hidden_ptr": "*bf16", "out_ptr": "*bf16", "inter_ptr": "*fp8e4nv", "aq_ptr": "*fp8e4nv",
+             "w1_ptr": "*fp8e4nv", "w2_ptr": "*fp8e4nv",
              "w1s_ptr": "*fp32", "w2s_ptr": "*fp32", "is_ptr": "*fp32", "as_ptr": "*fp32", "part_ptr": "*fp32",
              "limit": "fp32", "w1_desc": box, "w2_desc": box}
     signature = {name: types.get(name, "*i32" if name.endswith("_ptr") else "i32")
@@ -519,26 +521,28 @@ def persistent(args: argparse.Namespace) -> list[str]:
 
 def fused(args: argparse.Namespace) -> list[str]:
     """The fused decode kernel's builds that ``fp8_decode_probe.py --fused`` times, at the most stages it takes
-    (the most shared memory): per runs of GEMM1's K, (warps, register cap) and where the activations are quantized."""
+    (the most shared memory): per (warps, register cap), where the activations are quantized and whether the next
+    item's lines are prefetched; at 14 runs of GEMM1's K (the run count changes only integer arithmetic)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import fp8_decode_probe as probe
 
     problems = []
-    print(f"{'split':>5s} {'warps':>5s} {'maxnreg':>7s} {'prequant':>8s} {'stages':>6s} {'smem':>6s} {'regs':>4s} "
-          f"{'stack':>5s} {'HMMA':>5s} {'HGMMA':>5s} {'GEMM1 step':>10s}")
+    print(f"{'warps':>5s} {'maxnreg':>7s} {'prequant':>8s} {'prefetch':>8s} {'stages':>6s} {'smem':>6s} "
+          f"{'regs':>4s} {'stack':>5s} {'HMMA':>5s} {'HGMMA':>5s} {'GEMM1 step':>10s}")
     stages = max(probe.FUSED_STAGES)
-    for split in probe.FUSED_SPLITS:
-        for warps, maxnreg in probe.FUSED_BUILDS:
-            for prequant in probe.FUSED_PREQUANT:
-                where = f"fused decode, split {split}, {warps} warps, maxnreg {maxnreg}, prequant {prequant}"
+    for warps, maxnreg in probe.FUSED_BUILDS:
+        for prequant in probe.FUSED_PREQUANT:
+            for prefetch in probe.FUSED_PREFETCH:
+                where = (f"fused decode, {warps} warps, maxnreg {maxnreg}, prequant {prequant}, "
+                         f"prefetch {prefetch}")
                 result = compiled_stats(where, problems,
-                                        lambda: compile_fused_decode(split, warps, stages, maxnreg, prequant))
+                                        lambda: compile_fused_decode(14, warps, stages, maxnreg, prequant, prefetch))
                 if result is None:
                     continue
                 text, s, smem = result
                 # GEMM1's loop: the shortest backward branch's body with mma.sync in it, per warp
-                print(f"{split:5d} {warps:5d} {str(maxnreg):>7s} {str(prequant):>8s} {stages:6d} {smem:6d} "
-                      f"{s['regs']:4d} {s['stack']:5d} {s['hmma']:5d} {s['hgmma']:5d} "
+                print(f"{warps:5d} {str(maxnreg):>7s} {str(prequant):>8s} {str(prefetch):>8s} {stages:6d} "
+                      f"{smem:6d} {s['regs']:4d} {s['stack']:5d} {s['hmma']:5d} {s['hgmma']:5d} "
                       f"{main_loop_instructions(text, shortest_with='HMMA'):10d}", flush=True)
     return problems
 

@@ -55,9 +55,14 @@ CASES = [
 ]
 
 
+# the next item's lines prefetched (inline PTX): compiled kernels only
+PREFETCH = [False, pytest.param(True, marks=pytest.mark.skipif(DEVICE.type != "cuda", reason="inline PTX"))]
+
+
+@pytest.mark.parametrize("prefetch", PREFETCH, ids=["", "prefetch"])
 @pytest.mark.parametrize("E,H,I,M,K,split,lag,block_n2,programs,dtype,dropped,limit,prequant", CASES)
 def test_same_bits_as_the_split_op(E, H, I, M, K, split, lag, block_n2, programs, dtype, dropped, limit, prequant,
-                                   gen):
+                                   prefetch, gen):
     x, w1, w2, plan = _case(E, H, I, M, K, gen, dtype, dropped)
     n = int(plan.expert_offsets[-1])
     tiles = configs.pick(M, E, H, I, K, tile_dtype(w1, dtype), block_m=plan.block_m)
@@ -66,7 +71,7 @@ def test_same_bits_as_the_split_op(E, H, I, M, K, split, lag, block_n2, programs
     experts_fp8(x, w1, w2, plan, want, tiles.gemm1, gemm2, limit, split_k=split)
     got = torch.full_like(want, float("nan"))
     fused.fused_experts_fp8(x, w1, w2, plan, got, split=split, lag=lag, programs=programs, block_n2=block_n2,
-                            prequant=prequant, swiglu_limit=limit)
+                            prequant=prequant, prefetch=prefetch, swiglu_limit=limit)
     assert torch.equal(got[:n], want[:n])
     assert got[n:].isnan().all(), "a row past the plan's valid ones was written"
     ref = moe_experts_fp8_torch(x, w1, w2, plan, swiglu_limit=limit, dtype=torch.float64,
@@ -103,8 +108,12 @@ def test_item_order_takes_each_item_once_and_gemm1_of_a_tile_first(num_tiles, g1
                 assert gemm1_done[t] == g1n, f"lag {lag}: a GEMM2 item of tile {t} before its tile's GEMM1"
 
 
-@pytest.mark.parametrize("kwargs,message", [({"split": 0}, "split"), ({"lag": -1}, "lag"),
-                                             ({"programs": 0}, "programs"), ({"block_n2": 32}, "block_n2")])
+BAD = [({"split": 0}, "split"), ({"lag": -1}, "lag"), ({"programs": 0}, "programs"), ({"block_n2": 32}, "block_n2")]
+if DEVICE.type != "cuda":
+    BAD.append(({"prefetch": True}, "prefetch"))
+
+
+@pytest.mark.parametrize("kwargs,message", BAD)
 def test_bad_arguments_raise_before_launch(kwargs, message, gen):
     x, w1, w2, plan = _case(2, 128, 128, 1, 1, gen)
     out = torch.empty(plan.num_rows, 128, dtype=torch.bfloat16, device=DEVICE)

@@ -1,6 +1,6 @@
 """Issue 40's probe: fp8 block-scale experts at decode (1, 2 and 16 tokens) with GEMM1 split along K, on one GPU.
 
-    python scripts/fp8_decode_probe.py [--json FILE] [--layer]
+    python scripts/fp8_decode_probe.py [--json FILE] [--layer] [--read | --fused | --ncu-target PRESET]
 
 At one token GEMM1 has one program per tile and 128 intermediate columns: 8 · 16 = 128 programs for DeepSeek-V3,
 96 for DeepSeek-V4-Flash, 88 for GLM-4.5-Air, 48 for Qwen3-30B-A3B, against 132 SMs; 144, 112 and 99 with the
@@ -32,6 +32,10 @@ item's first lines prefetched or not) and launch (programs an SM, lag) on DeepSe
 fastest few on every preset at 1, 2 and 16 tokens (and 1 with the shared expert's slot), beside the op and
 ``experts_fp8`` split as the op splits. Each fused time comes with whether its output has the same bits as
 ``experts_fp8`` split the same way on the same tiles.
+
+``--ncu-target PRESET [--fused-config JSON]``: that preset's one-token experts (and the fused kernel in that
+configuration) once each inside an NVTX range "meas", for Nsight Compute; ``scripts/ncu_table.py`` makes a table
+of what it measured.
 """
 from __future__ import annotations
 
@@ -363,14 +367,49 @@ def fused_sweep(device: torch.device, read_tbps: float, save: Callable[[dict[str
         save({"sweep": sweep, "presets": presets})
 
 
+def ncu_target(device: torch.device, name: str, fused: dict[str, Any] | None) -> None:
+    """Preset ``name``'s experts at one token for Nsight Compute: each call once to compile, then the op once (and the
+    fused kernel once, with the configuration ``fused`` as ``fused_sweep`` writes it) inside an NVTX range "meas"
+    (``ncu --nvtx --nvtx-include "meas/"`` profiles just those kernels)."""
+    cfg = preset(name)
+    E, H, I, K = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
+    w1, w2 = random_fp8(E, 2 * I, H, device), random_fp8(E, H, I, device)
+    gen = torch.Generator(device).manual_seed(4)
+    x = torch.randn(1, H, device=device, generator=gen).bfloat16()
+    plan = moe_dispatch(_routing(1, E, K, device, gen)[1], E, plan_block_m(1, w1, K, torch.bfloat16))
+    out = torch.empty(plan.num_rows, H, dtype=torch.bfloat16, device=device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    calls: list[Callable[[], object]] = [lambda: moe_experts(x, w1, w2, plan, out=out)]
+    if fused is not None:
+        calls.append(lambda: fused_experts_fp8(
+            x, w1, w2, plan, out, split=fused["split"], lag=plan.tile_expert.numel() if fused["lag"] is None
+            else fused["lag"], programs=fused["per_sm"] * sms, num_warps=fused["warps"],
+            num_stages=fused["stages"], maxnreg=fused["maxnreg"], prequant=fused["prequant"],
+            prefetch=fused["prefetch"]))
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    for call in calls:
+        torch.cuda.nvtx.range_push("meas")
+        call()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path)
     parser.add_argument("--layer", action="store_true", help="the fp8 layers' one-token timelines too")
     parser.add_argument("--read", action="store_true", help="only GEMM1's boxes streamed with no arithmetic")
     parser.add_argument("--fused", action="store_true", help="only the one-launch kernel over both GEMMs")
+    parser.add_argument("--ncu-target", choices=PRESETS, help="only one preset's one-token calls, for ncu")
+    parser.add_argument("--fused-config", type=json.loads, help="with --ncu-target: the fused kernel too, this "
+                        "configuration (JSON, the keys of a --fused row)")
     args = parser.parse_args()
     device = torch.device("cuda")
+    if args.ncu_target:
+        ncu_target(device, args.ncu_target, args.fused_config)
+        return 0
     ceilings = timing.measure_ceilings(gemm=False)
     if args.fused:
         def save(results: dict[str, Any]) -> None:

@@ -1,6 +1,6 @@
 """Issue 40's probe: fp8 block-scale experts at decode (1, 2 and 16 tokens) with GEMM1 split along K, on one GPU.
 
-    python scripts/fp8_decode_probe.py [--json FILE] [--layer] [--read | --fused | --ncu-target PRESET]
+    python scripts/fp8_decode_probe.py [--json FILE] [--layer] [--read | --fused | --layer-prefetch | --ncu-target P]
 
 At one token GEMM1 has one program per tile and 128 intermediate columns: 8 · 16 = 128 programs for DeepSeek-V3,
 96 for DeepSeek-V4-Flash, 88 for GLM-4.5-Air, 48 for Qwen3-30B-A3B, against 132 SMs; 144, 112 and 99 with the
@@ -33,6 +33,9 @@ fastest few on every preset at 1, 2 and 16 tokens (and 1 with the shared expert'
 ``experts_fp8`` split as the op splits. Each fused time comes with whether its output has the same bits as
 ``experts_fp8`` split the same way on the same tiles.
 
+``--layer-prefetch``: the fp8 layer at one token with its shared expert's weights asked of the L2 as the call
+starts (``l2_prefetch.py``), per preset with a shared expert, against the layer as it is.
+
 ``--ncu-target PRESET [--fused-config JSON]``: that preset's one-token experts (and the fused kernel in that
 configuration) once each inside an NVTX range "meas", for Nsight Compute; ``scripts/ncu_table.py`` makes a table
 of what it measured.
@@ -56,6 +59,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fused_decode import fused_experts_fp8  # noqa: E402
+from l2_prefetch import with_shared_prefetch  # noqa: E402
 
 from moefuse.bench import timing  # noqa: E402
 from moefuse.bench.experts import _routing  # noqa: E402
@@ -367,6 +371,43 @@ def fused_sweep(device: torch.device, read_tbps: float, save: Callable[[dict[str
         save({"sweep": sweep, "presets": presets})
 
 
+# The layer-level prefetch's launches: (programs, evict_last); 0 programs: the layer as it is.
+PREFETCH_LAUNCHES = ((0, False), (8, False), (8, True), (32, False), (32, True))
+
+
+def layer_prefetch(device: torch.device) -> list[dict[str, Any]]:
+    """The fp8 layer at one token with its shared expert's weights asked of the L2 as the call starts
+    (``l2_prefetch.with_shared_prefetch``), per preset with a shared expert and launch. Three layers of the preset
+    are called in turn, so that a layer's shared expert is not still in the L2 from its last call (the other two
+    stream about 800 MB between); µs per layer call under graph replay, and whether the outputs keep their bits."""
+    rows = []
+    for name in PRESETS:
+        cfg = preset(name)
+        if not cfg.num_shared_experts:
+            continue
+        # no self-captured graphs: one captured before the wrapper would replay without it (the timing captures)
+        layers = [MoELayer(cfg, device=device, quant="fp8", graph_max_tokens=0).init_random_(seed=seed)
+                  for seed in range(3)]
+        x = torch.randn(1, cfg.hidden_size, device=device, dtype=torch.bfloat16)
+        if not layers[0].uses_shared_slot(1, device):
+            print(name, "runs its shared expert on the side stream at one token: not a slot, skipped", flush=True)
+            continue
+        with torch.no_grad():
+            want = [layer(x) for layer in layers]
+            for programs, evict_last in PREFETCH_LAUNCHES:
+                undo = [with_shared_prefetch(layer, programs, evict_last) for layer in layers] if programs else []
+                us = timing.graph_time_us([lambda layer=layer: layer(x) for layer in layers], replays=30)
+                same = all(torch.equal(layer(x), w) for layer, w in zip(layers, want))
+                for u in undo:
+                    u()
+                rows.append({"model": name, "programs": programs, "evict_last": evict_last, "layer_us": us,
+                             "same_bits": same})
+                print(rows[-1], flush=True)
+        del layers
+        torch.cuda.empty_cache()
+    return rows
+
+
 def ncu_target(device: torch.device, name: str, fused: dict[str, Any] | None) -> None:
     """Preset ``name``'s experts at one token for Nsight Compute: each call once to compile, then the op once (and the
     fused kernel once, with the configuration ``fused`` as ``fused_sweep`` writes it) inside an NVTX range "meas"
@@ -402,6 +443,8 @@ def main() -> int:
     parser.add_argument("--layer", action="store_true", help="the fp8 layers' one-token timelines too")
     parser.add_argument("--read", action="store_true", help="only GEMM1's boxes streamed with no arithmetic")
     parser.add_argument("--fused", action="store_true", help="only the one-launch kernel over both GEMMs")
+    parser.add_argument("--layer-prefetch", action="store_true",
+                        help="only the fp8 layer at one token with its shared expert's weights prefetched into L2")
     parser.add_argument("--ncu-target", choices=PRESETS, help="only one preset's one-token calls, for ncu")
     parser.add_argument("--fused-config", type=json.loads, help="with --ncu-target: the fused kernel too, this "
                         "configuration (JSON, the keys of a --fused row)")
@@ -409,6 +452,12 @@ def main() -> int:
     device = torch.device("cuda")
     if args.ncu_target:
         ncu_target(device, args.ncu_target, args.fused_config)
+        return 0
+    if args.layer_prefetch:
+        prefetched = layer_prefetch(device)
+        if args.json:
+            args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                             "layer_prefetch": prefetched}, indent=1))
         return 0
     ceilings = timing.measure_ceilings(gemm=False)
     if args.fused:

@@ -522,7 +522,8 @@ def persistent(args: argparse.Namespace) -> list[str]:
 def fused(args: argparse.Namespace) -> list[str]:
     """The fused decode kernel's builds that ``fp8_decode_probe.py --fused`` times, at the most stages it takes
     (the most shared memory): per (warps, register cap), where the activations are quantized and whether the next
-    item's lines are prefetched; at 14 runs of GEMM1's K (the run count changes only integer arithmetic)."""
+    item's lines are prefetched; at 14 runs of GEMM1's K (the run count changes only integer arithmetic). Then
+    ``l2_prefetch.py``'s kernel, with either eviction hint."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import fp8_decode_probe as probe
 
@@ -544,6 +545,14 @@ def fused(args: argparse.Namespace) -> list[str]:
                 print(f"{warps:5d} {str(maxnreg):>7s} {str(prequant):>8s} {str(prefetch):>8s} {stages:6d} "
                       f"{smem:6d} {s['regs']:4d} {s['stack']:5d} {s['hmma']:5d} {s['hgmma']:5d} "
                       f"{main_loop_instructions(text, shortest_with='HMMA'):10d}", flush=True)
+    import l2_prefetch  # the layer-level probe's prefetch kernel (``fp8_decode_probe.py --layer-prefetch``)
+
+    for evict_last in (False, True):
+        where = f"L2 prefetch kernel, evict_last {evict_last}"
+        fn = l2_prefetch._l2_prefetch_kernel
+        if compiled_stats(where, problems, lambda: compile_sm90(
+                fn, {"ptr": "*u8", "nbytes": "i64"}, {"LINES": 512, "EVICT_LAST": evict_last}, 4)) is not None:
+            print(f"{where}: compiles", flush=True)
     return problems
 
 

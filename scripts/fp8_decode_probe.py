@@ -27,11 +27,12 @@ read (``_stream_kernel``: 4 or 8 programs an SM, no TMA) of exactly each preset'
 GEMM1's alone, against the floor the bench uses (bytes at the 1 GiB ``torch.sum`` read rate).
 
 ``--fused``: both GEMMs as one persistent launch (``fused_decode.py``). First every build (runs per GEMM1 column
-block, warps and register cap, stages, activations quantized in GEMM1's loop or by items of their own, the next
-item's first lines prefetched or not) and launch (programs an SM, lag) on DeepSeek-V3 at one token; then the
-fastest few on every preset at 1, 2 and 16 tokens (and 1 with the shared expert's slot), beside the op and
-``experts_fp8`` split as the op splits. Each fused time comes with whether its output has the same bits as
-``experts_fp8`` split the same way on the same tiles.
+block, warps and register cap, stages, activations quantized in GEMM1's loop or by items of their own, GEMM1 on
+mma.sync or on swapped wgmma, the next item's first lines prefetched or not) and launch (programs an SM, lag) on
+DeepSeek-V3 at one token; then the fastest few on every preset at 1, 2 and 16 tokens (and 1 with the shared
+expert's slot), beside the op and ``experts_fp8`` split as the op splits. Each fused time comes with whether its
+output has the same bits as ``experts_fp8`` split the same way on the same tiles (on mma.sync it must), and its
+largest relative difference.
 
 ``--layer-prefetch``: the fp8 layer at one token with its shared expert's weights asked of the L2 as the call
 starts (``l2_prefetch.py``), per preset with a shared expert, against the layer as it is.
@@ -290,13 +291,14 @@ def layer_timelines(device: torch.device) -> list[dict[str, Any]]:
 
 
 # The fused kernel's builds and launches swept on DeepSeek-V3 at one token: runs of GEMM1's H per column block
-# (56 steps: 8, 4 or 2 steps an item), (warps, register cap), stages (3: two programs an SM fit in shared memory, as
-# the op's split GEMM1 takes), the activations' quantization, the next item's prefetch; programs an SM, and the lag
-# (None: GEMM1 first).
-FUSED_SPLITS = (7, 14, 28)
+# (56 steps: 8 or 4 steps an item), (warps, register cap), stages (3: two programs an SM fit in shared memory, as
+# the op's split GEMM1 takes), GEMM1's arithmetic (prequant, swap1: activations quantized in the loop on mma.sync,
+# by items of their own on mma.sync, or by items of their own on swapped wgmma), the next item's prefetch; programs
+# an SM, and the lag (None: GEMM1 first).
+FUSED_SPLITS = (7, 14)
 FUSED_BUILDS = ((4, None), (8, None), (8, 128))
 FUSED_STAGES = (3,)
-FUSED_PREQUANT = (False, True)
+FUSED_GEMM1 = ((False, False), (True, False), (True, True))
 FUSED_PREFETCH = (False, True)
 FUSED_PER_SM = (1, 2, 3)
 FUSED_LAGS = (1, None)
@@ -341,7 +343,8 @@ def fused_sweep(device: torch.device, read_tbps: float, save: Callable[[dict[str
                 calls = [lambda p=p, o=o, c=c: fused_experts_fp8(
                     x, w1, w2, p, o, split=c["split"], lag=p.tile_expert.numel() if c["lag"] is None else c["lag"],
                     programs=c["per_sm"] * sms, block_n2=128, num_warps=c["warps"], num_stages=c["stages"],
-                    maxnreg=c["maxnreg"], prequant=c["prequant"], prefetch=c["prefetch"]) for p, o in zip(plans, outs)]
+                    maxnreg=c["maxnreg"], prequant=c["prequant"], prefetch=c["prefetch"], swap1=c["swap1"])
+                    for p, o in zip(plans, outs)]
                 us = timing.time_or_none(calls)
                 want = torch.empty_like(outs[0])
                 experts_fp8(x, w1, w2, plans[0], want, tiles.gemm1, dataclasses.replace(tiles.gemm2, block_n=128),
@@ -350,6 +353,7 @@ def fused_sweep(device: torch.device, read_tbps: float, save: Callable[[dict[str
                 n = int(plans[0].expert_offsets[-1])
                 steps_per_run = triton.cdiv(triton.cdiv(H, 128), c["split"])
                 rows.append({**base, **c, "fused_us": us, "same_bits": bool(torch.equal(outs[0][:n], want[:n])),
+                             "rel_diff": rel_error(outs[0][:n], want[:n]),
                              "gemm1_item_kb": 2 * 128 * 128 * steps_per_run / 1024, "gemm2_item_kb": 128 * I / 1024})
                 print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
         del w1, w2
@@ -357,9 +361,9 @@ def fused_sweep(device: torch.device, read_tbps: float, save: Callable[[dict[str
         return rows
 
     every = [{"split": split, "warps": warps, "maxnreg": maxnreg, "stages": stages, "prequant": prequant,
-              "prefetch": prefetch, "per_sm": per_sm, "lag": lag}
+              "swap1": swap1, "prefetch": prefetch, "per_sm": per_sm, "lag": lag}
              for split in FUSED_SPLITS for warps, maxnreg in FUSED_BUILDS for stages in FUSED_STAGES
-             for prequant in FUSED_PREQUANT for prefetch in FUSED_PREFETCH for per_sm in FUSED_PER_SM
+             for prequant, swap1 in FUSED_GEMM1 for prefetch in FUSED_PREFETCH for per_sm in FUSED_PER_SM
              for lag in FUSED_LAGS]
     sweep = run("deepseek-v3", [(1, preset("deepseek-v3").top_k)], every)
     save({"sweep": sweep})
@@ -426,7 +430,7 @@ def ncu_target(device: torch.device, name: str, fused: dict[str, Any] | None) ->
             x, w1, w2, plan, out, split=fused["split"], lag=plan.tile_expert.numel() if fused["lag"] is None
             else fused["lag"], programs=fused["per_sm"] * sms, num_warps=fused["warps"],
             num_stages=fused["stages"], maxnreg=fused["maxnreg"], prequant=fused["prequant"],
-            prefetch=fused["prefetch"]))
+            prefetch=fused["prefetch"], swap1=fused["swap1"]))
     for call in calls:
         call()
     torch.cuda.synchronize()

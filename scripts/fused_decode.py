@@ -133,9 +133,12 @@ def _gemm1_item(tile, sub, hidden_ptr, aq_ptr, as_ptr, quantized_ptr, w1_desc, w
                 arrivals_ptr, done_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, p2e_ptr, I, H, top_k,
                 limit, num_rows, stride_hm, stride_hk, stride_aqm, stride_asm, stride_se, stride_sn, stride_sk,
                 stride_im, stride_ism, HAS_LIMIT: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_M: tl.constexpr,
-                SPLIT: tl.constexpr, PREQUANT: tl.constexpr):
+                SPLIT: tl.constexpr, PREQUANT: tl.constexpr, SWAP1: tl.constexpr):
     """Column block ``sub // SPLIT`` of ``tile``, run ``sub % SPLIT`` of its 128-deep steps along H. ``PREQUANT``:
-    the run's activations come quantized by a ``_quantize_item`` (waited for), else they are quantized here."""
+    the run's activations come quantized by a ``_quantize_item`` (waited for), else they are quantized here.
+    ``SWAP1``: each step on wgmma with the weights as its M (as GEMM2 under 64 rows), whose fp8 sums keep fewer bits
+    than mma.sync's fp32 ones: not SPEC §5's numerics, measured against them (twenty-fifth session: DeepSeek-V3's
+    GEMM1 1.7 µs faster split, the error 4.6-8.4e-3 against 2.7-3.1e-3)."""
     expert = tl.load(tile_expert_ptr + tile)
     if expert >= 0:
         col_block = sub // SPLIT
@@ -150,8 +153,12 @@ def _gemm1_item(tile, sub, hidden_ptr, aq_ptr, as_ptr, quantized_ptr, w1_desc, w
         s_expert = w1s_ptr + expert.to(tl.int64) * stride_se
         gate_scale_ptrs = s_expert + col_block * stride_sn
         up_scale_ptrs = s_expert + (I // 128 + col_block) * stride_sn  # I is a multiple of 128 (the launcher's check)
-        acc_gate = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
+        if SWAP1:  # transposed: the weights are the MMA's M, the rows its N
+            acc_gate = tl.zeros([128, BLOCK_M], dtype=tl.float32)
+            acc_up = tl.zeros([128, BLOCK_M], dtype=tl.float32)
+        else:
+            acc_gate = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
         if PREQUANT:
             _wait(quantized_ptr + tile * SPLIT + run, 1)
         for k0 in range(k_begin, tl.minimum(k_begin + per, H), 128):
@@ -164,8 +171,11 @@ def _gemm1_item(tile, sub, hidden_ptr, aq_ptr, as_ptr, quantized_ptr, w1_desc, w
             gate_w = w1_desc.load([gate_row, k0]).T
             up_w = w1_desc.load([gate_row + I, k0]).T
             step = k0 // 128 * stride_sk
-            acc_gate = _add_scaled(acc_gate, a, gate_w, a_scale, tl.load(gate_scale_ptrs + step), True, False)
-            acc_up = _add_scaled(acc_up, a, up_w, a_scale, tl.load(up_scale_ptrs + step), True, False)
+            acc_gate = _add_scaled(acc_gate, a, gate_w, a_scale, tl.load(gate_scale_ptrs + step), True, SWAP1)
+            acc_up = _add_scaled(acc_up, a, up_w, a_scale, tl.load(up_scale_ptrs + step), True, SWAP1)
+        if SWAP1:
+            acc_gate = acc_gate.T
+            acc_up = acc_up.T
         last = True
         if SPLIT > 1:
             done = row_ok[:, None] & col_ok[None, :]
@@ -233,7 +243,7 @@ def _fused_decode_kernel(
     stride_s2e, stride_s2n, stride_s2k, stride_im, stride_ism, stride_om, stride_on,
     HAS_LIMIT: tl.constexpr, EMULATE_RTNE: tl.constexpr, OUT_RTNE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N2: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, PREQUANT: tl.constexpr,
-    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    SWAP1: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Both GEMMs of ``experts_fp8`` over the plan's tiles, items taken from ``counters_ptr[0]``. ``counters_ptr``
     (int32, zeroed per launch): [0] the next item, then per tile and GEMM1 column block the runs arrived, per tile
@@ -265,7 +275,7 @@ def _fused_decode_kernel(
                             is_ptr, part_ptr, arrivals_ptr, done_ptr, tile_expert_ptr, tile_row_start_ptr,
                             expert_offsets_ptr, p2e_ptr, I, H, top_k, limit, num_rows, stride_hm, stride_hk,
                             stride_aqm, stride_asm, stride_s1e, stride_s1n, stride_s1k, stride_im, stride_ism,
-                            HAS_LIMIT, EMULATE_RTNE, BLOCK_M, SPLIT, PREQUANT)
+                            HAS_LIMIT, EMULATE_RTNE, BLOCK_M, SPLIT, PREQUANT, SWAP1)
             else:
                 _gemm2_item(tile, sub, inter_ptr, is_ptr, w2_desc, w2s_ptr, out_ptr, done_ptr, tile_expert_ptr,
                             tile_row_start_ptr, expert_offsets_ptr, I, H, stride_im, stride_ism, stride_s2e,
@@ -276,15 +286,16 @@ def _fused_decode_kernel(
 def fused_experts_fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, plan: DispatchPlan,
                       out: torch.Tensor, *, split: int, lag: int, programs: int, block_n2: int = 128,
                       num_warps: int = 4, num_stages: int = 3, maxnreg: Optional[int] = None,
-                      prequant: bool = False, prefetch: bool = False, swiglu_limit: Optional[float] = None,
-                      use_pdl: bool = False) -> None:
+                      prequant: bool = False, prefetch: bool = False, swap1: bool = False,
+                      swiglu_limit: Optional[float] = None, use_pdl: bool = False) -> None:
     """``experts_fp8(hidden, gate_up, down, plan, out, ..., split_k=split)`` as one launch of ``programs``
     programs (the order and items above). Widths: H and I multiples of 128 (every preset's), contiguous weights.
     ``maxnreg``: a register cap per thread (8 warps at 128 registers fit two programs an SM; left to Triton, about
     200 compiled for sm_90). ``prequant``: the activations quantized once per tile and run by items of their own
     ahead of GEMM1's, which then wait for them, instead of in each GEMM1 item's loop (once per column block).
     ``prefetch``: each program asks the L2 for its next item's first weight lines as it starts an item (inline PTX:
-    compiled kernels only)."""
+    compiled kernels only). ``swap1``: GEMM1 on wgmma with swapped operands (``_gemm1_item``'s ``SWAP1``; other
+    numerics, so not the split op's bits)."""
     I, H = down.shape[2], hidden.shape[1]
     if I % BLOCK or H % BLOCK:
         raise ValueError(f"the fused decode kernel takes H and I multiples of 128, got H={H}, I={I}")
@@ -322,6 +333,7 @@ def fused_experts_fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, p
         inter_scales.stride(0), *out.stride(),
         HAS_LIMIT=swiglu_limit is not None, EMULATE_RTNE=emulate, OUT_RTNE=emulate and out.dtype == torch.bfloat16,
         BLOCK_M=plan.block_m, BLOCK_N2=block_n2, SPLIT=split, SWAP=plan.block_m < WGMMA_MIN_ROWS, PREQUANT=prequant,
+        SWAP1=swap1,
         PREFETCH=prefetch, USE_PDL=use_pdl,
         num_warps=num_warps, num_stages=num_stages, **launch,
     )

@@ -365,7 +365,7 @@ def compile_persistent_gemm(gemm: int, has_limit: bool, dtype: str = "bf16", dyn
 
 
 def compile_fused_decode(split: int, num_warps: int, num_stages: int, maxnreg: Optional[int], prequant: bool,
-                         prefetch: bool, block_m: int = 16):
+                         swap1: bool, prefetch: bool, block_m: int = 16):
     """Issue 40's one-launch fp8 decode kernel (``scripts/fused_decode.py``) as ``fused_experts_fp8`` launches it
     on sm_90 for the presets' widths (multiples of 128): TMA weight boxes of 128 x 128, bf16 activations and output,
     GEMM2 on 128 output columns an item."""
@@ -374,7 +374,7 @@ def compile_fused_decode(split: int, num_warps: int, num_stages: int, maxnreg: O
     fn = fused_decode._fused_decode_kernel
     constexprs = {"HAS_LIMIT": False, "EMULATE_RTNE": False, "OUT_RTNE": False, "BLOCK_M": block_m, "BLOCK_N2": 128,
                   "SPLIT": split, "SWAP": block_m < experts_fp8.WGMMA_MIN_ROWS, "PREQUANT": prequant,
-                  "PREFETCH": prefetch, "USE_PDL": True,
+                  "SWAP1": swap1, "PREFETCH": prefetch, "USE_PDL": True,
                   **{name: 1 for name in ("stride_hk", "stride_s1k", "stride_s2k", "stride_on")}}
     box = "tensordesc<fp8e4nv[128, 128]>"
     types = {"hidden_ptr": "*bf16", "out_ptr": "*bf16", "inter_ptr": "*fp8e4nv", "aq_ptr": "*fp8e4nv",
@@ -521,30 +521,31 @@ def persistent(args: argparse.Namespace) -> list[str]:
 
 def fused(args: argparse.Namespace) -> list[str]:
     """The fused decode kernel's builds that ``fp8_decode_probe.py --fused`` times, at the most stages it takes
-    (the most shared memory): per (warps, register cap), where the activations are quantized and whether the next
-    item's lines are prefetched; at 14 runs of GEMM1's K (the run count changes only integer arithmetic). Then
-    ``l2_prefetch.py``'s kernel, with either eviction hint."""
+    (the most shared memory): per (warps, register cap), GEMM1's arithmetic (where the activations are quantized,
+    mma.sync or swapped wgmma) and whether the next item's lines are prefetched; at 14 runs of GEMM1's K (the run
+    count changes only integer arithmetic). Then ``l2_prefetch.py``'s kernel, with either eviction hint."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import fp8_decode_probe as probe
 
     problems = []
-    print(f"{'warps':>5s} {'maxnreg':>7s} {'prequant':>8s} {'prefetch':>8s} {'stages':>6s} {'smem':>6s} "
-          f"{'regs':>4s} {'stack':>5s} {'HMMA':>5s} {'HGMMA':>5s} {'GEMM1 step':>10s}")
+    print(f"{'warps':>5s} {'maxnreg':>7s} {'prequant':>8s} {'swap1':>5s} {'prefetch':>8s} {'stages':>6s} "
+          f"{'smem':>6s} {'regs':>4s} {'stack':>5s} {'HMMA':>5s} {'HGMMA':>5s} {'GEMM1 step':>10s}")
     stages = max(probe.FUSED_STAGES)
     for warps, maxnreg in probe.FUSED_BUILDS:
-        for prequant in probe.FUSED_PREQUANT:
+        for prequant, swap1 in probe.FUSED_GEMM1:
             for prefetch in probe.FUSED_PREFETCH:
-                where = (f"fused decode, {warps} warps, maxnreg {maxnreg}, prequant {prequant}, "
+                where = (f"fused decode, {warps} warps, maxnreg {maxnreg}, prequant {prequant}, swap1 {swap1}, "
                          f"prefetch {prefetch}")
-                result = compiled_stats(where, problems,
-                                        lambda: compile_fused_decode(14, warps, stages, maxnreg, prequant, prefetch))
+                result = compiled_stats(where, problems, lambda: compile_fused_decode(
+                    14, warps, stages, maxnreg, prequant, swap1, prefetch))
                 if result is None:
                     continue
                 text, s, smem = result
-                # GEMM1's loop: the shortest backward branch's body with mma.sync in it, per warp
-                print(f"{warps:5d} {str(maxnreg):>7s} {str(prequant):>8s} {str(prefetch):>8s} {stages:6d} "
-                      f"{smem:6d} {s['regs']:4d} {s['stack']:5d} {s['hmma']:5d} {s['hgmma']:5d} "
-                      f"{main_loop_instructions(text, shortest_with='HMMA'):10d}", flush=True)
+                # GEMM1's loop: the shortest backward branch's body with its MMA in it (mma.sync, or wgmma), a warp's
+                step = main_loop_instructions(text, shortest_with="GMMA" if swap1 else "HMMA")
+                print(f"{warps:5d} {str(maxnreg):>7s} {str(prequant):>8s} {str(swap1):>5s} {str(prefetch):>8s} "
+                      f"{stages:6d} {smem:6d} {s['regs']:4d} {s['stack']:5d} {s['hmma']:5d} {s['hgmma']:5d} "
+                      f"{step:10d}", flush=True)
     import l2_prefetch  # the layer-level probe's prefetch kernel (``fp8_decode_probe.py --layer-prefetch``)
 
     for evict_last in (False, True):

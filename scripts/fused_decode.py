@@ -95,11 +95,16 @@ def _prefetch_item(item, first, total, num_tiles, lag, g1n, g2n, w1_ptr, w2_ptr,
 
 
 @triton.jit
-def _wait(counter_ptr, target):
+def _wait(counter_ptr, target, COMPILED: tl.constexpr):
     """Spin until ``*counter_ptr`` reaches ``target`` (plain loads, not read-modify-writes, so that waiting programs
-    do not queue at the L2's atomic units), then acquire: loads after it see what the counted items stored."""
+    do not queue at the L2's atomic units), then acquire: loads after it see what the counted items stored.
+    ``COMPILED``: each retry after a ``nanosleep``, so that a waiting program leaves its SM's issue slots to the
+    program it may be waiting for (the interpreter, which cannot run PTX, never waits: its programs run in turn)."""
     seen = tl.load(counter_ptr, volatile=True)
     while seen < target:
+        if COMPILED:
+            tl.inline_asm_elementwise("nanosleep.u32 64;\n\tmov.u32 $0, 0;", "=r,r", [seen], dtype=tl.int32,
+                                      is_pure=False, pack=1)
         seen = tl.load(counter_ptr, volatile=True)
     tl.atomic_add(counter_ptr, 0, sem="acquire")
 
@@ -133,7 +138,7 @@ def _gemm1_item(tile, sub, hidden_ptr, aq_ptr, as_ptr, quantized_ptr, w1_desc, w
                 arrivals_ptr, done_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, p2e_ptr, I, H, top_k,
                 limit, num_rows, stride_hm, stride_hk, stride_aqm, stride_asm, stride_se, stride_sn, stride_sk,
                 stride_im, stride_ism, HAS_LIMIT: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_M: tl.constexpr,
-                SPLIT: tl.constexpr, PREQUANT: tl.constexpr, SWAP1: tl.constexpr):
+                SPLIT: tl.constexpr, PREQUANT: tl.constexpr, SWAP1: tl.constexpr, COMPILED: tl.constexpr):
     """Column block ``sub // SPLIT`` of ``tile``, run ``sub % SPLIT`` of its 128-deep steps along H. ``PREQUANT``:
     the run's activations come quantized by a ``_quantize_item`` (waited for), else they are quantized here.
     ``SWAP1``: each step on wgmma with the weights as its M (as GEMM2 under 64 rows), whose fp8 sums keep fewer bits
@@ -160,7 +165,7 @@ def _gemm1_item(tile, sub, hidden_ptr, aq_ptr, as_ptr, quantized_ptr, w1_desc, w
             acc_gate = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
             acc_up = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
         if PREQUANT:
-            _wait(quantized_ptr + tile * SPLIT + run, 1)
+            _wait(quantized_ptr + tile * SPLIT + run, 1, COMPILED)
         for k0 in range(k_begin, tl.minimum(k_begin + per, H), 128):
             if PREQUANT:  # past L1 (.cg): another program wrote these rows during this launch
                 a = tl.load(aq_ptr + a_rows[:, None] * stride_aqm + (k0 + ks)[None, :], cache_modifier=".cg")
@@ -207,11 +212,12 @@ def _gemm1_item(tile, sub, hidden_ptr, aq_ptr, as_ptr, quantized_ptr, w1_desc, w
 def _gemm2_item(tile, sub, inter_ptr, is_ptr, w2_desc, w2s_ptr, out_ptr, done_ptr,
                 tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, I, H,
                 stride_im, stride_ism, stride_se, stride_sn, stride_sk, stride_om, stride_on,
-                OUT_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N2: tl.constexpr, SWAP: tl.constexpr):
+                OUT_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N2: tl.constexpr, SWAP: tl.constexpr,
+                COMPILED: tl.constexpr):
     """Output columns ``sub · BLOCK_N2 ..`` of ``tile``, once GEMM1 has done all of the tile's column blocks."""
     expert = tl.load(tile_expert_ptr + tile)
     if expert >= 0:
-        _wait(done_ptr + tile, I // 128)
+        _wait(done_ptr + tile, I // 128, COMPILED)
         row_start, rows, row_ok, a_rows, cols, col_ok, wrapped = _tile_span(
             tile, sub, expert, H, tile_row_start_ptr, expert_offsets_ptr, BLOCK_M, BLOCK_N2)
         ks = tl.arange(0, 128)
@@ -243,7 +249,7 @@ def _fused_decode_kernel(
     stride_s2e, stride_s2n, stride_s2k, stride_im, stride_ism, stride_om, stride_on,
     HAS_LIMIT: tl.constexpr, EMULATE_RTNE: tl.constexpr, OUT_RTNE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N2: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, PREQUANT: tl.constexpr,
-    SWAP1: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    SWAP1: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr, COMPILED: tl.constexpr,
 ):
     """Both GEMMs of ``experts_fp8`` over the plan's tiles, items taken from ``counters_ptr[0]``. ``counters_ptr``
     (int32, zeroed per launch): [0] the next item, then per tile and GEMM1 column block the runs arrived, per tile
@@ -275,11 +281,12 @@ def _fused_decode_kernel(
                             is_ptr, part_ptr, arrivals_ptr, done_ptr, tile_expert_ptr, tile_row_start_ptr,
                             expert_offsets_ptr, p2e_ptr, I, H, top_k, limit, num_rows, stride_hm, stride_hk,
                             stride_aqm, stride_asm, stride_s1e, stride_s1n, stride_s1k, stride_im, stride_ism,
-                            HAS_LIMIT, EMULATE_RTNE, BLOCK_M, SPLIT, PREQUANT, SWAP1)
+                            HAS_LIMIT, EMULATE_RTNE, BLOCK_M, SPLIT, PREQUANT, SWAP1, COMPILED)
             else:
                 _gemm2_item(tile, sub, inter_ptr, is_ptr, w2_desc, w2s_ptr, out_ptr, done_ptr, tile_expert_ptr,
                             tile_row_start_ptr, expert_offsets_ptr, I, H, stride_im, stride_ism, stride_s2e,
-                            stride_s2n, stride_s2k, stride_om, stride_on, OUT_RTNE, BLOCK_M, BLOCK_N2, SWAP)
+                            stride_s2n, stride_s2k, stride_om, stride_on, OUT_RTNE, BLOCK_M, BLOCK_N2, SWAP,
+                            COMPILED)
         item = ahead
 
 
@@ -334,6 +341,6 @@ def fused_experts_fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, p
         HAS_LIMIT=swiglu_limit is not None, EMULATE_RTNE=emulate, OUT_RTNE=emulate and out.dtype == torch.bfloat16,
         BLOCK_M=plan.block_m, BLOCK_N2=block_n2, SPLIT=split, SWAP=plan.block_m < WGMMA_MIN_ROWS, PREQUANT=prequant,
         SWAP1=swap1,
-        PREFETCH=prefetch, USE_PDL=use_pdl,
+        PREFETCH=prefetch, USE_PDL=use_pdl, COMPILED=not emulate,
         num_warps=num_warps, num_stages=num_stages, **launch,
     )

@@ -374,7 +374,7 @@ def compile_fused_decode(split: int, num_warps: int, num_stages: int, maxnreg: O
     fn = fused_decode._fused_decode_kernel
     constexprs = {"HAS_LIMIT": False, "EMULATE_RTNE": False, "OUT_RTNE": False, "BLOCK_M": block_m, "BLOCK_N2": 128,
                   "SPLIT": split, "SWAP": block_m < experts_fp8.WGMMA_MIN_ROWS, "PREQUANT": prequant,
-                  "SWAP1": swap1, "PREFETCH": prefetch, "USE_PDL": True,
+                  "SWAP1": swap1, "PREFETCH": prefetch, "USE_PDL": True, "COMPILED": True,
                   **{name: 1 for name in ("stride_hk", "stride_s1k", "stride_s2k", "stride_on")}}
     box = "tensordesc<fp8e4nv[128, 128]>"
     types = {"hidden_ptr": "*bf16", "out_ptr": "*bf16", "inter_ptr": "*fp8e4nv", "aq_ptr": "*fp8e4nv",

@@ -94,18 +94,27 @@ def _prefetch_item(item, first, total, num_tiles, lag, g1n, g2n, w1_ptr, w2_ptr,
                 _prefetch_l2(w2_ptr + down_rows.to(tl.int64)[:, None] * stride_w2n + k[None, :])
 
 
+MAX_TRIES = tl.constexpr(1 << 18)  # a wait's loads of its counter before it gives up: about 0.3 s
+
+
 @triton.jit
-def _wait(counter_ptr, target, COMPILED: tl.constexpr):
+def _wait(counter_ptr, target, gave_up_ptr, COMPILED: tl.constexpr):
     """Spin until ``*counter_ptr`` reaches ``target`` (plain loads, not read-modify-writes, so that waiting programs
     do not queue at the L2's atomic units), then acquire: loads after it see what the counted items stored.
     ``COMPILED``: each retry after a ``nanosleep``, so that a waiting program leaves its SM's issue slots to the
-    program it may be waiting for (the interpreter, which cannot run PTX, never waits: its programs run in turn)."""
+    program it may be waiting for (the interpreter, which cannot run PTX, never waits: its programs run in turn).
+    A wait that is not over after ``MAX_TRIES`` loads (an order or count that is wrong: the waits of a right one take
+    microseconds) sets ``*gave_up_ptr`` and goes on, so that such a bug fails a test instead of hanging the GPU."""
     seen = tl.load(counter_ptr, volatile=True)
-    while seen < target:
+    tries = 0
+    while (seen < target) & (tries < MAX_TRIES):
         if COMPILED:
             tl.inline_asm_elementwise("nanosleep.u32 64;\n\tmov.u32 $0, 0;", "=r,r", [seen], dtype=tl.int32,
                                       is_pure=False, pack=1)
         seen = tl.load(counter_ptr, volatile=True)
+        tries += 1
+    if seen < target:
+        tl.atomic_xchg(gave_up_ptr, 1)
     tl.atomic_add(counter_ptr, 0, sem="acquire")
 
 
@@ -134,11 +143,12 @@ def _quantize_item(tile, run, hidden_ptr, aq_ptr, as_ptr, quantized_ptr, tile_ex
 
 
 @triton.jit
-def _gemm1_item(tile, sub, hidden_ptr, aq_ptr, as_ptr, quantized_ptr, w1_desc, w1s_ptr, inter_ptr, is_ptr, part_ptr,
-                arrivals_ptr, done_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, p2e_ptr, I, H, top_k,
-                limit, num_rows, stride_hm, stride_hk, stride_aqm, stride_asm, stride_se, stride_sn, stride_sk,
-                stride_im, stride_ism, HAS_LIMIT: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_M: tl.constexpr,
-                SPLIT: tl.constexpr, PREQUANT: tl.constexpr, SWAP1: tl.constexpr, COMPILED: tl.constexpr):
+def _gemm1_item(tile, sub, hidden_ptr, aq_ptr, as_ptr, quantized_ptr, gave_up_ptr, w1_desc, w1s_ptr, inter_ptr,
+                is_ptr, part_ptr, arrivals_ptr, done_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                p2e_ptr, I, H, top_k, limit, num_rows, stride_hm, stride_hk, stride_aqm, stride_asm, stride_se,
+                stride_sn, stride_sk, stride_im, stride_ism, HAS_LIMIT: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+                BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, PREQUANT: tl.constexpr, SWAP1: tl.constexpr,
+                COMPILED: tl.constexpr):
     """Column block ``sub // SPLIT`` of ``tile``, run ``sub % SPLIT`` of its 128-deep steps along H. ``PREQUANT``:
     the run's activations come quantized by a ``_quantize_item`` (waited for), else they are quantized here.
     ``SWAP1``: each step on wgmma with the weights as its M (as GEMM2 under 64 rows), whose fp8 sums keep fewer bits
@@ -165,7 +175,7 @@ def _gemm1_item(tile, sub, hidden_ptr, aq_ptr, as_ptr, quantized_ptr, w1_desc, w
             acc_gate = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
             acc_up = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
         if PREQUANT:
-            _wait(quantized_ptr + tile * SPLIT + run, 1, COMPILED)
+            _wait(quantized_ptr + tile * SPLIT + run, 1, gave_up_ptr, COMPILED)
         for k0 in range(k_begin, tl.minimum(k_begin + per, H), 128):
             if PREQUANT:  # past L1 (.cg): another program wrote these rows during this launch
                 a = tl.load(aq_ptr + a_rows[:, None] * stride_aqm + (k0 + ks)[None, :], cache_modifier=".cg")
@@ -209,7 +219,7 @@ def _gemm1_item(tile, sub, hidden_ptr, aq_ptr, as_ptr, quantized_ptr, w1_desc, w
 
 
 @triton.jit
-def _gemm2_item(tile, sub, inter_ptr, is_ptr, w2_desc, w2s_ptr, out_ptr, done_ptr,
+def _gemm2_item(tile, sub, inter_ptr, is_ptr, w2_desc, w2s_ptr, out_ptr, done_ptr, gave_up_ptr,
                 tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, I, H,
                 stride_im, stride_ism, stride_se, stride_sn, stride_sk, stride_om, stride_on,
                 OUT_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N2: tl.constexpr, SWAP: tl.constexpr,
@@ -217,7 +227,7 @@ def _gemm2_item(tile, sub, inter_ptr, is_ptr, w2_desc, w2s_ptr, out_ptr, done_pt
     """Output columns ``sub · BLOCK_N2 ..`` of ``tile``, once GEMM1 has done all of the tile's column blocks."""
     expert = tl.load(tile_expert_ptr + tile)
     if expert >= 0:
-        _wait(done_ptr + tile, I // 128, COMPILED)
+        _wait(done_ptr + tile, I // 128, gave_up_ptr, COMPILED)
         row_start, rows, row_ok, a_rows, cols, col_ok, wrapped = _tile_span(
             tile, sub, expert, H, tile_row_start_ptr, expert_offsets_ptr, BLOCK_M, BLOCK_N2)
         ks = tl.arange(0, 128)
@@ -253,7 +263,8 @@ def _fused_decode_kernel(
 ):
     """Both GEMMs of ``experts_fp8`` over the plan's tiles, items taken from ``counters_ptr[0]``. ``counters_ptr``
     (int32, zeroed per launch): [0] the next item, then per tile and GEMM1 column block the runs arrived, per tile
-    the column blocks done, and per tile and run the activations quantized (``PREQUANT``: those items come first)."""
+    the column blocks done, per tile and run the activations quantized (``PREQUANT``: those items come first), and
+    last whether a wait gave up (``_wait``)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the plan comes from dispatch
         tl.extra.cuda.gdc_launch_dependents()
@@ -262,6 +273,7 @@ def _fused_decode_kernel(
     arrivals_ptr = counters_ptr + 1
     done_ptr = arrivals_ptr + num_tiles * (I // 128)
     quantized_ptr = done_ptr + num_tiles
+    gave_up_ptr = quantized_ptr + num_tiles * SPLIT
     first = num_tiles * SPLIT if PREQUANT else 0  # the quantization items
     total = first + num_tiles * (g1n + g2n)
     item = tl.atomic_add(counters_ptr, 1)
@@ -277,16 +289,16 @@ def _fused_decode_kernel(
         else:
             gemm1, tile, sub = _item_at(item - first, num_tiles, lag, g1n, g2n)
             if gemm1:
-                _gemm1_item(tile, sub, hidden_ptr, aq_ptr, as_ptr, quantized_ptr, w1_desc, w1s_ptr, inter_ptr,
-                            is_ptr, part_ptr, arrivals_ptr, done_ptr, tile_expert_ptr, tile_row_start_ptr,
+                _gemm1_item(tile, sub, hidden_ptr, aq_ptr, as_ptr, quantized_ptr, gave_up_ptr, w1_desc, w1s_ptr,
+                            inter_ptr, is_ptr, part_ptr, arrivals_ptr, done_ptr, tile_expert_ptr, tile_row_start_ptr,
                             expert_offsets_ptr, p2e_ptr, I, H, top_k, limit, num_rows, stride_hm, stride_hk,
                             stride_aqm, stride_asm, stride_s1e, stride_s1n, stride_s1k, stride_im, stride_ism,
                             HAS_LIMIT, EMULATE_RTNE, BLOCK_M, SPLIT, PREQUANT, SWAP1, COMPILED)
             else:
-                _gemm2_item(tile, sub, inter_ptr, is_ptr, w2_desc, w2s_ptr, out_ptr, done_ptr, tile_expert_ptr,
-                            tile_row_start_ptr, expert_offsets_ptr, I, H, stride_im, stride_ism, stride_s2e,
-                            stride_s2n, stride_s2k, stride_om, stride_on, OUT_RTNE, BLOCK_M, BLOCK_N2, SWAP,
-                            COMPILED)
+                _gemm2_item(tile, sub, inter_ptr, is_ptr, w2_desc, w2s_ptr, out_ptr, done_ptr, gave_up_ptr,
+                            tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, I, H, stride_im, stride_ism,
+                            stride_s2e, stride_s2n, stride_s2k, stride_om, stride_on, OUT_RTNE, BLOCK_M, BLOCK_N2,
+                            SWAP, COMPILED)
         item = ahead
 
 
@@ -294,7 +306,7 @@ def fused_experts_fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, p
                       out: torch.Tensor, *, split: int, lag: int, programs: int, block_n2: int = 128,
                       num_warps: int = 4, num_stages: int = 3, maxnreg: Optional[int] = None,
                       prequant: bool = False, prefetch: bool = False, swap1: bool = False,
-                      swiglu_limit: Optional[float] = None, use_pdl: bool = False) -> None:
+                      swiglu_limit: Optional[float] = None, use_pdl: bool = False) -> Optional[torch.Tensor]:
     """``experts_fp8(hidden, gate_up, down, plan, out, ..., split_k=split)`` as one launch of ``programs``
     programs (the order and items above). Widths: H and I multiples of 128 (every preset's), contiguous weights.
     ``maxnreg``: a register cap per thread (8 warps at 128 registers fit two programs an SM; left to Triton, about
@@ -302,7 +314,10 @@ def fused_experts_fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, p
     ahead of GEMM1's, which then wait for them, instead of in each GEMM1 item's loop (once per column block).
     ``prefetch``: each program asks the L2 for its next item's first weight lines as it starts an item (inline PTX:
     compiled kernels only). ``swap1``: GEMM1 on wgmma with swapped operands (``_gemm1_item``'s ``SWAP1``; other
-    numerics, so not the split op's bits)."""
+    numerics, so not the split op's bits).
+
+    Returns a one-element int32 tensor, set (after the launch) where a wait gave up: an order or count that is wrong,
+    and an output that is then wrong too (None where the plan has no tiles)."""
     I, H = down.shape[2], hidden.shape[1]
     if I % BLOCK or H % BLOCK:
         raise ValueError(f"the fused decode kernel takes H and I multiples of 128, got H={H}, I={I}")
@@ -315,7 +330,7 @@ def fused_experts_fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, p
             raise ValueError(f"{name} must be a {'non-negative' if name == 'lag' else 'positive'} int, got {value!r}")
     num_tiles = plan.tile_expert.numel()
     if num_tiles == 0:
-        return
+        return None
     device = hidden.device
     desc1 = weight_descriptor(gate_up.values, BLOCK, BLOCK)
     desc2 = weight_descriptor(down.values, block_n2, BLOCK)
@@ -324,7 +339,7 @@ def fused_experts_fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, p
     inter, inter_scales = quantized_rows(plan, I, device)
     part = torch.empty(split if split > 1 else 0, plan.num_rows, 2 * I, dtype=torch.float32, device=device)
     aq, a_scales = quantized_rows(plan, H, device) if prequant else (inter, inter_scales)  # else not read
-    counters = torch.zeros(1 + num_tiles * (I // BLOCK) + num_tiles + num_tiles * split, dtype=torch.int32,
+    counters = torch.zeros(1 + num_tiles * (I // BLOCK) + num_tiles + num_tiles * split + 1, dtype=torch.int32,
                            device=device)
     launch: dict = {"launch_pdl": True} if use_pdl else {}
     if maxnreg is not None:
@@ -344,3 +359,4 @@ def fused_experts_fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, p
         PREFETCH=prefetch, USE_PDL=use_pdl, COMPILED=not emulate,
         num_warps=num_warps, num_stages=num_stages, **launch,
     )
+    return counters[-1:]

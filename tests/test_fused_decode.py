@@ -4,7 +4,8 @@ arguments checked before any launch.
 
 Under the interpreter the programs run one after another, so the first takes every item in order and no GEMM2 item
 ever waits; on a GPU they run at once, the waits and the split's last arriver happen for real, and the same
-comparison holds (the bits do not depend on which program arrives last).
+comparison holds (the bits do not depend on which program arrives last). A wait that never ends gives up after
+about 0.3 s and says so (the launcher's return value), so a wrong order fails here instead of hanging the GPU.
 """
 import dataclasses
 import importlib.util
@@ -70,8 +71,9 @@ def test_same_bits_as_the_split_op(E, H, I, M, K, split, lag, block_n2, programs
     want = torch.full((plan.num_rows, H), float("nan"), dtype=dtype, device=DEVICE)
     experts_fp8(x, w1, w2, plan, want, tiles.gemm1, gemm2, limit, split_k=split)
     got = torch.full_like(want, float("nan"))
-    fused.fused_experts_fp8(x, w1, w2, plan, got, split=split, lag=lag, programs=programs, block_n2=block_n2,
-                            prequant=prequant, prefetch=prefetch, swiglu_limit=limit)
+    gave_up = fused.fused_experts_fp8(x, w1, w2, plan, got, split=split, lag=lag, programs=programs,
+                                      block_n2=block_n2, prequant=prequant, prefetch=prefetch, swiglu_limit=limit)
+    assert int(gave_up) == 0, "a wait gave up: the items' order or counts are wrong"
     assert torch.equal(got[:n], want[:n])
     assert got[n:].isnan().all(), "a row past the plan's valid ones was written"
     ref = moe_experts_fp8_torch(x, w1, w2, plan, swiglu_limit=limit, dtype=torch.float64,
@@ -87,7 +89,9 @@ def test_swapped_gemm1_within_the_wgmma_tolerance(prequant, gen):
     x, w1, w2, plan = _case(5, 384, 256, 2, 3, gen, dropped=1)
     n = int(plan.expert_offsets[-1])
     got = torch.full((plan.num_rows, 384), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    fused.fused_experts_fp8(x, w1, w2, plan, got, split=2, lag=1, programs=3, prequant=prequant, swap1=True)
+    gave_up = fused.fused_experts_fp8(x, w1, w2, plan, got, split=2, lag=1, programs=3, prequant=prequant,
+                                      swap1=True)
+    assert int(gave_up) == 0, "a wait gave up: the items' order or counts are wrong"
     assert got[n:].isnan().all()
     ref = moe_experts_fp8_torch(x, w1, w2, plan, dtype=torch.float64,
                                 out=torch.zeros(plan.num_rows, 384, dtype=torch.float64, device=DEVICE))[:n]

@@ -27,6 +27,11 @@ about 32 weights per clock per SM on an H200). MXFP4 launches that run the warp-
 the main-loop instructions per weight counted over a consumer's loop (W4A16) or the transform's (W4A8); ``--check``
 also fails on a spill (their register budget is set to the edge).
 
+``fused``: issue 40's probes of fp8 decode, compiled as their probe launches them (``fp8_decode_probe.py --fused``
+and ``--layer-prefetch``): every build of the one-launch kernel over both GEMMs (``fused_decode.py``: warps and
+register cap, GEMM1's arithmetic, the next item's prefetch; 16-row tiles, 3 stages) with its shared memory,
+registers, stack bytes and GEMM1's loop per step, then the L2 prefetch kernel (``l2_prefetch.py``).
+
 ``--check`` exits with status 1 when a kernel fails to compile, needs more shared memory than a Hopper block
 may have (227 KB; on a GPU that is an ``OutOfResources`` at launch), or, for the experts, when a 16-bit tile of
 64 rows or more is not on wgmma. The tests run it, so a tile-table edit that would only break on a GPU fails CI.
@@ -88,14 +93,19 @@ TYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp3
               torch.float8_e4m3fn: "fp8", torch.uint8: "mxfp4"}  # block-scale e4m3 / MXFP4 weights, bf16 activations
 
 
-def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 3):
+def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 3, *,
+                 sizes: tuple[str, ...] = ("N", "K"), maxnreg: Optional[int] = None):
     """``fn`` compiled for sm_90 with these argument types; pointers 16-byte aligned, as torch allocates, and, as
-    Triton specializes them at a launch on the models' shapes, strides and the GEMMs' N and K multiples of 16."""
+    Triton specializes them at a launch on the models' shapes, strides and the widths named in ``sizes`` (the GEMMs'
+    N and K) multiples of 16. ``maxnreg``: a register cap, as a launch may ask."""
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in signature.items()
-             if ty.startswith("*") or (ty == "i32" and (name.startswith("stride_") or name in ("N", "K")))}
+             if ty.startswith("*") or (ty == "i32" and (name.startswith("stride_") or name in sizes))}
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
+    options: dict[str, Any] = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=SM90, options=options)
 
 
 def sass_stats(cubin: bytes) -> tuple[str, dict]:
@@ -383,15 +393,7 @@ def compile_fused_decode(split: int, num_warps: int, num_stages: int, maxnreg: O
              "limit": "fp32", "w1_desc": box, "w2_desc": box}
     signature = {name: types.get(name, "*i32" if name.endswith("_ptr") else "i32")
                  for name in fn.arg_names if name not in constexprs}
-    signature = {**signature, **{name: "constexpr" for name in constexprs}}
-    # as a launch specializes them: pointers, strides and the widths I and H divisible by 16
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in signature.items()
-             if ty.startswith("*") or (ty == "i32" and (name.startswith("stride_") or name in ("I", "H")))}
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    options: dict[str, Any] = {"num_warps": num_warps, "num_stages": num_stages}
-    if maxnreg is not None:
-        options["maxnreg"] = maxnreg
-    return triton.compile(src, target=SM90, options=options)
+    return compile_sm90(fn, signature, constexprs, num_warps, num_stages, sizes=("I", "H"), maxnreg=maxnreg)
 
 
 def compiled_stats(where: str, problems: list[str], build: Callable[[], Any]) -> Optional[tuple[str, dict, int]]:
@@ -526,6 +528,7 @@ def fused(args: argparse.Namespace) -> list[str]:
     count changes only integer arithmetic). Then ``l2_prefetch.py``'s kernel, with either eviction hint."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import fp8_decode_probe as probe
+    import l2_prefetch
 
     problems = []
     print(f"{'warps':>5s} {'maxnreg':>7s} {'prequant':>8s} {'swap1':>5s} {'prefetch':>8s} {'stages':>6s} "
@@ -546,8 +549,6 @@ def fused(args: argparse.Namespace) -> list[str]:
                 print(f"{warps:5d} {str(maxnreg):>7s} {str(prequant):>8s} {str(swap1):>5s} {str(prefetch):>8s} "
                       f"{stages:6d} {smem:6d} {s['regs']:4d} {s['stack']:5d} {s['hmma']:5d} {s['hgmma']:5d} "
                       f"{step:10d}", flush=True)
-    import l2_prefetch  # the layer-level probe's prefetch kernel (``fp8_decode_probe.py --layer-prefetch``)
-
     for evict_last in (False, True):
         where = f"L2 prefetch kernel, evict_last {evict_last}"
         fn = l2_prefetch._l2_prefetch_kernel

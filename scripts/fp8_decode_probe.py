@@ -402,8 +402,8 @@ def layer_prefetch(device: torch.device) -> list[dict[str, Any]]:
             want = [layer(x) for layer in layers]
             for programs, evict_last in PREFETCH_LAUNCHES:
                 undo = [with_shared_prefetch(layer, programs, evict_last) for layer in layers] if programs else []
-                us = timing.graph_time_us([lambda layer=layer: layer(x) for layer in layers], replays=30)
-                same = all(torch.equal(layer(x), w) for layer, w in zip(layers, want))
+                us = timing.time_or_none([lambda layer=layer: layer(x) for layer in layers], replays=30)
+                same = us is not None and all(torch.equal(layer(x), w) for layer, w in zip(layers, want))
                 for u in undo:
                     u()
                 rows.append({"model": name, "programs": programs, "evict_last": evict_last, "layer_us": us,

@@ -31,11 +31,12 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from l2_prefetch import _prefetch_l2
 
 from moefuse import _runtime
 from moefuse.dispatch import DispatchPlan
 from moefuse.experts.common import _round, _swiglu, _tile_span, weight_descriptor
-from moefuse.experts.fp8.kernels import WGMMA_MIN_ROWS, _add_scaled
+from moefuse.experts.fp8.kernels import WGMMA_MIN_ROWS, _add_scaled, _split_range
 from moefuse.experts.fp8.quantize import _quantize, quantized_rows
 from moefuse.formats import BLOCK, BlockFP8
 
@@ -64,13 +65,6 @@ PREFETCH_STEPS = tl.constexpr(2)  # the steps a 3-stage pipeline's prologue load
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Ask the L2 for the 128-byte lines at ``ptrs``, to be kept there first (evict_last); nothing comes back."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _prefetch_item(item, first, total, num_tiles, lag, g1n, g2n, w1_ptr, w2_ptr, tile_expert_ptr, I, H,
                    stride_w1n, stride_w2n, BLOCK_N2: tl.constexpr, SPLIT: tl.constexpr):
     """The weight rows of the first ``PREFETCH_STEPS`` steps of work item ``item`` (GEMM1: its gate and up rows;
@@ -83,15 +77,14 @@ def _prefetch_item(item, first, total, num_tiles, lag, g1n, g2n, w1_ptr, w2_ptr,
             steps = tl.arange(0, PREFETCH_STEPS) * 128
             if gemm1:
                 r = tl.arange(0, 256)  # 128 gate rows, then their 128 up rows
-                per = tl.cdiv(tl.cdiv(H, 128), SPLIT) * 128
-                k = (sub % SPLIT) * per + steps
-                k = tl.where(k < tl.minimum((sub % SPLIT) * per + per, H), k, 0)  # past the run: a line of the row
+                k_begin, k_end = _split_range(H, sub % SPLIT, 128, SPLIT)
+                k = tl.where(k_begin + steps < k_end, k_begin + steps, 0)  # past the run: a line of the row
                 gate_up_rows = expert * 2 * I + (sub // SPLIT) * 128 + r % 128 + (r // 128) * I
-                _prefetch_l2(w1_ptr + gate_up_rows.to(tl.int64)[:, None] * stride_w1n + k[None, :])
+                _prefetch_l2(w1_ptr + gate_up_rows.to(tl.int64)[:, None] * stride_w1n + k[None, :], True)
             else:  # (names of their own: a name bound in both branches must have one shape)
                 down_rows = expert * H + sub * BLOCK_N2 + tl.arange(0, BLOCK_N2)
                 k = tl.where(steps < I, steps, 0)
-                _prefetch_l2(w2_ptr + down_rows.to(tl.int64)[:, None] * stride_w2n + k[None, :])
+                _prefetch_l2(w2_ptr + down_rows.to(tl.int64)[:, None] * stride_w2n + k[None, :], True)
 
 
 MAX_TRIES = tl.constexpr(1 << 18)  # a wait's loads of its counter before it gives up: about 0.3 s
@@ -130,9 +123,8 @@ def _quantize_item(tile, run, hidden_ptr, aq_ptr, as_ptr, quantized_ptr, tile_ex
         row_ok = rows < tl.load(expert_offsets_ptr + expert + 1)
         tokens = (tl.load(p2e_ptr + rows, mask=row_ok, other=0) // top_k).to(tl.int64)
         ks = tl.arange(0, 128)
-        per = tl.cdiv(tl.cdiv(H, 128), SPLIT) * 128
-        k_begin = run * per
-        for k0 in range(k_begin, tl.minimum(k_begin + per, H), 128):
+        k_begin, k_end = _split_range(H, run, 128, SPLIT)
+        for k0 in range(k_begin, k_end, 128):
             x = tl.load(hidden_ptr + tokens[:, None] * stride_hm + (k0 + ks)[None, :] * stride_hk,
                         mask=row_ok[:, None], other=0.0)
             q, scale = _quantize(x.to(tl.float32), EMULATE_RTNE)
@@ -162,8 +154,7 @@ def _gemm1_item(tile, sub, hidden_ptr, aq_ptr, as_ptr, quantized_ptr, gave_up_pt
             tile, col_block, expert, I, tile_row_start_ptr, expert_offsets_ptr, BLOCK_M, 128)
         tokens = (tl.load(p2e_ptr + a_rows) // top_k).to(tl.int64)
         ks = tl.arange(0, 128)
-        per = tl.cdiv(tl.cdiv(H, 128), SPLIT) * 128  # as ``_split_range``: the same runs, so the same sums
-        k_begin = run * per
+        k_begin, k_end = _split_range(H, run, 128, SPLIT)  # the op's runs, so the same sums
         gate_row = expert * 2 * I + col_block * 128
         s_expert = w1s_ptr + expert.to(tl.int64) * stride_se
         gate_scale_ptrs = s_expert + col_block * stride_sn
@@ -176,7 +167,7 @@ def _gemm1_item(tile, sub, hidden_ptr, aq_ptr, as_ptr, quantized_ptr, gave_up_pt
             acc_up = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
         if PREQUANT:
             _wait(quantized_ptr + tile * SPLIT + run, 1, gave_up_ptr, COMPILED)
-        for k0 in range(k_begin, tl.minimum(k_begin + per, H), 128):
+        for k0 in range(k_begin, k_end, 128):
             if PREQUANT:  # past L1 (.cg): another program wrote these rows during this launch
                 a = tl.load(aq_ptr + a_rows[:, None] * stride_aqm + (k0 + ks)[None, :], cache_modifier=".cg")
                 a_scale = tl.load(as_ptr + a_rows * stride_asm + k0 // 128, cache_modifier=".cg")

@@ -24,17 +24,24 @@ from moefuse.layer import MoELayer
 
 
 @triton.jit
+def _prefetch_l2(ptrs, EVICT_LAST: tl.constexpr):
+    """Ask the L2 for the 128-byte lines at ``ptrs`` (``EVICT_LAST``: to be kept there first); nothing comes back.
+    Inline PTX: compiled kernels only (``fused_decode.py`` asks for its next item's lines with it too)."""
+    if EVICT_LAST:
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def _l2_prefetch_kernel(ptr, nbytes, LINES: tl.constexpr, EVICT_LAST: tl.constexpr):
     """Ask the L2 for every 128-byte line of ``ptr[0:nbytes]``, ``LINES`` lines a program's step, grid-stride."""
     for start in range(tl.program_id(0) * LINES, tl.cdiv(nbytes, 128), tl.num_programs(0) * LINES):
         lines = start + tl.arange(0, LINES)
-        addresses = ptr + tl.minimum(lines, tl.cdiv(nbytes, 128) - 1).to(tl.int64) * 128  # past the end: the last
-        if EVICT_LAST:
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [addresses], dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addresses],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+        _prefetch_l2(ptr + tl.minimum(lines, tl.cdiv(nbytes, 128) - 1).to(tl.int64) * 128,  # past the end: the last
+                     EVICT_LAST)
 
 
 def prefetch_into_l2(tensors: list[torch.Tensor], programs: int, evict_last: bool) -> None:

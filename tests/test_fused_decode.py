@@ -27,6 +27,7 @@ from moefuse.formats import BlockFP8, tile_dtype
 from moefuse.testing import rel_error, rms_rel_error
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "fused_decode.py"
+sys.path.insert(0, str(SCRIPT.parent))  # it takes its L2 prefetch from scripts/l2_prefetch.py
 spec = importlib.util.spec_from_file_location("fused_decode", SCRIPT)
 fused = importlib.util.module_from_spec(spec)
 sys.modules["fused_decode"] = fused

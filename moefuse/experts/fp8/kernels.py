@@ -88,13 +88,13 @@ def _load_rows(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, ks, k_ok, stride_am
 
 
 @triton.jit
-def _split_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """The K range of this program's run of steps: all of K, or the ``program_id(1)``-th of SPLIT_K runs of whole
-    steps (the last may be shorter or empty)."""
+def _split_range(K, run, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The K range of run ``run`` of steps: all of K, or the ``run``-th of SPLIT_K runs of whole steps (the last may
+    be shorter or empty)."""
     if SPLIT_K == 1:
         return 0, K
     per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    k_begin = tl.program_id(1) * per
+    k_begin = run * per
     return k_begin, tl.minimum(k_begin + per, K)
 
 
@@ -129,7 +129,7 @@ def _gemm1_fp8_kernel(
         tile, col_block, expert, N, tile_row_start_ptr, expert_offsets_ptr, BLOCK_M, BLOCK_N)
     tokens = (tl.load(p2e_ptr + a_rows) // top_k).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
-    k_begin, k_end = _split_range(K, BLOCK_K, SPLIT_K)
+    k_begin, k_end = _split_range(K, tl.program_id(1), BLOCK_K, SPLIT_K)
     w_expert = w_ptr + expert.to(tl.int64) * stride_we
     gate_ptrs = (w_expert + wrapped[None, :].to(tl.int64) * stride_wn
                  + (k_begin + ks)[:, None] * stride_wk)  # [BLOCK_K, BLOCK_N]

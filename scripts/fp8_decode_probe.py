@@ -304,6 +304,16 @@ FUSED_PER_SM = (1, 2, 3)
 FUSED_LAGS = (1, None)
 
 
+def run_fused(c: dict[str, Any], x: torch.Tensor, w1: BlockFP8, w2: BlockFP8, plan: Any, out: torch.Tensor,
+              sms: int) -> torch.Tensor | None:
+    """``fused_experts_fp8`` in configuration ``c`` (a ``--fused`` row's keys; lag None: all of GEMM1 first) on
+    ``sms`` SMs; returns the launcher's give-up flag."""
+    return fused_experts_fp8(x, w1, w2, plan, out, split=c["split"],
+                             lag=plan.tile_expert.numel() if c["lag"] is None else c["lag"],
+                             programs=c["per_sm"] * sms, num_warps=c["warps"], num_stages=c["stages"],
+                             maxnreg=c["maxnreg"], prequant=c["prequant"], prefetch=c["prefetch"], swap1=c["swap1"])
+
+
 def fused_sweep(device: torch.device, read_tbps: float, save: Callable[[dict[str, Any]], None],
                 keep: int = 4) -> None:
     """The fused kernel against the op: every configuration on DeepSeek-V3 at one token, then the ``keep`` fastest
@@ -340,11 +350,7 @@ def fused_sweep(device: torch.device, read_tbps: float, save: Callable[[dict[str
                     "read_floor_us": touched * bytes_per_expert / (read_tbps * 1e12) * 1e6,
                     "op_us": timing.time_or_none(op), "split_op_us": timing.time_or_none(split_op), "op_split": split}
             for c in configs_:
-                calls = [lambda p=p, o=o, c=c: fused_experts_fp8(
-                    x, w1, w2, p, o, split=c["split"], lag=p.tile_expert.numel() if c["lag"] is None else c["lag"],
-                    programs=c["per_sm"] * sms, block_n2=128, num_warps=c["warps"], num_stages=c["stages"],
-                    maxnreg=c["maxnreg"], prequant=c["prequant"], prefetch=c["prefetch"], swap1=c["swap1"])
-                    for p, o in zip(plans, outs)]
+                calls = [lambda p=p, o=o, c=c: run_fused(c, x, w1, w2, p, o, sms) for p, o in zip(plans, outs)]
                 us = timing.time_or_none(calls)
                 if us is None:  # did not compile or launch here (reported on stderr): a missing row, not a stop
                     continue
@@ -428,11 +434,7 @@ def ncu_target(device: torch.device, name: str, fused: dict[str, Any] | None) ->
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     calls: list[Callable[[], object]] = [lambda: moe_experts(x, w1, w2, plan, out=out)]
     if fused is not None:
-        calls.append(lambda: fused_experts_fp8(
-            x, w1, w2, plan, out, split=fused["split"], lag=plan.tile_expert.numel() if fused["lag"] is None
-            else fused["lag"], programs=fused["per_sm"] * sms, num_warps=fused["warps"],
-            num_stages=fused["stages"], maxnreg=fused["maxnreg"], prequant=fused["prequant"],
-            prefetch=fused["prefetch"], swap1=fused["swap1"]))
+        calls.append(lambda: run_fused(fused, x, w1, w2, plan, out, sms))
     for call in calls:
         call()
     torch.cuda.synchronize()

@@ -107,7 +107,9 @@ def _wait(counter_ptr, target, gave_up_ptr, COMPILED: tl.constexpr):
         seen = tl.load(counter_ptr, volatile=True)
         tries += 1
     if seen < target:
-        tl.atomic_xchg(gave_up_ptr, 1)
+        # a plain store: a scalar atomic compiles with a barrier around it (its result is broadcast), and a thread
+        # that saw the count on its last load would not reach it, so the give-up itself would hang
+        tl.store(gave_up_ptr, 1)
     tl.atomic_add(counter_ptr, 0, sem="acquire")
 
 

@@ -1,6 +1,7 @@
 """Issue 40's probe: fp8 block-scale experts at decode (1, 2 and 16 tokens) with GEMM1 split along K, on one GPU.
 
-    python scripts/fp8_decode_probe.py [--json FILE] [--layer] [--read | --fused | --layer-prefetch | --ncu-target P]
+    python scripts/fp8_decode_probe.py [--json FILE] [--layer] [--read | --fused | --ws | --layer-prefetch |
+                                       --ncu-target P]
 
 At one token GEMM1 has one program per tile and 128 intermediate columns: 8 · 16 = 128 programs for DeepSeek-V3,
 96 for DeepSeek-V4-Flash, 88 for GLM-4.5-Air, 48 for Qwen3-30B-A3B, against 132 SMs; 144, 112 and 99 with the
@@ -34,12 +35,18 @@ expert's slot), beside the op and ``experts_fp8`` split as the op splits. Each f
 output has the same bits as ``experts_fp8`` split the same way on the same tiles (on mma.sync it must), and its
 largest relative difference.
 
+``--ws``: both GEMMs as one persistent, warp-specialized launch (``ws_decode.py``, Gluon): every launch (runs per
+GEMM1 column block; programs an SM with their ring slots and registers; lag) on DeepSeek-V3 at one token, then the
+fastest few on every preset where the plan's tiles are 8 or 16 rows, beside the op. Each time comes with whether its
+output has the same bits as the fused ``tl`` kernel's on swapped wgmma (the same numerics), its largest difference
+from the op, and its error and the op's from SPEC §5's float64 emulation.
+
 ``--layer-prefetch``: the fp8 layer at one token with its shared expert's weights asked of the L2 as the call
 starts (``l2_prefetch.py``), per preset with a shared expert, against the layer as it is.
 
-``--ncu-target PRESET [--fused-config JSON]``: that preset's one-token experts (and the fused kernel in that
-configuration) once each inside an NVTX range "meas", for Nsight Compute; ``scripts/ncu_table.py`` makes a table
-of what it measured.
+``--ncu-target PRESET [--fused-config JSON] [--ws-config JSON]``: that preset's one-token experts (and the fused
+and warp-specialized kernels in those configurations) once each inside an NVTX range "meas", for Nsight Compute;
+``scripts/ncu_table.py`` makes a table of what it measured.
 """
 from __future__ import annotations
 
@@ -59,6 +66,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import ws_decode  # noqa: E402
 from fused_decode import fused_experts_fp8  # noqa: E402
 from l2_prefetch import with_shared_prefetch  # noqa: E402
 
@@ -314,73 +322,192 @@ def run_fused(c: dict[str, Any], x: torch.Tensor, w1: BlockFP8, w2: BlockFP8, pl
                              maxnreg=c["maxnreg"], prequant=c["prequant"], prefetch=c["prefetch"], swap1=c["swap1"])
 
 
-def fused_sweep(device: torch.device, read_tbps: float, save: Callable[[dict[str, Any]], None],
-                keep: int = 4) -> None:
-    """The fused kernel against the op: every configuration on DeepSeek-V3 at one token, then the ``keep`` fastest
-    on every preset and token count; ``save`` gets the results so far after the sweep and after each preset."""
+@dataclasses.dataclass
+class Shape:
+    """One preset at one token count, as a sweep times it: the weights, the input, a rotation of routings (enough
+    that the touched weights overflow the L2), their outputs, and the op's tiles and split."""
+
+    name: str
+    M: int
+    K: int
+    x: torch.Tensor
+    w1: BlockFP8
+    w2: BlockFP8
+    ids: list  # the routings
+    plans: list
+    outs: list
+    tiles: Any
+    split: int
+    sms: int
+
+    @property
+    def H(self) -> int:
+        return self.x.shape[1]
+
+    @property
+    def I(self) -> int:  # noqa: E743 (the model's intermediate width, as SPEC names it)
+        return self.w2.shape[2]
+
+    def reference(self, plan: Any) -> torch.Tensor:
+        """SPEC §5's float64 emulation of ``plan``'s valid rows (a plan of the first routing)."""
+        out = torch.zeros(plan.num_rows, self.H, dtype=torch.float64, device=self.x.device)
+        return moe_experts_fp8_torch(self.x, self.w1, self.w2, plan, dtype=torch.float64,
+                                     out=out)[: int(plan.expert_offsets[-1])]
+
+
+def preset_shapes(name: str) -> list[tuple[int, int]]:
+    """(tokens, slots a token) a sweep times per preset: 1, 2 and 16 tokens, and 1 with the shared expert's slot."""
+    cfg = preset(name)
+    return [(1, cfg.top_k), (2, cfg.top_k), (16, cfg.top_k)] + ([(1, cfg.top_k + 1)] if cfg.num_shared_experts
+                                                                else [])
+
+
+def sweep_rows(device: torch.device, read_tbps: float, name: str, shape_list: Sequence[tuple[int, int]],
+               configs_: Sequence[dict[str, Any]], candidate: Callable[[Shape, dict[str, Any]], dict | None],
+               gen: torch.Generator) -> list[dict[str, Any]]:
+    """Per shape of preset ``name``: the op and ``experts_fp8`` split as the op splits, then one row per
+    configuration that ``candidate(shape, c)`` times (None: it does not run there; a missing row, not a stop)."""
+    cfg = preset(name)
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    w1, w2 = random_fp8(E, 2 * I, H, device), random_fp8(E, H, I, device)
+    bytes_per_expert = sum(w.values[0].numel() + w.scales[0].numel() * 4 for w in (w1, w2))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    gen = torch.Generator(device).manual_seed(3)
+    rows = []
+    for M, K in shape_list:
+        x = torch.randn(M, H, device=device, generator=gen).bfloat16()
+        block_m = plan_block_m(M, w1, K, torch.bfloat16)
+        sets = timing.rotations(M * K * bytes_per_expert)
+        ids = [_routing(M, E, K, device, gen)[1] for _ in range(sets)]
+        plans = [moe_dispatch(i, E, block_m) for i in ids]
+        touched = sum(int(torch.unique(p.tile_expert[p.tile_expert >= 0]).numel()) for p in plans) / sets
+        tiles = configs.pick(M, E, H, I, K, tile_dtype(w1, torch.bfloat16), block_m=block_m)
+        outs = [torch.empty(p.num_rows, H, dtype=torch.bfloat16, device=device) for p in plans]
+        split = default_split_k(M * K, I, device)
+        op: list[Callable[[], object]] = [lambda p=p, o=o: moe_experts(x, w1, w2, p, out=o)
+                                          for p, o in zip(plans, outs)]
+        split_op: list[Callable[[], object]] = [
+            lambda p=p, o=o: experts_fp8(x, w1, w2, p, o, tiles.gemm1, tiles.gemm2, split_k=split)
+            for p, o in zip(plans, outs)]
+        base = {"model": name, "M": M, "slots": K, "block_m": block_m,
+                "read_floor_us": touched * bytes_per_expert / (read_tbps * 1e12) * 1e6,
+                "op_us": timing.time_or_none(op), "split_op_us": timing.time_or_none(split_op), "op_split": split}
+        shape = Shape(name, M, K, x, w1, w2, ids, plans, outs, tiles, split, sms)
+        for c in configs_:
+            extra = candidate(shape, c)
+            if extra is None:
+                continue
+            rows.append({**base, **c, **extra})
+            print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
+    del w1, w2
+    torch.cuda.empty_cache()
+    return rows
 
-    def shapes(name: str) -> list[tuple[int, int]]:
-        cfg = preset(name)
-        return [(1, cfg.top_k), (2, cfg.top_k), (16, cfg.top_k)] + (
-            [(1, cfg.top_k + 1)] if cfg.num_shared_experts else [])
 
-    def run(name: str, shape_list: Sequence[tuple[int, int]], configs_: Sequence[dict[str, Any]]) -> list[dict]:
-        cfg = preset(name)
-        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
-        w1, w2 = random_fp8(E, 2 * I, H, device), random_fp8(E, H, I, device)
-        bytes_per_expert = sum(w.values[0].numel() + w.scales[0].numel() * 4 for w in (w1, w2))
-        rows = []
-        for M, K in shape_list:
-            x = torch.randn(M, H, device=device, generator=gen).bfloat16()
-            block_m = plan_block_m(M, w1, K, torch.bfloat16)
-            sets = timing.rotations(M * K * bytes_per_expert)
-            plans = [moe_dispatch(_routing(M, E, K, device, gen)[1], E, block_m) for _ in range(sets)]
-            touched = sum(int(torch.unique(p.tile_expert[p.tile_expert >= 0]).numel()) for p in plans) / sets
-            tiles = configs.pick(M, E, H, I, K, tile_dtype(w1, torch.bfloat16), block_m=block_m)
-            outs = [torch.empty(p.num_rows, H, dtype=torch.bfloat16, device=device) for p in plans]
-            split = default_split_k(M * K, I, device)
-            op: list[Callable[[], object]] = [lambda p=p, o=o: moe_experts(x, w1, w2, p, out=o)
-                                              for p, o in zip(plans, outs)]
-            split_op: list[Callable[[], object]] = [
-                lambda p=p, o=o: experts_fp8(x, w1, w2, p, o, tiles.gemm1, tiles.gemm2, split_k=split)
-                for p, o in zip(plans, outs)]
-            base = {"model": name, "M": M, "slots": K, "block_m": block_m,
-                    "read_floor_us": touched * bytes_per_expert / (read_tbps * 1e12) * 1e6,
-                    "op_us": timing.time_or_none(op), "split_op_us": timing.time_or_none(split_op), "op_split": split}
-            for c in configs_:
-                calls = [lambda p=p, o=o, c=c: run_fused(c, x, w1, w2, p, o, sms) for p, o in zip(plans, outs)]
-                us = timing.time_or_none(calls)
-                if us is None:  # did not compile or launch here (reported on stderr): a missing row, not a stop
-                    continue
-                want = torch.empty_like(outs[0])
-                experts_fp8(x, w1, w2, plans[0], want, tiles.gemm1, dataclasses.replace(tiles.gemm2, block_n=128),
-                            split_k=c["split"])
-                gave_up = calls[0]()
-                n = int(plans[0].expert_offsets[-1])
-                steps_per_run = triton.cdiv(triton.cdiv(H, 128), c["split"])
-                rows.append({**base, **c, "fused_us": us, "same_bits": bool(torch.equal(outs[0][:n], want[:n])),
-                             "rel_diff": rel_error(outs[0][:n], want[:n]), "gave_up": int(gave_up),
-                             "gemm1_item_kb": 2 * 128 * 128 * steps_per_run / 1024, "gemm2_item_kb": 128 * I / 1024})
-                print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
-        del w1, w2
-        torch.cuda.empty_cache()
-        return rows
+def sweep_then_presets(device: torch.device, read_tbps: float, every: Sequence[dict[str, Any]],
+                       candidate: Callable[[Shape, dict[str, Any]], dict | None], key: str,
+                       save: Callable[[dict[str, Any]], None], seed: int, keep: int = 4) -> None:
+    """Every configuration on DeepSeek-V3 at one token, then the ``keep`` fastest (by ``key``) on every preset and
+    token count; ``save`` gets the results so far after the sweep and after each preset."""
+    gen = torch.Generator(device).manual_seed(seed)
+    sweep = sweep_rows(device, read_tbps, "deepseek-v3", [(1, preset("deepseek-v3").top_k)], every, candidate, gen)
+    save({"sweep": sweep})
+    timed = sorted((r for r in sweep if r[key] is not None), key=lambda r: r[key])
+    best = [{k: r[k] for k in every[0]} for r in timed[:keep]]
+    presets: list[dict[str, Any]] = []
+    for name in PRESETS:
+        presets += sweep_rows(device, read_tbps, name, preset_shapes(name), best, candidate, gen)
+        save({"sweep": sweep, "presets": presets})
 
+
+def fused_candidate(shape: Shape, c: dict[str, Any]) -> dict[str, Any] | None:
+    """The fused kernel in configuration ``c``: its time, its give-up flag, and whether its output has the same
+    bits as ``experts_fp8`` split the same way on the same tiles (on mma.sync it must)."""
+    calls = [lambda p=p, o=o: run_fused(c, shape.x, shape.w1, shape.w2, p, o, shape.sms)
+             for p, o in zip(shape.plans, shape.outs)]
+    us = timing.time_or_none(calls)
+    if us is None:  # did not compile or launch here (reported on stderr)
+        return None
+    plan, got = shape.plans[0], shape.outs[0]
+    want = torch.empty_like(got)
+    experts_fp8(shape.x, shape.w1, shape.w2, plan, want, shape.tiles.gemm1,
+                dataclasses.replace(shape.tiles.gemm2, block_n=128), split_k=c["split"])
+    gave_up = calls[0]()
+    n = int(plan.expert_offsets[-1])
+    steps_per_run = triton.cdiv(triton.cdiv(shape.H, 128), c["split"])
+    return {"fused_us": us, "same_bits": bool(torch.equal(got[:n], want[:n])), "rel_diff": rel_error(got[:n], want[:n]),
+            "gave_up": int(gave_up), "gemm1_item_kb": 2 * 128 * 128 * steps_per_run / 1024,
+            "gemm2_item_kb": 128 * shape.I / 1024}
+
+
+def fused_sweep(device: torch.device, read_tbps: float, save: Callable[[dict[str, Any]], None]) -> None:
+    """The fused kernel against the op: every configuration on DeepSeek-V3 at one token, then the fastest few on
+    every preset and token count."""
     every = [{"split": split, "warps": warps, "maxnreg": maxnreg, "stages": stages, "prequant": prequant,
               "swap1": swap1, "prefetch": prefetch, "per_sm": per_sm, "lag": lag}
              for split in FUSED_SPLITS for warps, maxnreg in FUSED_BUILDS for stages in FUSED_STAGES
              for prequant, swap1 in FUSED_GEMM1 for prefetch in FUSED_PREFETCH for per_sm in FUSED_PER_SM
              for lag in FUSED_LAGS]
-    sweep = run("deepseek-v3", [(1, preset("deepseek-v3").top_k)], every)
-    save({"sweep": sweep})
-    timed = sorted((r for r in sweep if r["fused_us"] is not None), key=lambda r: r["fused_us"])
-    best = [{k: r[k] for k in every[0]} for r in timed[:keep]]
-    presets: list[dict[str, Any]] = []
-    for name in PRESETS:
-        presets += run(name, shapes(name), best)
-        save({"sweep": sweep, "presets": presets})
+    sweep_then_presets(device, read_tbps, every, fused_candidate, "fused_us", save, seed=3)
+
+
+# The warp-specialized kernel's launches swept on DeepSeek-V3 at one token: runs of GEMM1's H per column block,
+# (programs an SM, ring slots, registers a thread at launch: one program an SM at 168, two at 128 with at most 6
+# slots of 16 KB, so that two fit in shared memory), and the lag (None: GEMM1 first).
+WS_SPLITS = (7, 14)
+WS_LAUNCHES = ((1, 8, 168), (1, 12, 168), (2, 4, 128), (2, 6, 128))
+WS_LAGS = (1, 3, None)
+
+
+def ws_table(c: dict[str, Any], plan: Any, H: int, I: int) -> torch.Tensor:  # noqa: E741 (SPEC's name)
+    """The item table of a ``--ws`` configuration ``c`` (lag None: all of GEMM1 first) on ``plan``'s tiles."""
+    num_tiles = plan.tile_expert.numel()
+    runs, _ = ws_decode.runs_of(H, c["split"])
+    return ws_decode.item_table(num_tiles, num_tiles if c["lag"] is None else c["lag"], (I // 128) * runs, H // 128,
+                                plan.tile_expert.device)
+
+
+def run_ws(c: dict[str, Any], x: torch.Tensor, w1: BlockFP8, w2: BlockFP8, plan: Any, out: torch.Tensor, sms: int,
+           table: torch.Tensor) -> torch.Tensor | None:
+    """``ws_experts_fp8`` in configuration ``c`` (a ``--ws`` row's keys) on ``sms`` SMs, over ``table``
+    (:func:`ws_table`); returns the launcher's give-up flag."""
+    return ws_decode.ws_experts_fp8(x, w1, w2, plan, out, table, split=c["split"], programs=c["per_sm"] * sms,
+                                    stages=c["stages"], maxnreg=c["maxnreg"])
+
+
+def ws_candidate(shape: Shape, c: dict[str, Any]) -> dict[str, Any] | None:
+    """The warp-specialized kernel in configuration ``c``: its time, its give-up flag, whether its output has the
+    same bits as the fused ``tl`` kernel's on swapped wgmma (``swap1``, the same split and order: the same numerics
+    on another structure), its largest difference from the op, and both errors from SPEC §5's float64 emulation."""
+    plans, outs = shape.plans, shape.outs
+    if plans[0].block_m not in ws_decode.BLOCK_MS:  # the op's taller tiles at 16 tokens: the same routings in 16s
+        plans = [moe_dispatch(i, shape.w1.shape[0], 16) for i in shape.ids]
+        outs = [torch.empty(p.num_rows, shape.H, dtype=torch.bfloat16, device=shape.x.device) for p in plans]
+    plan, got = plans[0], outs[0]
+    table = ws_table(c, plan, shape.H, shape.I)  # a shape's plans have the same tile count: one table for all
+    us = timing.time_or_none([lambda p=p, o=o: run_ws(c, shape.x, shape.w1, shape.w2, p, o, shape.sms, table)
+                              for p, o in zip(plans, outs)])
+    if us is None:  # did not compile or launch here (reported on stderr)
+        return None
+    n = int(plan.expert_offsets[-1])
+    swap1 = torch.empty_like(got)
+    fused_experts_fp8(shape.x, shape.w1, shape.w2, plan, swap1, split=c["split"],
+                      lag=plan.tile_expert.numel() if c["lag"] is None else c["lag"], programs=2 * shape.sms,
+                      num_warps=8, maxnreg=128, prequant=True, swap1=True)
+    op = torch.empty_like(got)
+    moe_experts(shape.x, shape.w1, shape.w2, plan, out=op)
+    gave_up = run_ws(c, shape.x, shape.w1, shape.w2, plan, got, shape.sms, table)
+    ref = shape.reference(plan)
+    return {"ws_us": us, "gave_up": int(gave_up), "same_bits_as_swap1": bool(torch.equal(got[:n], swap1[:n])),
+            "rel_diff_op": rel_error(got[:n], op[:n]), "err_f64": rel_error(got[:n], ref),
+            "rms_f64": rms_rel_error(got[:n], ref), "op_err_f64": rel_error(op[:n], ref)}
+
+
+def ws_sweep(device: torch.device, read_tbps: float, save: Callable[[dict[str, Any]], None]) -> None:
+    """The warp-specialized kernel against the op: every launch on DeepSeek-V3 at one token, then the fastest few
+    on every preset and token count."""
+    every = [{"split": split, "per_sm": per_sm, "stages": stages, "maxnreg": maxnreg, "lag": lag}
+             for split in WS_SPLITS for per_sm, stages, maxnreg in WS_LAUNCHES for lag in WS_LAGS]
+    sweep_then_presets(device, read_tbps, every, ws_candidate, "ws_us", save, seed=5)
 
 
 # The layer-level prefetch's launches: (programs, evict_last); 0 programs: the layer as it is.
@@ -420,10 +547,11 @@ def layer_prefetch(device: torch.device) -> list[dict[str, Any]]:
     return rows
 
 
-def ncu_target(device: torch.device, name: str, fused: dict[str, Any] | None) -> None:
+def ncu_target(device: torch.device, name: str, fused: dict[str, Any] | None, ws: dict[str, Any] | None) -> None:
     """Preset ``name``'s experts at one token for Nsight Compute: each call once to compile, then the op once (and the
-    fused kernel once, with the configuration ``fused`` as ``fused_sweep`` writes it) inside an NVTX range "meas"
-    (``ncu --nvtx --nvtx-include "meas/"`` profiles just those kernels)."""
+    fused kernel once, with the configuration ``fused`` as ``fused_sweep`` writes it, and the warp-specialized one
+    with ``ws`` as ``ws_sweep`` does) inside an NVTX range "meas" (``ncu --nvtx --nvtx-include "meas/"`` profiles
+    just those kernels)."""
     cfg = preset(name)
     E, H, I, K = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
     w1, w2 = random_fp8(E, 2 * I, H, device), random_fp8(E, H, I, device)
@@ -435,6 +563,11 @@ def ncu_target(device: torch.device, name: str, fused: dict[str, Any] | None) ->
     calls: list[Callable[[], object]] = [lambda: moe_experts(x, w1, w2, plan, out=out)]
     if fused is not None:
         calls.append(lambda: run_fused(fused, x, w1, w2, plan, out, sms))
+    if ws is not None:
+        ws_plan = plan if plan.block_m in ws_decode.BLOCK_MS else moe_dispatch(_routing(1, E, K, device, gen)[1], E, 16)
+        ws_out = torch.empty(ws_plan.num_rows, H, dtype=torch.bfloat16, device=device)
+        table = ws_table(ws, ws_plan, H, I)
+        calls.append(lambda: run_ws(ws, x, w1, w2, ws_plan, ws_out, sms, table))
     for call in calls:
         call()
     torch.cuda.synchronize()
@@ -451,15 +584,18 @@ def main() -> int:
     parser.add_argument("--layer", action="store_true", help="the fp8 layers' one-token timelines too")
     parser.add_argument("--read", action="store_true", help="only GEMM1's boxes streamed with no arithmetic")
     parser.add_argument("--fused", action="store_true", help="only the one-launch kernel over both GEMMs")
+    parser.add_argument("--ws", action="store_true", help="only the warp-specialized kernel over both GEMMs")
     parser.add_argument("--layer-prefetch", action="store_true",
                         help="only the fp8 layer at one token with its shared expert's weights prefetched into L2")
     parser.add_argument("--ncu-target", choices=PRESETS, help="only one preset's one-token calls, for ncu")
+    parser.add_argument("--ws-config", type=json.loads, help="with --ncu-target: the warp-specialized kernel too, "
+                        "this configuration (JSON, the keys of a --ws row)")
     parser.add_argument("--fused-config", type=json.loads, help="with --ncu-target: the fused kernel too, this "
                         "configuration (JSON, the keys of a --fused row)")
     args = parser.parse_args()
     device = torch.device("cuda")
     if args.ncu_target:
-        ncu_target(device, args.ncu_target, args.fused_config)
+        ncu_target(device, args.ncu_target, args.fused_config, args.ws_config)
         return 0
     if args.layer_prefetch:
         prefetched = layer_prefetch(device)
@@ -468,14 +604,14 @@ def main() -> int:
                                              "layer_prefetch": prefetched}, indent=1))
         return 0
     ceilings = timing.measure_ceilings(gemm=False)
-    if args.fused:
+    if args.fused or args.ws:
         def save(results: dict[str, Any]) -> None:
             if args.json:
                 args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                                  "triton": triton.__version__, "read_tbps": ceilings.read_tbps,
                                                  **results}, indent=1))
 
-        fused_sweep(device, ceilings.read_tbps, save)
+        (ws_sweep if args.ws else fused_sweep)(device, ceilings.read_tbps, save)
         return 0
     if args.read:
         rows = read_pattern(device, ceilings.read_tbps)

@@ -30,7 +30,9 @@ also fails on a spill (their register budget is set to the edge).
 ``fused``: issue 40's probes of fp8 decode, compiled as their probe launches them (``fp8_decode_probe.py --fused``
 and ``--layer-prefetch``): every build of the one-launch kernel over both GEMMs (``fused_decode.py``: warps and
 register cap, GEMM1's arithmetic, the next item's prefetch; 16-row tiles, 3 stages) with its shared memory,
-registers, stack bytes and GEMM1's loop per step, then the L2 prefetch kernel (``l2_prefetch.py``).
+registers, stack bytes and GEMM1's loop per step; the warp-specialized one (``ws_decode.py``, Gluon) at each of
+its probe's launches, 16- and 8-row tiles, with and without the clamp, checked to fit as many programs an SM as the
+launch puts there; then the L2 prefetch kernel (``l2_prefetch.py``).
 
 ``--check`` exits with status 1 when a kernel fails to compile, needs more shared memory than a Hopper block
 may have (227 KB; on a GPU that is an ``OutOfResources`` at launch), or, for the experts, when a 16-bit tile of
@@ -396,6 +398,22 @@ def compile_fused_decode(split: int, num_warps: int, num_stages: int, maxnreg: O
     return compile_sm90(fn, signature, constexprs, num_warps, num_stages, sizes=("I", "H"), maxnreg=maxnreg)
 
 
+def compile_ws_decode(block_m: int, stages: int, has_limit: bool, maxnreg: int):
+    """Issue 40's warp-specialized fp8 decode kernel (``scripts/ws_decode.py``, Gluon) as ``ws_experts_fp8``
+    launches it on sm_90: a consumer warp group and a producer warp, 128 x 128 e4m3 weight boxes, bf16 activations
+    and output, ``maxnreg`` registers a thread at launch."""
+    import ws_decode
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout.get_default_for([ws_decode.BOX, ws_decode.BOX], gl.float8e4nv)
+    box = f"tensordesc<fp8e4nv[{ws_decode.BOX}, {ws_decode.BOX}],{layout!r}>"
+    types = {"w1_desc": box, "w2_desc": box, "hidden_ptr": "*bf16", "out_ptr": "*bf16", "inter_ptr": "*fp8e4nv",
+             "w1s_ptr": "*fp32", "w2s_ptr": "*fp32", "is_ptr": "*fp32", "part_ptr": "*fp32", "limit": "fp32"}
+    constexprs = {"HAS_LIMIT": has_limit, "BLOCK_M": block_m, "STAGES": stages, "CLAIMS": 2 * stages,
+                  "PRODUCER_REGS": ws_decode.PRODUCER_REGS}
+    return compile_gluon(ws_decode._ws_decode_kernel, types, constexprs, maxnreg)
+
+
 def compiled_stats(where: str, problems: list[str], build: Callable[[], Any]) -> Optional[tuple[str, dict, int]]:
     """``build()``'s kernel: its SASS, ``sass_stats`` and shared memory bytes, or None when it does not compile.
     A compile error, or more shared memory than a Hopper block may have, goes into ``problems``."""
@@ -549,6 +567,26 @@ def fused(args: argparse.Namespace) -> list[str]:
                 print(f"{warps:5d} {str(maxnreg):>7s} {str(prequant):>8s} {str(swap1):>5s} {str(prefetch):>8s} "
                       f"{stages:6d} {smem:6d} {s['regs']:4d} {s['stack']:5d} {s['hmma']:5d} {s['hgmma']:5d} "
                       f"{step:10d}", flush=True)
+    print(f"\n{'tile rows':>9s} {'slots':>5s} {'maxnreg':>7s} {'programs/SM':>11s} {'clamp':>5s} {'smem':>6s} "
+          f"{'stack':>5s} {'HGMMA':>5s} {'GEMM2 step':>10s}")
+    for block_m in (16, 8):
+        for per_sm, stages, maxnreg in probe.WS_LAUNCHES:
+            for has_limit in (False, True):
+                where = (f"warp-specialized decode, {block_m}-row tiles, {stages} slots, maxnreg {maxnreg}, "
+                         f"clamp {has_limit}")
+                result = compiled_stats(where, problems, lambda: compile_ws_decode(block_m, stages, has_limit,
+                                                                                    maxnreg))
+                if result is None:
+                    continue
+                text, s, smem = result
+                # the consumer's shortest loop with a wgmma: GEMM2's step (GEMM1's holds the quantization too)
+                step = main_loop_instructions(text, shortest_with="GMMA")
+                print(f"{block_m:9d} {stages:5d} {maxnreg:7d} {per_sm:11d} {str(has_limit):>5s} {smem:6d} "
+                      f"{s['stack']:5d} {s['hgmma']:5d} {step:10d}", flush=True)
+                # the launch's programs an SM must fit: shared memory, and registers (8 warps a CTA) in 64K
+                if s["stack"] or per_sm * smem > configs.HOPPER_SMEM or per_sm * 256 * maxnreg > 65536:
+                    problems.append(f"{where}: {s['stack']} bytes of stack, {smem} bytes of shared memory, "
+                                    f"{per_sm} programs an SM")
     for evict_last in (False, True):
         where = f"L2 prefetch kernel, evict_last {evict_last}"
         fn = l2_prefetch._l2_prefetch_kernel

@@ -53,7 +53,7 @@ try:  # Gluon ships with Triton >= 3.5
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from moefuse.experts.mxfp4.w4a8 import _e4m3, _max_keeping_nan
+    from moefuse.experts.mxfp4.w4a8 import _e4m3, _full_448, _max_keeping_nan, _quantize_halves, _scale_of
     from moefuse.experts.mxfp4.ws import _swiglu
 except ImportError:  # pragma: no cover - every supported Triton has it
     gluon = None
@@ -73,7 +73,6 @@ if gluon is not None:
     _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
     _BOX: gl.constexpr = gl.constexpr(BOX)
     _HALF: gl.constexpr = gl.constexpr(BOX // 2)  # one wgmma's M
-    _NAN: gl.constexpr = gl.constexpr(tl.PropagateNan.ALL)
     _MAX_TRIES: gl.constexpr = gl.constexpr(MAX_TRIES.value)
 
     @gluon.jit
@@ -169,12 +168,11 @@ if gluon is not None:
         values into ``a_smem`` for the wgmmas (fenced and synchronized), each row's scale returned in the
         accumulators' column layout."""
         amax = gl.reduce(gl.abs(x), 1, _max_keeping_nan)
-        full = gl.full(amax.shape, 448.0, gl.float32, amax.type.layout)
-        inv = gl.where(amax > 0, gl.div_rn(full, amax), 0.0)
+        inv = gl.where(amax > 0, gl.div_rn(_full_448(amax), amax), 0.0)
         a_smem.store(_e4m3(x * gl.expand_dims(inv, 1)))
         fence_async_shared()  # the wgmmas read the tile through the async proxy
         _barrier()  # every warp's rows stored before any warp's wgmma
-        return gl.convert_layout(gl.div_rn(amax, full), gl.SliceLayout(0, MMA))
+        return gl.convert_layout(_scale_of(amax), gl.SliceLayout(0, MMA))
 
     @gluon.jit
     def _product(box, half, a, acc):
@@ -278,16 +276,12 @@ if gluon is not None:
                     gate1 += _load_t(part, m, row_ok, col0 + _HALF, 2 * I, MMA)
                     up0 += _load_t(part, m, row_ok, I + col0, 2 * I, MMA)
                     up1 += _load_t(part, m, row_ok, I + col0 + _HALF, 2 * I, MMA)
-        if last:
-            act0 = _swiglu(gate0, up0, limit, HAS_LIMIT)
-            act1 = _swiglu(gate1, up1, limit, HAS_LIMIT)
-            amax = gl.maximum(gl.reduce(gl.abs(act0), 0, _max_keeping_nan),
-                              gl.reduce(gl.abs(act1), 0, _max_keeping_nan), propagate_nan=_NAN)
-            full = gl.full(amax.shape, 448.0, gl.float32, amax.type.layout)
-            inv = gl.expand_dims(gl.where(amax > 0, gl.div_rn(full, amax), 0.0), 0)
-            _store_t(_e4m3(act0 * inv), inter_ptr, m, row_ok, col0, stride_im)
-            _store_t(_e4m3(act1 * inv), inter_ptr, m, row_ok, col0 + _HALF, stride_im)
-            gl.store(is_ptr + m.to(gl.int64) * stride_ism + col_block, gl.div_rn(amax, full), mask=row_ok)
+        if last:  # the tile's rows are the columns here: each quantized over axis 0
+            q0, q1, amax = _quantize_halves(_swiglu(gate0, up0, limit, HAS_LIMIT),
+                                            _swiglu(gate1, up1, limit, HAS_LIMIT), 0)
+            _store_t(q0, inter_ptr, m, row_ok, col0, stride_im)
+            _store_t(q1, inter_ptr, m, row_ok, col0 + _HALF, stride_im)
+            gl.store(is_ptr + m.to(gl.int64) * stride_ism + col_block, _scale_of(amax), mask=row_ok)
             _barrier()  # the whole column block stored before it is counted done
             gl.atomic_add(done_ptr + tile, 1, sem="release", scope="gpu")
         return i

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import triton.language as tl
 
 from .. import _runtime
 from ..dispatch import DispatchPlan
@@ -50,7 +49,7 @@ try:  # Gluon ships with Triton >= 3.5
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .mxfp4.w4a8 import _e4m3, _max_keeping_nan  # the e4m3 quantization in Gluon, as W4A8's epilogue has it
+    from .mxfp4.w4a8 import _quantize_halves, _scale_of  # the e4m3 quantization in Gluon, as W4A8's epilogue
     from .mxfp4.ws import _swiglu
 except ImportError:  # pragma: no cover - every supported Triton has it
     gluon = None
@@ -84,7 +83,6 @@ if gluon is not None:
     _BOX: gl.constexpr = gl.constexpr(BOX)
     _HALF: gl.constexpr = gl.constexpr(BLOCK_M // 2)  # a consumer's rows: one wgmma M
     _BK8: gl.constexpr = gl.constexpr(FP8_BLOCK_K)
-    _NAN: gl.constexpr = gl.constexpr(tl.PropagateNan.ALL)
     _CLAIMS: gl.constexpr = gl.constexpr(CLAIMS)
 
     @gluon.jit
@@ -363,15 +361,11 @@ if gluon is not None:
                     i += 1
                 col0 = block * item_cols
                 if GEMM1:
-                    act0 = _swiglu(acc0, acc2, limit, HAS_LIMIT)
-                    act1 = _swiglu(acc1, acc3, limit, HAS_LIMIT)
-                    amax = gl.maximum(gl.reduce(gl.abs(act0), 1, _max_keeping_nan),
-                                      gl.reduce(gl.abs(act1), 1, _max_keeping_nan), propagate_nan=_NAN)
-                    full = gl.full(amax.shape, 448.0, gl.float32, amax.type.layout)
-                    inv = gl.expand_dims(gl.where(amax > 0, gl.div_rn(full, amax), 0.0), 1)
-                    _store(_e4m3(act0 * inv), out_ptr, row0, row_end, col0, stride_om)
-                    _store(_e4m3(act1 * inv), out_ptr, row0, row_end, col0 + _HALF, stride_om)
-                    gl.store(os_ptr + m.to(gl.int64) * stride_os + block, gl.div_rn(amax, full), mask=m < row_end)
+                    q0, q1, amax = _quantize_halves(_swiglu(acc0, acc2, limit, HAS_LIMIT),
+                                                    _swiglu(acc1, acc3, limit, HAS_LIMIT), 1)
+                    _store(q0, out_ptr, row0, row_end, col0, stride_om)
+                    _store(q1, out_ptr, row0, row_end, col0 + _HALF, stride_om)
+                    gl.store(os_ptr + m.to(gl.int64) * stride_os + block, _scale_of(amax), mask=m < row_end)
                 else:
                     _store(acc0, out_ptr, row0, row_end, col0, stride_om)
                     _store(acc1, out_ptr, row0, row_end, col0 + _HALF, stride_om)

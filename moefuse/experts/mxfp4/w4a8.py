@@ -288,21 +288,36 @@ if gluon is not None:
         return gl.minimum(y, 448.0, propagate_nan=tl.PropagateNan.ALL).to(gl.float8e4nv)
 
     @gluon.jit
+    def _quantize_halves(left, right, AXIS: gl.constexpr):
+        """128 fp32 values of each row, held as two halves (the row's values along ``AXIS``), quantized as
+        ``fp8.quantize._quantize`` does (SPEC §5): each half's e4m3 values, and each row's amax, whose scale
+        (:func:`_scale_of`) the caller takes as it stores it. The Gluon kernels' epilogue that writes a quantized
+        intermediate (``w4a8.py``, ``persistent.py``, and the transposed tiles of ``scripts/ws_decode.py``)."""
+        amax = gl.maximum(gl.reduce(gl.abs(left), AXIS, _max_keeping_nan),
+                          gl.reduce(gl.abs(right), AXIS, _max_keeping_nan), propagate_nan=tl.PropagateNan.ALL)
+        inv = gl.expand_dims(gl.where(amax > 0, gl.div_rn(_full_448(amax), amax), 0.0), AXIS)
+        return _e4m3(left * inv), _e4m3(right * inv), amax
+
+    @gluon.jit
+    def _full_448(amax):
+        return gl.full(amax.shape, 448.0, gl.float32, amax.type.layout)
+
+    @gluon.jit
+    def _scale_of(amax):
+        """A row's quantization scale from its amax (SPEC §5: amax / 448, rounded once)."""
+        return gl.div_rn(amax, _full_448(amax))
+
+    @gluon.jit
     def _store_quantized(left, right, q_ptr, qs_ptr, row0, row_end, col0, stride_qm, stride_qs):
         """GEMM1's intermediate columns ``col0 ..`` + 128 of rows ``row0 ..`` (``left`` and ``right``: 64 columns
         each, bf16) quantized as ``fp8.quantize._quantize`` does the pass over the stored intermediate (SPEC §5):
         the values into ``q_ptr`` (e4m3), each row's scale into ``qs_ptr`` at group ``col0 / 128``."""
         layout: gl.constexpr = left.type.layout
-        left, right = left.to(gl.float32), right.to(gl.float32)
-        amax = gl.maximum(gl.reduce(gl.abs(left), 1, _max_keeping_nan), gl.reduce(gl.abs(right), 1, _max_keeping_nan),
-                          propagate_nan=tl.PropagateNan.ALL)
-        inv = gl.expand_dims(gl.where(amax > 0, gl.div_rn(gl.full(amax.shape, 448.0, gl.float32, amax.type.layout),
-                                                          amax), 0.0), 1)
-        _store(_e4m3(left * inv), q_ptr, row0, row_end, col0, stride_qm)
-        _store(_e4m3(right * inv), q_ptr, row0, row_end, col0 + 64, stride_qm)
+        q_left, q_right, amax = _quantize_halves(left.to(gl.float32), right.to(gl.float32), 1)
+        _store(q_left, q_ptr, row0, row_end, col0, stride_qm)
+        _store(q_right, q_ptr, row0, row_end, col0 + 64, stride_qm)
         m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-        scale = gl.div_rn(amax, gl.full(amax.shape, 448.0, gl.float32, amax.type.layout))
-        gl.store(qs_ptr + m.to(gl.int64) * stride_qs + col0 // 128, scale, mask=m < row_end)
+        gl.store(qs_ptr + m.to(gl.int64) * stride_qs + col0 // 128, _scale_of(amax), mask=m < row_end)
 
     @gluon.jit
     def _consumer(a_smem, u_smem, f_smem, f_free, ready, unpacked, empty, halves, as_ptr, out_ptr, os_ptr,

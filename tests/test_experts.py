@@ -1,11 +1,10 @@
 """Experts: the Triton grouped GEMMs against the float64 reference, tile configs, and every error path."""
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from scripts_loader import script
 
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts, moe_experts_torch, pick, pick_block_m
@@ -252,11 +251,7 @@ def test_tuner_and_benchmark_import_on_cpu():
     import moefuse.bench.experts as bench
 
     assert callable(bench.check) and callable(bench.run) and callable(bench.main)
-    path = Path(__file__).resolve().parent.parent / "scripts" / "tune_experts.py"
-    spec = importlib.util.spec_from_file_location("tune_experts", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert callable(module.main)
+    assert callable(script("tune_experts").main)
 
 
 # --- errors ---------------------------------------------------------------------------------------------

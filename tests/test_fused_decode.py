@@ -8,41 +8,21 @@ comparison holds (the bits do not depend on which program arrives last). A wait 
 about 0.3 s and says so (the launcher's return value), so a wrong order fails here instead of hanging the GPU.
 """
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 from conftest import DEVICE
+from scripts_loader import fp8_case as _case
+from scripts_loader import fused_order, script
 from tolerances import experts_tolerance
 
-from moefuse.dispatch import moe_dispatch
-from moefuse.experts import configs, plan_block_m
+from moefuse.experts import configs
 from moefuse.experts.fp8.kernels import experts_fp8
 from moefuse.experts.reference import moe_experts_fp8_torch
-from moefuse.formats import BlockFP8, tile_dtype
+from moefuse.formats import tile_dtype
 from moefuse.testing import rel_error, rms_rel_error
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "fused_decode.py"
-sys.path.insert(0, str(SCRIPT.parent))  # it takes its L2 prefetch from scripts/l2_prefetch.py
-spec = importlib.util.spec_from_file_location("fused_decode", SCRIPT)
-fused = importlib.util.module_from_spec(spec)
-sys.modules["fused_decode"] = fused
-spec.loader.exec_module(fused)
-_item_at = fused._item_at
-
-
-def _case(E, H, I, M, K, gen, dtype=torch.bfloat16, dropped=0):
-    w1 = BlockFP8.quantize((torch.randn(E, 2 * I, H, generator=gen) / H**0.5).to(DEVICE))
-    w2 = BlockFP8.quantize((torch.randn(E, H, I, generator=gen) / I**0.5).to(DEVICE))
-    x = torch.randn(M, H, generator=gen).to(DEVICE, dtype)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(M)]).int()
-    ids.view(-1)[torch.randperm(M * K, generator=gen)[:dropped]] = -1
-    plan = moe_dispatch(ids.to(DEVICE), E, plan_block_m(M, w1, K, dtype))
-    return x, w1, w2, plan
+fused = script("fused_decode")
 
 
 # (E, H, I, M, K, split, lag, block_n2, programs, dtype, -1 slots, clamp, prequant): one token and a few; splits
@@ -100,24 +80,12 @@ def test_swapped_gemm1_within_the_wgmma_tolerance(prequant, gen):
     assert rel_error(got[:n], ref) < max_err and rms_rel_error(got[:n], ref) < rms_err
 
 
-@triton.jit
-def _order_kernel(gemm1_ptr, tile_ptr, sub_ptr, total, num_tiles, lag, g1n, g2n, BLOCK: tl.constexpr):
-    items = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    gemm1, tile, sub = _item_at(items, num_tiles, lag, g1n, g2n)
-    tl.store(gemm1_ptr + items, gemm1.to(tl.int32), mask=items < total)
-    tl.store(tile_ptr + items, tile, mask=items < total)
-    tl.store(sub_ptr + items, sub, mask=items < total)
-
-
 @pytest.mark.parametrize("num_tiles,g1n,g2n", [(1, 3, 2), (5, 4, 3), (9, 32, 56)])
 def test_item_order_takes_each_item_once_and_gemm1_of_a_tile_first(num_tiles, g1n, g2n):
     """``_item_at`` over all items: every (GEMM, tile, index) once, and each GEMM2 item after all of its tile's
     GEMM1 items, for lags from 0 past the tile count."""
-    total = num_tiles * (g1n + g2n)
     for lag in (0, 1, 2, num_tiles, num_tiles + 3):
-        gemm1, tile, sub = (torch.empty(total, dtype=torch.int32, device=DEVICE) for _ in range(3))
-        _order_kernel[(triton.cdiv(total, 64),)](gemm1, tile, sub, total, num_tiles, lag, g1n, g2n, BLOCK=64)
-        order = list(zip(gemm1.tolist(), tile.tolist(), sub.tolist()))
+        order = list(zip(*(t.tolist() for t in fused_order(num_tiles, lag, g1n, g2n))))
         assert sorted(order) == sorted([(1, t, s) for t in range(num_tiles) for s in range(g1n)]
                                        + [(0, t, s) for t in range(num_tiles) for s in range(g2n)]), lag
         gemm1_done = [0] * num_tiles

@@ -1,22 +1,15 @@
 """``scripts/l2_prefetch.py`` (issue 40's layer-level candidate: the shared expert's weights asked of the L2 while
 the router chain runs). The prefetch is inline PTX, which the interpreter cannot run: on a GPU the layer keeps its
 bits with it, at every launch the probe times; everywhere, arguments are checked before a launch."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from conftest import DEVICE
+from scripts_loader import script
 
 from moefuse import MoELayer
 from moefuse.config import preset
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "l2_prefetch.py"
-spec = importlib.util.spec_from_file_location("l2_prefetch", SCRIPT)
-l2_prefetch = importlib.util.module_from_spec(spec)
-sys.modules["l2_prefetch"] = l2_prefetch
-spec.loader.exec_module(l2_prefetch)
+l2_prefetch = script("l2_prefetch")
 
 
 def test_a_strided_tensor_is_refused_before_a_launch():

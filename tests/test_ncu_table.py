@@ -1,15 +1,8 @@
 """``scripts/ncu_table.py``: Nsight Compute's raw CSV read into one line per kernel, in the columns' units."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from scripts_loader import script
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "ncu_table.py"
-spec = importlib.util.spec_from_file_location("ncu_table", SCRIPT)
-ncu_table = importlib.util.module_from_spec(spec)
-sys.modules["ncu_table"] = ncu_table
-spec.loader.exec_module(ncu_table)
+ncu_table = script("ncu_table")
 
 STALL = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
 # the shape of `ncu --csv --page raw`: ncu's log lines, a header, a units row, a row a kernel (values with commas)

@@ -6,52 +6,28 @@ past the plan and no wait given up, over shapes that make its programs wait, wra
 The interpreter cannot run Gluon, so on the CPU only the host side runs here; ``tests/test_sm90.py`` compiles the
 kernel for sm_90 (``scripts/sass.py fused``).
 """
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import triton
 import triton.language as tl
 from conftest import DEVICE
+from scripts_loader import fp8_case, fused_order, script
 from tolerances import experts_tolerance
 
 from moefuse import _runtime
-from moefuse.dispatch import moe_dispatch
 from moefuse.experts.fp8.kernels import _split_range
 from moefuse.experts.reference import moe_experts_fp8_torch
-from moefuse.formats import BlockFP8
 from moefuse.testing import rel_error, rms_rel_error
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))  # ws_decode takes its order from fused_decode, which takes l2_prefetch
-
-
-def _load(name):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-fused = _load("fused_decode")
-ws = _load("ws_decode")
+ws = script("ws_decode")  # it takes its order from fused_decode
 
 ON_SM90 = DEVICE.type == "cuda" and _runtime.capability(DEVICE) == (9, 0)
 
 
 def _case(E, H, I, M, K, gen, dtype=torch.bfloat16, dropped=0, block_m=16):
-    """Weights, activations and a plan of ``block_m``-row tiles (the kernel takes 8 or 16; a caller building a plan
-    for it asks for them, whatever ``plan_block_m`` would pick for the op)."""
-    w1 = BlockFP8.quantize((torch.randn(E, 2 * I, H, generator=gen) / H**0.5).to(DEVICE))
-    w2 = BlockFP8.quantize((torch.randn(E, H, I, generator=gen) / I**0.5).to(DEVICE))
-    x = torch.randn(M, H, generator=gen).to(DEVICE, dtype)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(M)]).int()
-    ids.view(-1)[torch.randperm(M * K, generator=gen)[:dropped]] = -1
-    return x, w1, w2, moe_dispatch(ids.to(DEVICE), E, block_m)
+    """As ``fp8_case``, on ``block_m``-row tiles: the kernel takes 8 or 16, and a caller building a plan for it asks
+    for them, whatever ``plan_block_m`` would pick for the op."""
+    return fp8_case(E, H, I, M, K, gen, dtype, dropped, block_m)
 
 
 def _table(plan, H, I, split, lag):
@@ -59,25 +35,14 @@ def _table(plan, H, I, split, lag):
     return ws.item_table(plan.tile_expert.numel(), lag, (I // 128) * runs, H // 128, DEVICE)
 
 
-@triton.jit
-def _order_kernel(gemm1_ptr, tile_ptr, sub_ptr, total, num_tiles, lag, g1n, g2n, BLOCK: tl.constexpr):
-    items = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    gemm1, tile, sub = fused._item_at(items, num_tiles, lag, g1n, g2n)
-    tl.store(gemm1_ptr + items, gemm1.to(tl.int32), mask=items < total)
-    tl.store(tile_ptr + items, tile, mask=items < total)
-    tl.store(sub_ptr + items, sub, mask=items < total)
-
-
 @pytest.mark.parametrize("num_tiles,g1n,g2n", [(1, 3, 2), (9, 32, 56), (40, 224, 56)])
 @pytest.mark.parametrize("lag", [0, 1, 3, 100])
 def test_item_table_is_the_fused_order(num_tiles, g1n, g2n, lag):
     """Each entry decodes (as the kernel's ``_decode`` does) to ``fused_decode._item_at``'s item at that place,
     whose order ``tests/test_fused_decode.py`` checks: every item once, a tile's GEMM1 items before its GEMM2."""
-    total = num_tiles * (g1n + g2n)
-    gemm1, tile, sub = (torch.empty(total, dtype=torch.int32, device=DEVICE) for _ in range(3))
-    _order_kernel[(triton.cdiv(total, 256),)](gemm1, tile, sub, total, num_tiles, lag, g1n, g2n, BLOCK=256)
+    gemm1, tile, sub = fused_order(num_tiles, lag, g1n, g2n)
     table = ws.item_table(num_tiles, lag, g1n, g2n, DEVICE)
-    assert table.dtype == torch.int32 and table.numel() == total
+    assert table.dtype == torch.int32 and table.numel() == num_tiles * (g1n + g2n)
     assert torch.equal(table & 1, gemm1)
     assert torch.equal((table >> 1) & 0x7FFF, tile)
     assert torch.equal(table >> 16, sub)

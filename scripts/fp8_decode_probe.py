@@ -324,12 +324,10 @@ def run_fused(c: dict[str, Any], x: torch.Tensor, w1: BlockFP8, w2: BlockFP8, pl
 
 @dataclasses.dataclass
 class Shape:
-    """One preset at one token count, as a sweep times it: the weights, the input, a rotation of routings (enough
-    that the touched weights overflow the L2), their outputs, and the op's tiles and split."""
+    """One preset at one token count, as a sweep's candidates run on it: the weights, the input, a rotation of
+    routings (enough that the touched weights overflow the L2) with their plans and outputs, the op's tiles, and the
+    GPU's SM count."""
 
-    name: str
-    M: int
-    K: int
     x: torch.Tensor
     w1: BlockFP8
     w2: BlockFP8
@@ -337,7 +335,6 @@ class Shape:
     plans: list
     outs: list
     tiles: Any
-    split: int
     sms: int
 
     @property
@@ -391,7 +388,7 @@ def sweep_rows(device: torch.device, read_tbps: float, name: str, shape_list: Se
         base = {"model": name, "M": M, "slots": K, "block_m": block_m,
                 "read_floor_us": touched * bytes_per_expert / (read_tbps * 1e12) * 1e6,
                 "op_us": timing.time_or_none(op), "split_op_us": timing.time_or_none(split_op), "op_split": split}
-        shape = Shape(name, M, K, x, w1, w2, ids, plans, outs, tiles, split, sms)
+        shape = Shape(x, w1, w2, ids, plans, outs, tiles, sms)
         for c in configs_:
             extra = candidate(shape, c)
             if extra is None:
@@ -557,14 +554,15 @@ def ncu_target(device: torch.device, name: str, fused: dict[str, Any] | None, ws
     w1, w2 = random_fp8(E, 2 * I, H, device), random_fp8(E, H, I, device)
     gen = torch.Generator(device).manual_seed(4)
     x = torch.randn(1, H, device=device, generator=gen).bfloat16()
-    plan = moe_dispatch(_routing(1, E, K, device, gen)[1], E, plan_block_m(1, w1, K, torch.bfloat16))
+    ids = _routing(1, E, K, device, gen)[1]
+    plan = moe_dispatch(ids, E, plan_block_m(1, w1, K, torch.bfloat16))
     out = torch.empty(plan.num_rows, H, dtype=torch.bfloat16, device=device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     calls: list[Callable[[], object]] = [lambda: moe_experts(x, w1, w2, plan, out=out)]
     if fused is not None:
         calls.append(lambda: run_fused(fused, x, w1, w2, plan, out, sms))
     if ws is not None:
-        ws_plan = plan if plan.block_m in ws_decode.BLOCK_MS else moe_dispatch(_routing(1, E, K, device, gen)[1], E, 16)
+        ws_plan = plan if plan.block_m in ws_decode.BLOCK_MS else moe_dispatch(ids, E, 16)
         ws_out = torch.empty(ws_plan.num_rows, H, dtype=torch.bfloat16, device=device)
         table = ws_table(ws, ws_plan, H, I)
         calls.append(lambda: run_ws(ws, x, w1, w2, ws_plan, ws_out, sms, table))

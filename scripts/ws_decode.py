@@ -24,8 +24,8 @@ Each step's product is one fresh accumulator promoted into fp32 times the rows' 
 weight-block scale (SPEC §5). GEMM2 is the op's own numerics at decode tiles (its 16-row tiles already swap their
 operands); GEMM1 on wgmma sums fp8 products as the 64-row tiles do, not in fp32 as the op's 16-row mma.sync does:
 the ``swap1`` numerics of ``fused_decode.py`` (twenty-fifth session: 4.6-8.4e-3 from float64 at one token, against
-2.7-3.1e-3). A probe, not a library kernel: ``fp8_decode_probe.py --ws`` times it against the op and the ``tl``
-fused kernel, and it joins the library only if it wins there.
+2.7-3.1e-3). A probe, not a library kernel: ``fp8_decode_probe.py --ws`` times it against the op (``--fused``
+times the ``tl`` kernel the same way), and it joins the library only if it wins there.
 """
 from __future__ import annotations
 

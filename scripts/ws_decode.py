@@ -53,7 +53,7 @@ try:  # Gluon ships with Triton >= 3.5
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from moefuse.experts.mxfp4.w4a8 import _e4m3, _full_448, _max_keeping_nan, _quantize_halves, _scale_of
+    from moefuse.experts.mxfp4.w4a8 import _e4m3, _full_448, _max_keeping_nan, _row_inverse, _scale_of
     from moefuse.experts.mxfp4.ws import _swiglu
 except ImportError:  # pragma: no cover - every supported Triton has it
     gluon = None
@@ -277,10 +277,11 @@ if gluon is not None:
                     up0 += _load_t(part, m, row_ok, I + col0, 2 * I, MMA)
                     up1 += _load_t(part, m, row_ok, I + col0 + _HALF, 2 * I, MMA)
         if last:  # the tile's rows are the columns here: each quantized over axis 0
-            q0, q1, amax = _quantize_halves(_swiglu(gate0, up0, limit, HAS_LIMIT),
-                                            _swiglu(gate1, up1, limit, HAS_LIMIT), 0)
-            _store_t(q0, inter_ptr, m, row_ok, col0, stride_im)
-            _store_t(q1, inter_ptr, m, row_ok, col0 + _HALF, stride_im)
+            act0 = _swiglu(gate0, up0, limit, HAS_LIMIT)
+            act1 = _swiglu(gate1, up1, limit, HAS_LIMIT)
+            inverse, amax = _row_inverse(act0, act1, 0)
+            _store_t(_e4m3(act0 * inverse), inter_ptr, m, row_ok, col0, stride_im)
+            _store_t(_e4m3(act1 * inverse), inter_ptr, m, row_ok, col0 + _HALF, stride_im)
             gl.store(is_ptr + m.to(gl.int64) * stride_ism + col_block, _scale_of(amax), mask=row_ok)
             _barrier()  # the whole column block stored before it is counted done
             gl.atomic_add(done_ptr + tile, 1, sem="release", scope="gpu")

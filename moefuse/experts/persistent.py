@@ -49,7 +49,7 @@ try:  # Gluon ships with Triton >= 3.5
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .mxfp4.w4a8 import _quantize_halves, _scale_of  # the e4m3 quantization in Gluon, as W4A8's epilogue
+    from .mxfp4.w4a8 import _e4m3, _row_inverse, _scale_of  # the e4m3 quantization in Gluon, as W4A8's epilogue
     from .mxfp4.ws import _swiglu
 except ImportError:  # pragma: no cover - every supported Triton has it
     gluon = None
@@ -361,10 +361,11 @@ if gluon is not None:
                     i += 1
                 col0 = block * item_cols
                 if GEMM1:
-                    q0, q1, amax = _quantize_halves(_swiglu(acc0, acc2, limit, HAS_LIMIT),
-                                                    _swiglu(acc1, acc3, limit, HAS_LIMIT), 1)
-                    _store(q0, out_ptr, row0, row_end, col0, stride_om)
-                    _store(q1, out_ptr, row0, row_end, col0 + _HALF, stride_om)
+                    act0 = _swiglu(acc0, acc2, limit, HAS_LIMIT)
+                    act1 = _swiglu(acc1, acc3, limit, HAS_LIMIT)
+                    inverse, amax = _row_inverse(act0, act1, 1)
+                    _store(_e4m3(act0 * inverse), out_ptr, row0, row_end, col0, stride_om)
+                    _store(_e4m3(act1 * inverse), out_ptr, row0, row_end, col0 + _HALF, stride_om)
                     gl.store(os_ptr + m.to(gl.int64) * stride_os + block, _scale_of(amax), mask=m < row_end)
                 else:
                     _store(acc0, out_ptr, row0, row_end, col0, stride_om)

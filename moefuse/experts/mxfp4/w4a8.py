@@ -288,15 +288,15 @@ if gluon is not None:
         return gl.minimum(y, 448.0, propagate_nan=tl.PropagateNan.ALL).to(gl.float8e4nv)
 
     @gluon.jit
-    def _quantize_halves(left, right, AXIS: gl.constexpr):
-        """128 fp32 values of each row, held as two halves (the row's values along ``AXIS``), quantized as
-        ``fp8.quantize._quantize`` does (SPEC §5): each half's e4m3 values, and each row's amax, whose scale
-        (:func:`_scale_of`) the caller takes as it stores it. The Gluon kernels' epilogue that writes a quantized
-        intermediate (``w4a8.py``, ``persistent.py``, and the transposed tiles of ``scripts/ws_decode.py``)."""
+    def _row_inverse(left, right, AXIS: gl.constexpr):
+        """What SPEC §5's quantization (as ``fp8.quantize._quantize``) multiplies 128 fp32 values of each row by,
+        the row held as two halves (its values along ``AXIS``): 448 / amax (0 for an all-zero row), broadcast
+        along ``AXIS``, and the row's amax, whose scale (:func:`_scale_of`) the caller stores. The Gluon kernels'
+        epilogue that writes a quantized intermediate (``w4a8.py``, ``persistent.py``, and the transposed tiles of
+        ``scripts/ws_decode.py``): each half's values are then ``_e4m3(half * inverse)``."""
         amax = gl.maximum(gl.reduce(gl.abs(left), AXIS, _max_keeping_nan),
                           gl.reduce(gl.abs(right), AXIS, _max_keeping_nan), propagate_nan=tl.PropagateNan.ALL)
-        inv = gl.expand_dims(gl.where(amax > 0, gl.div_rn(_full_448(amax), amax), 0.0), AXIS)
-        return _e4m3(left * inv), _e4m3(right * inv), amax
+        return gl.expand_dims(gl.where(amax > 0, gl.div_rn(_full_448(amax), amax), 0.0), AXIS), amax
 
     @gluon.jit
     def _full_448(amax):
@@ -313,11 +313,13 @@ if gluon is not None:
         each, bf16) quantized as ``fp8.quantize._quantize`` does the pass over the stored intermediate (SPEC §5):
         the values into ``q_ptr`` (e4m3), each row's scale into ``qs_ptr`` at group ``col0 / 128``."""
         layout: gl.constexpr = left.type.layout
-        q_left, q_right, amax = _quantize_halves(left.to(gl.float32), right.to(gl.float32), 1)
-        _store(q_left, q_ptr, row0, row_end, col0, stride_qm)
-        _store(q_right, q_ptr, row0, row_end, col0 + 64, stride_qm)
+        left, right = left.to(gl.float32), right.to(gl.float32)
+        inverse, amax = _row_inverse(left, right, 1)
+        _store(_e4m3(left * inverse), q_ptr, row0, row_end, col0, stride_qm)
+        _store(_e4m3(right * inverse), q_ptr, row0, row_end, col0 + 64, stride_qm)
         m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-        gl.store(qs_ptr + m.to(gl.int64) * stride_qs + col0 // 128, _scale_of(amax), mask=m < row_end)
+        scale = _scale_of(amax)
+        gl.store(qs_ptr + m.to(gl.int64) * stride_qs + col0 // 128, scale, mask=m < row_end)
 
     @gluon.jit
     def _consumer(a_smem, u_smem, f_smem, f_free, ready, unpacked, empty, halves, as_ptr, out_ptr, os_ptr,

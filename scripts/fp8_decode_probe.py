@@ -37,9 +37,9 @@ largest relative difference.
 
 ``--ws``: both GEMMs as one persistent, warp-specialized launch (``ws_decode.py``, Gluon): every launch (runs per
 GEMM1 column block; programs an SM with their ring slots and registers; lag) on DeepSeek-V3 at one token, then the
-fastest few on every preset where the plan's tiles are 8 or 16 rows, beside the op. Each time comes with whether its
-output has the same bits as the fused ``tl`` kernel's on swapped wgmma (the same numerics), its largest difference
-from the op, and its error and the op's from SPEC §5's float64 emulation.
+fastest few on every preset, on 16-row tiles (the routings planned again where the op's are taller), beside the op.
+Each time comes with whether its output has the same bits as the fused ``tl`` kernel's on swapped wgmma (the same
+numerics), its largest difference from the op, and its error and the op's from SPEC §5's float64 emulation.
 
 ``--layer-prefetch``: the fp8 layer at one token with its shared expert's weights asked of the L2 as the call
 starts (``l2_prefetch.py``), per preset with a shared expert, against the layer as it is.
@@ -476,8 +476,8 @@ def ws_candidate(shape: Shape, c: dict[str, Any]) -> dict[str, Any] | None:
     same bits as the fused ``tl`` kernel's on swapped wgmma (``swap1``, the same split and order: the same numerics
     on another structure), its largest difference from the op, and both errors from SPEC §5's float64 emulation."""
     plans, outs = shape.plans, shape.outs
-    if plans[0].block_m not in ws_decode.BLOCK_MS:  # the op's taller tiles at 16 tokens: the same routings in 16s
-        plans = [moe_dispatch(i, shape.w1.shape[0], 16) for i in shape.ids]
+    if plans[0].block_m != ws_decode.BLOCK_M:  # the op's taller tiles at 16 tokens: the same routings in 16s
+        plans = [moe_dispatch(i, shape.w1.shape[0], ws_decode.BLOCK_M) for i in shape.ids]
         outs = [torch.empty(p.num_rows, shape.H, dtype=torch.bfloat16, device=shape.x.device) for p in plans]
     plan, got = plans[0], outs[0]
     table = ws_table(c, plan, shape.H, shape.I)  # a shape's plans have the same tile count: one table for all
@@ -562,7 +562,7 @@ def ncu_target(device: torch.device, name: str, fused: dict[str, Any] | None, ws
     if fused is not None:
         calls.append(lambda: run_fused(fused, x, w1, w2, plan, out, sms))
     if ws is not None:
-        ws_plan = plan if plan.block_m in ws_decode.BLOCK_MS else moe_dispatch(ids, E, 16)
+        ws_plan = plan if plan.block_m == ws_decode.BLOCK_M else moe_dispatch(ids, E, ws_decode.BLOCK_M)
         ws_out = torch.empty(ws_plan.num_rows, H, dtype=torch.bfloat16, device=device)
         table = ws_table(ws, ws_plan, H, I)
         calls.append(lambda: run_ws(ws, x, w1, w2, ws_plan, ws_out, sms, table))

@@ -31,8 +31,8 @@ also fails on a spill (their register budget is set to the edge).
 and ``--layer-prefetch``): every build of the one-launch kernel over both GEMMs (``fused_decode.py``: warps and
 register cap, GEMM1's arithmetic, the next item's prefetch; 16-row tiles, 3 stages) with its shared memory,
 registers, stack bytes and GEMM1's loop per step; the warp-specialized one (``ws_decode.py``, Gluon) at each of
-its probe's launches, 16- and 8-row tiles, with and without the clamp, checked to fit as many programs an SM as the
-launch puts there; then the L2 prefetch kernel (``l2_prefetch.py``).
+its probe's launches, with and without the clamp, checked to fit as many programs an SM as the launch puts there;
+then the L2 prefetch kernel (``l2_prefetch.py``).
 
 ``--check`` exits with status 1 when a kernel fails to compile, needs more shared memory than a Hopper block
 may have (227 KB; on a GPU that is an ``OutOfResources`` at launch), or, for the experts, when a 16-bit tile of
@@ -547,6 +547,7 @@ def fused(args: argparse.Namespace) -> list[str]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import fp8_decode_probe as probe
     import l2_prefetch
+    import ws_decode
 
     problems = []
     print(f"{'warps':>5s} {'maxnreg':>7s} {'prequant':>8s} {'swap1':>5s} {'prefetch':>8s} {'stages':>6s} "
@@ -569,7 +570,7 @@ def fused(args: argparse.Namespace) -> list[str]:
                       f"{step:10d}", flush=True)
     print(f"\n{'tile rows':>9s} {'slots':>5s} {'maxnreg':>7s} {'programs/SM':>11s} {'clamp':>5s} {'smem':>6s} "
           f"{'stack':>5s} {'HGMMA':>5s} {'GEMM2 step':>10s}")
-    for block_m in (16, 8):
+    for block_m in (ws_decode.BLOCK_M,):
         for per_sm, stages, maxnreg in probe.WS_LAUNCHES:
             for has_limit in (False, True):
                 where = (f"warp-specialized decode, {block_m}-row tiles, {stages} slots, maxnreg {maxnreg}, "

@@ -11,7 +11,7 @@ fp8 mma.sync). Here the same items, in the same order (``fused_decode._item_at``
   a free slot: GEMM2's weights do not depend on GEMM1, so they stream while a consumer waits for its tile;
 - a **consumer warp group** takes the items in the producer's order (each item's number rides with its first
   slot, as in ``experts/persistent.py``), and per 128-deep step puts the tile's activations in shared memory and
-  issues wgmmas with the weights as M and the tile's rows as N (``BLOCK_M``, 8 or 16):
+  issues wgmmas with the weights as M and the tile's 16 rows as N:
   - a **GEMM1 item** (a tile's 128 intermediate columns, one of ``runs`` runs of H's steps): per step, the gate
     and the up box; the activations gathered from ``hidden`` a step ahead and quantized here (SPEC §5, as
     ``fp8.quantize._quantize``); split, its fp32 sums go to ``part`` and the last of a column block's runs to
@@ -64,7 +64,7 @@ STAGES = 8  # ring slots of 16 KB
 # warps idle at 24): at 168 the consumer gets 256 and one program fits an SM, at 128 it gets 216 and two fit.
 MAXNREG = 168
 PRODUCER_REGS = 40  # the producer warp after the hand-over (setmaxnreg), as persistent.py's
-BLOCK_MS = (8, 16)  # tile heights: the wgmma's N
+BLOCK_M = 16  # tile rows (the wgmma's N): decode plans' tiles, the shortest moe_dispatch makes
 
 if gluon is not None:
     # Triton 3.6 names the TMA load async_copy_global_to_shared and the CTA barrier thread_barrier; 3.9 async_load
@@ -435,15 +435,15 @@ def ws_experts_fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, plan
     """The fp8 experts (SPEC §5, GEMM1 on wgmma) as one launch of ``programs`` warp-specialized programs over the
     items of ``table`` (``item_table(num_tiles, lag, (I/128)·runs, H/128)``, ``runs`` from :func:`runs_of`).
     Needs an sm_90 GPU, bf16 or fp16 ``hidden``, H and I multiples of 128, contiguous fp8 weights and a plan of
-    ``BLOCK_MS`` rows a tile; everything is checked before the launch.
+    ``BLOCK_M`` rows a tile; everything is checked before the launch.
 
     Returns a one-element int32 tensor, set (after the launch) where a wait gave up: an order or count that is wrong,
     and an output that is then wrong too (None where the plan has no tiles)."""
     I, H = down.shape[2], hidden.shape[1]
     if I % BLOCK or H % BLOCK:
         raise ValueError(f"the warp-specialized decode kernel takes H and I multiples of 128, got H={H}, I={I}")
-    if plan.block_m not in BLOCK_MS:
-        raise ValueError(f"plan.block_m must be one of {BLOCK_MS} (the wgmma's N), got {plan.block_m}")
+    if plan.block_m != BLOCK_M:
+        raise ValueError(f"plan.block_m must be {BLOCK_M} (the wgmma's N), got {plan.block_m}")
     for name, value in (("split", split), ("programs", programs), ("stages", stages), ("maxnreg", maxnreg)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -25,8 +25,8 @@ ON_SM90 = DEVICE.type == "cuda" and _runtime.capability(DEVICE) == (9, 0)
 
 
 def _case(E, H, I, M, K, gen, dtype=torch.bfloat16, dropped=0, block_m=16):
-    """As ``fp8_case``, on ``block_m``-row tiles: the kernel takes 8 or 16, and a caller building a plan for it asks
-    for them, whatever ``plan_block_m`` would pick for the op."""
+    """As ``fp8_case``, on ``block_m``-row tiles: the kernel takes 16, and a caller building a plan for it asks for
+    them, whatever ``plan_block_m`` would pick for the op."""
     return fp8_case(E, H, I, M, K, gen, dtype, dropped, block_m)
 
 
@@ -115,28 +115,28 @@ def test_off_sm90_it_says_so_before_any_launch(gen):
         ws.ws_experts_fp8(x, w1, w2, plan, out, _table(plan, 256, 128, 2, 1), split=2, programs=1)
 
 
-# (E, H, I, M, K, split, lag, programs, stages, dtype, -1 slots, clamp, tile rows): one token and a few; runs uneven
-# or empty (H = 384: 3 steps in 2 or 4 runs); GEMM2 after each tile, a few tiles later or after all of GEMM1; one
-# program (every item in turn, every GEMM2 wait against its own earlier items) and more programs than items; rings
-# of 2 slots (wrapping every step) and 8; fp16; the clamp; 8-row tiles
+# (E, H, I, M, K, split, lag, programs, stages, dtype, -1 slots, clamp): one token and a few; runs uneven or empty
+# (H = 384: 3 steps in 2 or 4 runs); GEMM2 after each tile, a few tiles later or after all of GEMM1; one program
+# (every item in turn, every GEMM2 wait against its own earlier items) and more programs than items; rings of 2
+# slots (wrapping every step) and 8; fp16; the clamp
 CASES = [
-    (4, 256, 256, 1, 2, 2, 1, 3, 4, torch.bfloat16, 0, None, 16),
-    (6, 384, 128, 1, 3, 4, 0, 2, 2, torch.bfloat16, 0, 7.0, 16),
-    (5, 384, 256, 3, 2, 2, 2, 4, 8, torch.float16, 1, None, 16),
-    (3, 128, 128, 2, 3, 1, 10, 1, 2, torch.bfloat16, 2, None, 16),
-    (8, 512, 384, 4, 4, 3, 1, 64, 4, torch.bfloat16, 0, None, 16),
-    (16, 1024, 256, 1, 8, 7, 1, 12, 6, torch.bfloat16, 0, None, 16),
-    (16, 1024, 256, 2, 8, 7, 1, 12, 6, torch.bfloat16, 1, 5.0, 8),
+    (4, 256, 256, 1, 2, 2, 1, 3, 4, torch.bfloat16, 0, None),
+    (6, 384, 128, 1, 3, 4, 0, 2, 2, torch.bfloat16, 0, 7.0),
+    (5, 384, 256, 3, 2, 2, 2, 4, 8, torch.float16, 1, None),
+    (3, 128, 128, 2, 3, 1, 10, 1, 2, torch.bfloat16, 2, None),
+    (8, 512, 384, 4, 4, 3, 1, 64, 4, torch.bfloat16, 0, None),
+    (16, 1024, 256, 1, 8, 7, 1, 12, 6, torch.bfloat16, 0, None),
+    (16, 1024, 256, 2, 8, 7, 1, 12, 6, torch.bfloat16, 1, 5.0),
 ]
 
 
 @pytest.mark.skipif(not ON_SM90, reason="Gluon for sm_90: the interpreter cannot run it")
-@pytest.mark.parametrize("E,H,I,M,K,split,lag,programs,stages,dtype,dropped,limit,block_m", CASES)
+@pytest.mark.parametrize("E,H,I,M,K,split,lag,programs,stages,dtype,dropped,limit", CASES)
 def test_within_the_wgmma_tolerance_of_the_spec(E, H, I, M, K, split, lag, programs, stages, dtype, dropped, limit,
-                                               block_m, gen):
+                                               gen):
     """GEMM1 on wgmma sums fp8 products as the 64-row tiles do, so the output is held to their tolerance
     (``experts_tolerance("fp8", 64)``, measured in results/errors.md); rows past the plan keep their NaN."""
-    x, w1, w2, plan = _case(E, H, I, M, K, gen, dtype, dropped, block_m)
+    x, w1, w2, plan = _case(E, H, I, M, K, gen, dtype, dropped)
     n = int(plan.expert_offsets[-1])
     got = torch.full((plan.num_rows, H), float("nan"), dtype=dtype, device=DEVICE)
     gave_up = ws.ws_experts_fp8(x, w1, w2, plan, got, _table(plan, H, I, split, lag), split=split,

@@ -44,3 +44,26 @@ def test_summary_plot_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
     assert run.summary_plot(_records(), tmp_path / "summary.png")
     assert (tmp_path / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fp8_peer_is_scaled_by_the_runs_floors():
+    """``bench.quant.peer_in_this_run``: the anchor's better vLLM config at the anchor's own floor, in proportion to
+    this run's floor otherwise (the anchor measured another machine's read rate), and nothing where the anchor has
+    no row."""
+    from moefuse.bench import quant, report
+
+    row = next(r for r in report.anchors()["fp8_block_scale_experts_vllm_triton"]["rows"] if r["tokens"] == 1)
+    us, measured = quant.peer_in_this_run(1, row["fp8_read_floor_us"])
+    assert us == pytest.approx(min(row["default_config_us"], row["tuned_config_us"]), rel=1e-12)
+    assert measured == "2026-12-03"
+    assert quant.peer_in_this_run(1, 2 * row["fp8_read_floor_us"])[0] == pytest.approx(2 * us, rel=1e-12)
+    assert quant.peer_in_this_run(3, 100.0) is None
+
+
+def test_peer_ratio_takes_our_time_on_the_peers_scope():
+    """A line whose peer measured a wider scope (the fp8 peer: dispatch and combine too) compares ``ours_vs_peer``,
+    and draws no peer point where that time is missing (results from before it was measured)."""
+    spec = next(s for s in run.SUMMARY if s.get("ours_vs_peer"))
+    row = {spec["us"]: 100.0, spec["ours_vs_peer"]: 110.0, spec["peer"]: 105.0}
+    assert run._peer_ratio(spec, row) == pytest.approx(110.0 / 105.0)
+    assert run._peer_ratio(spec, {spec["us"]: 100.0, spec["peer"]: 105.0}) is None

@@ -7,8 +7,13 @@ For each model and token count (softmax top-k of random N(0, 1) logits, as the a
 - the format's weight-read floor: the touched experts' stored bytes (values and scales) at the read bandwidth
   measured in the same run, plus the empty-kernel time; for fp8 also the tensor-core floor at the fp8 GEMM rate
   measured in the same run (``torch._scaled_mm``, 8192³);
-- the peer: vLLM's Triton fused_moe W8A8 block-scale path on DeepSeek-V3 as measured on this GPU
-  (``anchors_h200.json``, the better of its default config and its tuned TP8 table);
+- the peer, on DeepSeek-V3: vLLM's Triton fused_moe W8A8 block-scale path, the better of its default and its
+  shipped H200 tuned config, as measured on this GPU model in its own run (``anchors_h200.json``: side by side with
+  moefuse, dispatch + experts + the weighted combine over top-k). vLLM does not run here, so this run times
+  moefuse on that scope (``routed_us``: ``moe_dispatch``, ``moe_experts``, ``moe_finalize_fuse_shared``) and
+  compares ratios to each run's own read floor, as the anchor asks: ``peer_us`` is vLLM's time times this run's
+  floor over the anchor run's (the touched experts' bytes at each run's read rate), ``x_peer`` = peer_us /
+  routed_us, and ``peer_anchor`` says which measurement it is;
 - the whole layer (``MoELayer(quant=...)``: router, dispatch, experts, fp8 shared expert, finalize) and the bf16
   layer, with the layer's read floor (touched experts, shared expert, router weight);
 - the MMA precision the call ran: fp8's W8A8; MXFP4's W4A16 (the default) and, as its own rows ("w4a8"), W4A8
@@ -33,6 +38,7 @@ from moefuse.config import preset
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import configs, moe_experts, moe_experts_torch, plan_block_m
 from moefuse.experts.reference import moe_experts_fp8_torch, moe_experts_w4a8_torch
+from moefuse.finalize import moe_finalize_fuse_shared
 from moefuse.formats import BLOCK, MX_GROUP, MXFP4, BlockFP8
 from moefuse.layer import MoELayer, Quant
 from moefuse.testing import rel_error
@@ -49,7 +55,8 @@ COLUMNS = [
     ("format", "format"), ("model", "model"), ("M", "M"), ("mma", "MMA"), ("experts", "experts touched"),
     ("err_spec", "err vs f64 spec"), ("err_unquantized", "err vs unquantized"),
     ("us", "experts µs"), ("read_floor_us", "read floor µs"), ("x_floor", "× floor"),
-    ("mma_floor_us", "fp8 MMA floor µs"), ("peer_us", "vLLM fp8 µs"), ("x_peer", "speedup vs vLLM"),
+    ("mma_floor_us", "fp8 MMA floor µs"), ("routed_us", "dispatch+experts+combine µs"),
+    ("peer_us", "vLLM fp8 µs (× floor ratio)"), ("x_peer", "speedup vs vLLM"),
     ("bf16_us", "bf16 experts µs"), ("x_bf16", "speedup vs bf16"),
     ("layer_us", "layer µs"), ("layer_floor_us", "layer floor µs"), ("x_layer_floor", "layer × floor"),
     ("bf16_layer_us", "bf16 layer µs"),
@@ -103,14 +110,33 @@ def _fp8_mma_tflops() -> float:
     return float("nan") if us is None else 2 * 8192**3 / (us * 1e-6) / 1e12
 
 
-def _peer_us(model: str, tokens: int) -> float | None:
-    if model != "deepseek-v3":
-        return None
-    rows = report.anchors()["fp8_block_scale_experts_vllm_triton"]["rows"]
-    for row in rows:
+PEER_MODEL = "deepseek-v3"  # the shapes the fp8 peer was measured on
+
+
+def peer_in_this_run(tokens: int, floor_us: float) -> tuple[float, str] | None:
+    """vLLM's fp8 experts at ``tokens`` tokens (the better of its two configs, dispatch and combine included) from
+    the committed anchor, times ``floor_us`` (this run's touched-expert bytes at this run's read rate) over the
+    anchor run's own floor, and the anchor's date; None where the anchor has no such row."""
+    anchor = report.anchors()["fp8_block_scale_experts_vllm_triton"]
+    for row in anchor["rows"]:
         if row["tokens"] == tokens:
-            return min(row["default_config_us"], row["tp8_tuned_table_us"])
+            best = min(row["default_config_us"], row["tuned_config_us"])
+            return best * floor_us / row["fp8_read_floor_us"], anchor["measured"].split(",")[0]
     return None
+
+
+def _routed_us(x: torch.Tensor, w1: BlockFP8, w2: BlockFP8, routings: list[torch.Tensor], block_m: int) -> float:
+    """Dispatch, the experts and the weighted combine over top-k (no shared expert) per routing: the peer's scope,
+    under CUDA-graph replay."""
+    M, K = routings[0].shape
+    E = w1.shape[0]
+    weights = torch.full((M, K), 1.0 / K, device=x.device)  # the values do not change the time
+
+    def call(ids: torch.Tensor) -> torch.Tensor:
+        plan = moe_dispatch(ids, E, block_m)
+        return moe_finalize_fuse_shared(moe_experts(x, w1, w2, plan), plan.expanded_to_permuted, weights, None, K)
+
+    return timing.graph_time_us([partial(call, ids) for ids in routings], replays=20)
 
 
 def _experts_row(fmt: str, model: str, M: int, weights: tuple, ceilings: timing.Ceilings, fp8_tflops: float,
@@ -152,8 +178,11 @@ def _experts_row(fmt: str, model: str, M: int, weights: tuple, ceilings: timing.
     row["x_floor"] = row["us"] / row["read_floor_us"]
     if fmt == "fp8":
         row["mma_floor_us"] = 2 * M * K * 3 * H * I / (fp8_tflops * 1e12) * 1e6
-    row["peer_us"] = _peer_us(model, M) if fmt == "fp8" else None
-    row["x_peer"] = row["peer_us"] / row["us"] if row["peer_us"] else None
+    peer = peer_in_this_run(M, stored / (ceilings.read_tbps * 1e12) * 1e6) if fmt == "fp8" else None
+    if model == PEER_MODEL and peer is not None:
+        row["routed_us"] = _routed_us(x, w1, w2, [ids] + more, plan.block_m)
+        row["peer_us"], row["peer_anchor"] = peer
+        row["x_peer"] = row["peer_us"] / row["routed_us"]
     row["x_bf16"] = row["bf16_us"] / row["us"]
     return row
 

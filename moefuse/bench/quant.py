@@ -125,16 +125,18 @@ def peer_in_this_run(tokens: int, floor_us: float) -> tuple[float, str] | None:
     return None
 
 
-def _routed_us(x: torch.Tensor, w1: BlockFP8, w2: BlockFP8, routings: list[torch.Tensor], block_m: int) -> float:
-    """Dispatch, the experts and the weighted combine over top-k (no shared expert) per routing: the peer's scope,
-    under CUDA-graph replay."""
+def _routed_us(x: torch.Tensor, w1: BlockFP8, w2: BlockFP8, routings: list[torch.Tensor], block_m: int,
+               quant: str | None) -> float:
+    """Dispatch, the experts (``activation_quant=quant``, as the row's) and the weighted combine over top-k (no
+    shared expert) per routing: the peer's scope, under CUDA-graph replay."""
     M, K = routings[0].shape
     E = w1.shape[0]
     weights = torch.full((M, K), 1.0 / K, device=x.device)  # the values do not change the time
 
     def call(ids: torch.Tensor) -> torch.Tensor:
         plan = moe_dispatch(ids, E, block_m)
-        return moe_finalize_fuse_shared(moe_experts(x, w1, w2, plan), plan.expanded_to_permuted, weights, None, K)
+        out = moe_experts(x, w1, w2, plan, activation_quant=quant)
+        return moe_finalize_fuse_shared(out, plan.expanded_to_permuted, weights, None, K)
 
     return timing.graph_time_us([partial(call, ids) for ids in routings], replays=20)
 
@@ -178,9 +180,10 @@ def _experts_row(fmt: str, model: str, M: int, weights: tuple, ceilings: timing.
     row["x_floor"] = row["us"] / row["read_floor_us"]
     if fmt == "fp8":
         row["mma_floor_us"] = 2 * M * K * 3 * H * I / (fp8_tflops * 1e12) * 1e6
-    peer = peer_in_this_run(M, stored / (ceilings.read_tbps * 1e12) * 1e6) if fmt == "fp8" else None
-    if model == PEER_MODEL and peer is not None:
-        row["routed_us"] = _routed_us(x, w1, w2, [ids] + more, plan.block_m)
+    peer = (peer_in_this_run(M, stored / (ceilings.read_tbps * 1e12) * 1e6)
+            if fmt == "fp8" and model == PEER_MODEL else None)
+    if peer is not None:
+        row["routed_us"] = _routed_us(x, w1, w2, [ids] + more, plan.block_m, quant)
         row["peer_us"], row["peer_anchor"] = peer
         row["x_peer"] = row["peer_us"] / row["routed_us"]
     row["x_bf16"] = row["bf16_us"] / row["us"]

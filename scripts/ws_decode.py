@@ -188,6 +188,7 @@ if gluon is not None:
 
     @gluon.jit
     def _ready_box(w_smem, ready, i, STAGES: gl.constexpr):
+        """Ring position ``i``'s weight box, once its bytes have landed."""
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         return w_smem.index(s)

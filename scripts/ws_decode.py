@@ -210,6 +210,12 @@ if gluon is not None:
                        cache_modifier=".cg")
 
     @gluon.jit
+    def _gate_up_zeros(BLOCK_M: gl.constexpr, MMA: gl.constexpr):
+        """A GEMM1 item's four fp32 accumulators (gate and up, each box's two 64-row halves), [64, BLOCK_M]."""
+        zeros = gl.zeros([_HALF, BLOCK_M], gl.float32, MMA)
+        return zeros, zeros, zeros, zeros
+
+    @gluon.jit
     def _gemm1_item(w_smem, a_smem, ready, empty, i, tile, sub, expert, row_start, row_end, hidden_ptr, p2e_ptr,
                     w1s_ptr, inter_ptr, is_ptr, part_ptr, arrivals_ptr, done_ptr, I, H, top_k, runs, per, num_rows,
                     limit, stride_hm, stride_se, stride_sn, stride_sk, stride_im, stride_ism, HAS_LIMIT: gl.constexpr,
@@ -226,10 +232,7 @@ if gluon is not None:
         s_expert = w1s_ptr + expert.to(gl.int64) * stride_se
         gate_scales = s_expert + col_block * stride_sn
         up_scales = s_expert + (I // _BOX + col_block) * stride_sn  # I a multiple of 128: the up box starts a block
-        gate0 = gl.zeros([_HALF, BLOCK_M], gl.float32, MMA)
-        gate1 = gl.zeros([_HALF, BLOCK_M], gl.float32, MMA)
-        up0 = gl.zeros([_HALF, BLOCK_M], gl.float32, MMA)
-        up1 = gl.zeros([_HALF, BLOCK_M], gl.float32, MMA)
+        gate0, gate1, up0, up1 = _gate_up_zeros(BLOCK_M, MMA)
         x = _load_hidden(hidden_ptr, tokens, x_ok, k0, stride_hm, XL)
         for k in range(k0, k1):
             a = a_smem.index(k % 2)
@@ -267,10 +270,7 @@ if gluon is not None:
             last = gl.atomic_add(arrivals_ptr + tile * (I // _BOX) + col_block, 1, sem="acq_rel",
                                  scope="gpu") == runs - 1
             if last:  # in run order, not arrival order: the same bits whichever run arrives last
-                gate0 = gl.zeros([_HALF, BLOCK_M], gl.float32, MMA)
-                gate1 = gl.zeros([_HALF, BLOCK_M], gl.float32, MMA)
-                up0 = gl.zeros([_HALF, BLOCK_M], gl.float32, MMA)
-                up1 = gl.zeros([_HALF, BLOCK_M], gl.float32, MMA)
+                gate0, gate1, up0, up1 = _gate_up_zeros(BLOCK_M, MMA)
                 for r in range(runs):
                     part = part_ptr + r * num_rows.to(gl.int64) * (2 * I)
                     gate0 += _load_t(part, m, row_ok, col0, 2 * I, MMA)

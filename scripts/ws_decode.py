@@ -55,6 +55,7 @@ try:  # Gluon ships with Triton >= 3.5
 
     from moefuse.experts.mxfp4.w4a8 import _e4m3, _full_448, _max_keeping_nan, _row_inverse, _scale_of
     from moefuse.experts.mxfp4.ws import _swiglu
+    from moefuse.experts.persistent import _claimed, _end_claim  # the claims protocol of the persistent kernels
 except ImportError:  # pragma: no cover - every supported Triton has it
     gluon = None
 
@@ -126,17 +127,7 @@ if gluon is not None:
                         i = _box(w2_desc, w_row, k, w_smem, ready, empty, i, claim, item, False, STAGES)
                 j += 1
             item = gl.atomic_add(counter_ptr, 1)
-        s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        gl.store(claims + j % CLAIMS, num_items)
-        mbarrier.arrive(ready.index(s))
-
-    @gluon.jit
-    def _claimed(claims_ptr, ready, i, j, STAGES: gl.constexpr, CLAIMS: gl.constexpr):
-        """The consumer's ``j``-th item: the claim the producer wrote before arming slot ``i % STAGES``, read once
-        that slot's barrier completes (``num_items``: no more)."""
-        mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
-        return gl.load(claims_ptr + gl.program_id(0) * CLAIMS + j % CLAIMS, volatile=True)
+        _end_claim(claims, empty, ready, i, j, num_items, STAGES, CLAIMS)
 
     @gluon.jit
     def _wait(counter_ptr, target, gave_up_ptr):

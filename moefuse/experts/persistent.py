@@ -141,10 +141,7 @@ if gluon is not None:
                                       claims + j % _CLAIMS, item, BK, STAGES, DYNAMIC)
                     j += 1
                 item = gl.atomic_add(counter_ptr, 1)
-            s = i % STAGES
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-            gl.store(claims + j % _CLAIMS, num_items)
-            mbarrier.arrive(ready.index(s))
+            _end_claim(claims, empty, ready, i, j, num_items, STAGES, _CLAIMS)
         else:
             for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
                 expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
@@ -155,11 +152,21 @@ if gluon is not None:
                                       claims_ptr, item, BK, STAGES, DYNAMIC)
 
     @gluon.jit
-    def _claimed(claims_ptr, ready, i, j, STAGES: gl.constexpr):
+    def _end_claim(claims, empty, ready, i, j, num_items, STAGES: gl.constexpr, CLAIMS: gl.constexpr):
+        """The dynamic schedule's end, past a producer's last item: its ``j``-th claim is ``num_items``, on slot
+        ``i % STAGES`` armed with no bytes once it is free (``claims``: this program's ``CLAIMS`` of them)."""
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        gl.store(claims + j % CLAIMS, num_items)
+        mbarrier.arrive(ready.index(s))
+
+    @gluon.jit
+    def _claimed(claims_ptr, ready, i, j, STAGES: gl.constexpr, CLAIMS: gl.constexpr):
         """A consumer's next item under the dynamic schedule: the claim the producer wrote before arming slot
-        ``i % STAGES`` (its ``j``-th), read once that slot's barrier completes (``num_items``: no more)."""
+        ``i % STAGES`` (its ``j``-th of this program's ``CLAIMS``), read once that slot's barrier completes
+        (``num_items``: no more)."""
         mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
-        return gl.load(claims_ptr + gl.program_id(0) * _CLAIMS + j % _CLAIMS, volatile=True)
+        return gl.load(claims_ptr + gl.program_id(0) * CLAIMS + j % CLAIMS, volatile=True)
 
     @gluon.jit
     def _store(acc, out_ptr, row0, row_end, col0, stride_om):
@@ -269,14 +276,14 @@ if gluon is not None:
         i = 0
         if DYNAMIC:
             j = 0
-            item = _claimed(claims_ptr, ready, i, j, STAGES)
+            item = _claimed(claims_ptr, ready, i, j, STAGES, _CLAIMS)
             while item < num_items:
                 expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
                                                           expert_offsets_ptr)
                 i = _consume_item(a_smem, w_smem, ready, empty, out_ptr, i, expert, block, row_start, row_end,
                                   item_cols, k_steps, stride_om, limit, C, GEMM1, HAS_LIMIT, STAGES)
                 j += 1
-                item = _claimed(claims_ptr, ready, i, j, STAGES)
+                item = _claimed(claims_ptr, ready, i, j, STAGES, _CLAIMS)
         else:
             for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
                 expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
@@ -389,7 +396,7 @@ if gluon is not None:
         i = 0
         if DYNAMIC:
             j = 0
-            item = _claimed(claims_ptr, ready, i, j, STAGES)
+            item = _claimed(claims_ptr, ready, i, j, STAGES, _CLAIMS)
             while item < num_items:
                 expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,
                                                           expert_offsets_ptr)
@@ -398,7 +405,7 @@ if gluon is not None:
                                       stride_am, stride_ag, stride_se, stride_sn, stride_sk, stride_om, stride_os,
                                       limit, C, GEMM1, HAS_LIMIT, STAGES)
                 j += 1
-                item = _claimed(claims_ptr, ready, i, j, STAGES)
+                item = _claimed(claims_ptr, ready, i, j, STAGES, _CLAIMS)
         else:
             for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
                 expert, block, row_start, row_end = _item(item, col_blocks, tile_expert_ptr, tile_row_start_ptr,

@@ -17,7 +17,7 @@ from tolerances import experts_tolerance
 from moefuse import _runtime
 from moefuse.experts.fp8.kernels import _split_range
 from moefuse.experts.reference import moe_experts_fp8_torch
-from moefuse.testing import rel_error, rms_rel_error
+from moefuse.testing import assert_rel_close, rel_error, rms_rel_error
 
 ws = script("ws_decode")  # it takes its order from fused_decode
 
@@ -161,3 +161,26 @@ def test_repeated_launches_give_the_same_bits(gen):
         assert int(ws.ws_experts_fp8(x, w1, w2, plan, out, table, split=8, programs=programs)) == 0
         outs.append(out[: int(plan.expert_offsets[-1])])
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+@pytest.mark.skipif(not ON_SM90, reason="Gluon for sm_90: the interpreter cannot run it")
+def test_nan_stays_in_its_token_and_strided_rows(gen):
+    """A NaN in one token's hidden state makes that token's rows NaN (SPEC §5), through the split's last arriver and
+    the clamp, and only those; ``hidden`` is a column slice of a wider tensor (its row stride is not H)."""
+    x, w1, w2, plan = _case(6, 384, 256, 3, 2, gen, dropped=1)
+    wide = torch.randn(3, 2 * 384, generator=gen).to(DEVICE, torch.bfloat16)
+    wide[:, 128:512] = x
+    x = wide[:, 128:512]
+    x[1, 200] = float("nan")
+    n = int(plan.expert_offsets[-1])
+    got = torch.full((plan.num_rows, 384), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    gave_up = ws.ws_experts_fp8(x, w1, w2, plan, got, _table(plan, 384, 256, 2, 1), split=2, programs=5,
+                                stages=3, swiglu_limit=1.5)
+    assert int(gave_up) == 0, "a wait gave up: the items' order or counts are wrong"
+    ref = moe_experts_fp8_torch(x, w1, w2, plan, swiglu_limit=1.5, dtype=torch.float64,
+                                out=torch.zeros(plan.num_rows, 384, dtype=torch.float64, device=DEVICE))[:n]
+    max_err, rms_err = experts_tolerance("fp8", 64)
+    assert_rel_close(got[:n], ref, max_err, "ws decode")
+    finite = ref.isfinite().all(dim=1)
+    assert not finite.all() and rms_rel_error(got[:n][finite], ref[finite]) < rms_err
+    assert got[n:].isnan().all()

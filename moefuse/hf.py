@@ -24,7 +24,7 @@ from torch import nn
 from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
 from moefuse.formats import LayerFormat, format_of_stored, layer_format
-from moefuse.layer import MoELayer, Quant, SharedQuant, routed_experts, stack_gate_up
+from moefuse.layer import MoELayer, Quant, SharedQuant, Workspace, routed_experts, stack_gate_up
 
 # Block class name -> scoring function of its router ("config" = read the router's activation).
 SUPPORTED_BLOCKS: dict[str, str] = {
@@ -262,8 +262,11 @@ def experts_forward(experts: HFModule, hidden_states: torch.Tensor, top_k_index:
     if fmt.quantized:  # the exponent range of FP4 scales is not re-checked per call (it reads the device)
         gate_up, down = (fmt.weight(getattr(experts, name), _scales(experts, fmt, f"{name}_scale_inv"))
                          for name in ("gate_up_proj", "down_proj"))
+    workspace = None
+    if not torch.compiler.is_compiling():  # kept on transformers' module, made at its first call
+        workspace = experts.__dict__.setdefault("_moefuse_workspace", Workspace()).on(hidden_states.device)
     out = routed_experts(hidden_states, gate_up, down, weights, top_k_index.to(torch.int32),
-                         swiglu_limit=getattr(experts, "limit", None))
+                         swiglu_limit=getattr(experts, "limit", None), workspace=workspace)
     return cast(torch.Tensor, out)  # not deferred
 
 

@@ -23,7 +23,15 @@ from moefuse._checks import check_int
 from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
 from moefuse.dispatch import moe_dispatch
-from moefuse.experts import check_experts_shapes, configs, cublas_mlp, mlp_on_cublas, moe_experts, plan_block_m
+from moefuse.experts import (
+    check_experts_shapes,
+    configs,
+    cublas_mlp,
+    experts_workspace,
+    mlp_on_cublas,
+    moe_experts,
+    plan_block_m,
+)
 from moefuse.experts.reference import expert_mlp_torch, swiglu_torch
 from moefuse.finalize import (
     DeferredFinalizeOutput,
@@ -113,19 +121,38 @@ ActivationQuant = Optional[str]
 
 def routed_experts(x: torch.Tensor, gate_up_proj: ExpertWeight, down_proj: ExpertWeight, weights: torch.Tensor,
                    ids: torch.Tensor, *, swiglu_limit: float | None = None, defer: bool = False,
-                   activation_quant: ActivationQuant = "default", backend: Backend = "auto"
-                   ) -> torch.Tensor | DeferredFinalizeOutput:
+                   activation_quant: ActivationQuant = "default", backend: Backend = "auto",
+                   workspace: torch.Tensor | None = None) -> torch.Tensor | DeferredFinalizeOutput:
     """Dispatch + grouped GEMM1/SwiGLU/GEMM2 for tokens ``x`` [M, H] routed by ``ids`` int32 [M, K] with ``weights``
     [M, K] (fp32 or bf16); then the combine into [M, H], or with ``defer`` the pieces for a fused finalize.
-    ``activation_quant`` as :func:`moefuse.moe_experts` takes it (the plan's tile height follows it)."""
+    ``activation_quant`` and ``workspace`` as :func:`moefuse.moe_experts` takes them (the plan's tile height follows
+    ``activation_quant``)."""
     num_experts = gate_up_proj.shape[0]
     top_k = ids.shape[1]
     block_m = plan_block_m(x.shape[0], gate_up_proj, top_k, x.dtype, activation_quant)
     plan = moe_dispatch(ids, num_experts, block_m, backend=backend)
     gemm2_out = moe_experts(x, gate_up_proj, down_proj, plan, swiglu_limit=swiglu_limit,
-                            activation_quant=activation_quant, backend=backend)
+                            activation_quant=activation_quant, backend=backend, workspace=workspace)
     deferred = DeferredFinalizeOutput(gemm2_out, weights, plan.expanded_to_permuted, top_k)
     return deferred if defer else finalize_deferred_output(deferred, None, backend=backend)
+
+
+class Workspace:
+    """A module's workspace for :func:`moefuse.moe_experts` (``experts.experts_workspace``: counters the kernels
+    leave zeroed, so a decode call launches no kernel to zero them), made at its first call on a device. Not a
+    buffer: a module built on the meta device (as :func:`moefuse.from_hf` builds layers) and materialized with
+    ``to_empty`` would hold counters that are not zero. None while ``torch.compile`` traces (the op zeroes its own)."""
+
+    def __init__(self) -> None:
+        self._tensor: torch.Tensor | None = None
+
+    def on(self, device: torch.device) -> torch.Tensor | None:
+        """The workspace on ``device`` (a new one where the module has moved), or None while compiling."""
+        if torch.compiler.is_compiling():
+            return None
+        if self._tensor is None or self._tensor.device != device:
+            self._tensor = experts_workspace(device)
+        return self._tensor
 
 
 class MoEExperts(nn.Module):
@@ -155,6 +182,7 @@ class MoEExperts(nn.Module):
         self.activation_quant: str | None = resolve_activation_quant(self.weights()[0], activation_quant)
         if backend != "reference":  # what the kernels take on any device; the op checks the device at the call
             check_experts_shapes(self.weights()[0], self.activation_quant)
+        self.workspace = Workspace()  # the routed experts' calls run one after another on one stream
 
     def weights(self) -> tuple[ExpertWeight, ExpertWeight]:
         """``(gate_up_proj, down_proj)`` as the experts op takes them: tensors, :class:`BlockFP8` s or
@@ -170,7 +198,8 @@ class MoEExperts(nn.Module):
         if defer is None:
             defer = deferred_finalize_enabled()
         return routed_experts(x, *self.weights(), weights, ids, swiglu_limit=self.config.swiglu_limit, defer=defer,
-                              activation_quant=self.activation_quant, backend=self.backend)
+                              activation_quant=self.activation_quant, backend=self.backend,
+                              workspace=self.workspace.on(x.device))
 
 
 def expert_weights(module: Any, fmt: LayerFormat) -> tuple[ExpertWeight, ExpertWeight]:
@@ -232,6 +261,7 @@ class SharedExpert(nn.Module):
         self.quant = quant
         self.format = layer_format(quant, "shared_quant")
         self.backend = backend
+        self.workspace = Workspace()  # its own: it runs on a side stream, beside the routed experts
         if self.format.quantized:  # [gate; up] as one tensor (and scales): the grouped GEMMs read them as one expert
             gate_up = self.format.params(1, 2 * intermediate_size, hidden_size, dtype, device)
             down = self.format.params(1, hidden_size, intermediate_size, dtype, device)
@@ -252,7 +282,8 @@ class SharedExpert(nn.Module):
             return cublas_mlp(x, gate_up, down, self.limit)
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
         ids = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device)
-        out = routed_experts(x, gate_up, down, ones, ids, swiglu_limit=self.limit, backend=self.backend)
+        out = routed_experts(x, gate_up, down, ones, ids, swiglu_limit=self.limit, backend=self.backend,
+                             workspace=self.workspace.on(x.device))
         assert isinstance(out, torch.Tensor)
         return out
 
@@ -544,8 +575,8 @@ class MoELayer(nn.Module):
                              dtype, configs.arch_of(x.device))
         with configs.override(tiles):
             routed = routed_experts(x, gate_up_proj, down_proj, weights, ids, swiglu_limit=c.swiglu_limit,
-                                    defer=True, activation_quant=self.activation_quant,
-                                    backend=self.backend)
+                                    defer=True, activation_quant=self.activation_quant, backend=self.backend,
+                                    workspace=self.experts.workspace.on(x.device))
         return finalize_deferred_output(cast(DeferredFinalizeOutput, routed), None, backend=self.backend)
 
     def init_random_(self, seed: int = 0, std: float = 0.02) -> MoELayer:

@@ -47,6 +47,7 @@ from moefuse.layer import (
     Quant,
     SharedExpert,
     SharedQuant,
+    Workspace,
     add_expert_params,
     default_shared_quant,
     expert_weights,
@@ -118,6 +119,7 @@ class ShardedMoELayer(nn.Module):
         width = I // world if mode == "tp" else I
         self.gate = MoERouter(config, device=device, backend=backend)
         self.experts = nn.Module()
+        self.workspace = Workspace()
         local, H = self.num_local_experts, config.hidden_size
         self.format = layer_format(quant)
         add_expert_params(self.experts, self.format, local, H, width, dtype, device)  # MoELayer's names and dtypes
@@ -257,7 +259,8 @@ class ShardedMoELayer(nn.Module):
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> DeferredFinalizeOutput:
         out = routed_experts(x, *expert_weights(self.experts, self.format), weights, ids,
                              swiglu_limit=self.config.swiglu_limit, defer=True,
-                             activation_quant=self.activation_quant, backend=self.backend)
+                             activation_quant=self.activation_quant, backend=self.backend,
+                             workspace=self.workspace.on(x.device))
         assert isinstance(out, DeferredFinalizeOutput)
         return out
 

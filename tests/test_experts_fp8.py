@@ -12,7 +12,16 @@ from tolerances import experts_tolerance
 
 from moefuse.config import PRESETS
 from moefuse.dispatch import moe_dispatch
-from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts, persistent, pick_block_m, plan_block_m
+from moefuse.experts import (
+    GemmTiles,
+    TileConfig,
+    configs,
+    experts_workspace,
+    moe_experts,
+    persistent,
+    pick_block_m,
+    plan_block_m,
+)
 from moefuse.experts.fp8.kernels import experts_fp8
 from moefuse.experts.reference import moe_experts_fp8_torch
 from moefuse.formats import BlockFP8, dequantize_rows, quantize_rows, tile_dtype, ue8m0_to_float
@@ -194,6 +203,51 @@ def test_split_k_matches_float64_and_repeats(split_k, gen, device):
         assert torch.equal(outs[0].isnan(), again.isnan()) and torch.equal(outs[0].nan_to_num(), again.nan_to_num())
     with pytest.raises(ValueError, match="split_k"):
         experts_fp8(x, w1, w2, plan, out, tiles, tiles, split_k=0)
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_split_k_counts_in_the_workspace_and_leaves_it_zeroed(split_k, gen, device):
+    """Given a workspace, split GEMM1 counts its arrivals there (so no zeroing kernel runs) and its last arrivers
+    set the counters back to zero: two calls on one workspace give the bits of a call with counters of its own, and
+    leave it zeroed. The workspace is really the counters: one whose counters start at 1 lets a run that is not the
+    last end its tile, adding another run's partial sums before they are written (a wrong result: the inputs
+    differ from the call before, whose buffers the allocator may hand back). One too small for the grid is not
+    used."""
+    x, w1, w2, ids = _inputs(gen, 5, 2, 4, 520, 136, invalid=0.2, device=device)
+    plan = moe_dispatch(ids, 4, 16, backend="triton")
+    n = int(plan.expert_offsets[-1])
+    tiles = GemmTiles(128, 128, 1, 4, 2)
+    programs = plan.tile_expert.numel() * 2  # GEMM1's unsplit grid: 2 column blocks of I = 136
+
+    def run(hidden, workspace):
+        out = torch.zeros(plan.num_rows, 520, dtype=x.dtype, device=device)
+        experts_fp8(hidden, w1, w2, plan, out, tiles, tiles, split_k=split_k, workspace=workspace)
+        return out[:n]
+
+    want = run(x, None)
+    workspace = experts_workspace(device)
+    for _ in range(2):
+        assert torch.equal(run(x, workspace), want)
+        assert not workspace.any()
+    y = torch.randn(x.shape, generator=gen).to(device, x.dtype)
+    primed = run(y, torch.ones(programs, dtype=torch.int32, device=device))
+    assert not torch.equal(primed, run(y, None))
+    z = torch.randn(x.shape, generator=gen).to(device, x.dtype)
+    assert torch.equal(run(z, torch.ones(programs - 1, dtype=torch.int32, device=device)), run(z, None))
+
+
+def test_workspace_is_checked_before_any_launch(device):
+    """``moe_experts(workspace=...)`` takes 1-D contiguous int32 on hidden's device, named in the error."""
+    gen = torch.Generator().manual_seed(0)
+    x, w1, w2, ids = _inputs(gen, 3, 2, 4, 256, 128, device=device)
+    plan = moe_dispatch(ids, 4, 16, backend="triton")
+    bad = [(torch.zeros(8, dtype=torch.int64, device=device), TypeError),
+           (torch.zeros(2, 4, dtype=torch.int32, device=device), ValueError),
+           (torch.zeros(16, dtype=torch.int32, device=device)[::2], ValueError),
+           ([0] * 8, TypeError)]
+    for workspace, error in bad:
+        with pytest.raises(error, match="workspace"):
+            moe_experts(x, w1, w2, plan, workspace=workspace, backend="triton")
 
 
 def test_split_k_where_the_grid_leaves_sms_idle():

@@ -9,6 +9,8 @@ from hf_blocks import block
 
 import moefuse
 from moefuse import MoEConfig, MoELayer, moe_layer_torch
+from moefuse.experts import op as experts_op
+from moefuse.experts.fp8 import kernels as fp8_kernels
 from moefuse.experts.reference import expert_mlp_torch
 from moefuse.formats import BlockFP8
 from moefuse.testing import assert_rel_close, rms_rel_error
@@ -84,6 +86,36 @@ def test_fp8_shared_expert_module_runs_itself(backend, gen, device):
         got = layer.shared_experts(x)
         want = expert_mlp_torch(x, gate_up[0], down[0], CONFIG.swiglu_limit, torch.bfloat16, torch.float64)
     assert_rel_close(got.double(), want, 1e-2, f"fp8 shared expert ({backend})")
+
+
+@pytest.mark.parametrize("split", [2, 3])
+def test_split_gemm1_counts_in_the_layers_workspaces(split, gen, device, monkeypatch):
+    """With GEMM1 split (a GPU's choice at decode, forced here so that the interpreter runs it too), the routed
+    experts (with the shared expert as their slot, or without it) and the shared expert on its own count their
+    arrivals in workspaces of their own modules, made at the first call on the device and left zeroed: repeated
+    calls give the same bits, within the float64 reference's tolerance."""
+    monkeypatch.setattr(fp8_kernels, "default_split_k", lambda *args: split)
+    given = []  # the workspace of each launch
+
+    def launch(*args, workspace=None, **kwargs):
+        given.append(workspace)
+        fp8_kernels.experts_fp8(*args, workspace=workspace, **kwargs)
+
+    monkeypatch.setattr(experts_op, "experts_fp8", launch)
+    layer = _layer("triton", int(torch.randint(1 << 30, (), generator=gen)), device)
+    x = torch.randn(3, CONFIG.hidden_size, generator=gen).to(device, torch.bfloat16)
+    with torch.no_grad():
+        for padded in (None, 3):  # the shared expert as a slot, then on its own
+            outs = [layer(x, num_token_non_padded=padded) for _ in range(2)]
+            assert torch.equal(outs[0], outs[1])
+            want = moe_layer_torch(layer, x, num_token_non_padded=padded, route_dtype=torch.float32)
+            assert_rel_close(outs[0].float(), want, 1e-2, f"split {split}, padded {padded}")
+    routed, shared = (module.workspace.on(x.device) for module in (layer.experts, layer.shared_experts))
+    for workspace in (routed, shared):
+        assert workspace.device == x.device and workspace.dtype == torch.int32 and not workspace.any()
+    # slot calls: the routed experts'; then per call the routed experts' and the shared expert's, in either order
+    assert [id(w) for w in given[:2]] == [id(routed)] * 2 and routed is not shared
+    assert sorted(map(id, given[2:])) == sorted(map(id, [routed, shared] * 2))
 
 
 @pytest.mark.parametrize("dtype, match", [(torch.float8_e4m3fn, "fp8 experts .* block size None"),

@@ -35,6 +35,7 @@ def moe_experts(
     out: Optional[torch.Tensor] = None,
     activation_quant: Optional[str] = "default",
     backend: str = "auto",
+    workspace: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The routed experts' SwiGLU MLPs on the rows of a dispatch plan: GEMM1 + SwiGLU, then GEMM2.
 
@@ -62,6 +63,10 @@ def moe_experts(
             reference backend computes the same numerics at every size.
         backend: "auto" (Triton on CUDA, reference elsewhere), "triton" (CPU needs TRITON_INTERPRET=1) or
             "reference".
+        workspace: None, or :func:`experts_workspace`'s int32 zeros on hidden's device: the counters in which fp8
+            block-scale GEMM1 split along K (a token or two) counts its runs' arrivals, leaving them zeroed, so
+            that the call launches no kernel to zero them. Give each caller its own (a layer): calls in flight at
+            the same time, on different streams, must not share one; calls one after another on a stream may.
 
     Returns:
         ``out`` [M·K, H], hidden's dtype and device. Rows at or past n_valid = ``plan.expert_offsets[E]``
@@ -75,17 +80,18 @@ def moe_experts(
     CUDA graphs: capturable, no host sync; grids depend only on shapes and the plan's static tile count.
     """
     num_tokens, hidden_size, width, quant, resolved = _validate(
-        hidden, gate_up_proj, down_proj, plan, swiglu_limit, out, activation_quant, backend
+        hidden, gate_up_proj, down_proj, plan, swiglu_limit, out, activation_quant, backend, workspace
     )
     op: Callable[..., None]  # arity per format: the weights' tensors are spread into its arguments
     weights: tuple[torch.Tensor, ...]
+    counters: tuple[Optional[torch.Tensor], ...]  # the formats' ops take the workspace; the bf16 kernels never split
     if isinstance(gate_up_proj, torch.Tensor):
         op = cast(Callable[..., None], _experts_impl if _runtime.direct_call() else torch.ops.moefuse.experts)
-        weights = (gate_up_proj, cast(torch.Tensor, down_proj))
+        weights, counters = (gate_up_proj, cast(torch.Tensor, down_proj)), ()
     else:
         down = cast(QuantizedWeight, down_proj)  # the same format (checked)
         op = _FORMATS[(type(gate_up_proj), quant)].op()
-        weights = (gate_up_proj.values, gate_up_proj.scales, down.values, down.scales)
+        weights, counters = (gate_up_proj.values, gate_up_proj.scales, down.values, down.scales), (workspace,)
     device = hidden.device
     if out is None:
         out = torch.empty(plan.num_rows, hidden_size, dtype=hidden.dtype, device=device)
@@ -97,9 +103,20 @@ def moe_experts(
         plan.tile_expert, plan.tile_row_start, plan.top_k, plan.block_m,
         None if swiglu_limit is None else float(swiglu_limit),
         _tiles_to_list(config.gemm1) + _tiles_to_list(config.gemm2),
-        _runtime.pdl_enabled(None, device), resolved, out,
+        _runtime.pdl_enabled(None, device), resolved, *counters, out,
     )
     return out
+
+
+# Counters in a workspace: GEMM1 split along K needs one per program of its unsplit grid, and is split only where
+# that grid fills at most two programs an SM (``configs.fp8_split_k``): 2 · SMs, for GPUs of up to 512 SMs.
+WORKSPACE_SIZE = 1024
+
+
+def experts_workspace(device: Union[torch.device, str, None] = None) -> torch.Tensor:
+    """A workspace for :func:`moe_experts` (``workspace=``): ``WORKSPACE_SIZE`` int32 zeros, which the kernels that
+    count in it leave zeroed. A split too large for it (``split_k`` given by hand) zeroes counters of its own."""
+    return torch.zeros(WORKSPACE_SIZE, dtype=torch.int32, device=device)
 
 
 def _check_weights(hidden: torch.Tensor, gate_up_proj: object, down_proj: object) -> tuple[int, int, int]:
@@ -132,6 +149,7 @@ def _validate(
     out: object,
     activation_quant: object,
     backend: str,
+    workspace: object = None,
 ) -> tuple[int, int, int, Optional[str], str]:
     """All checks of ``moe_experts``, before any allocation or launch; returns (M, H, I, activation precision,
     backend)."""
@@ -172,6 +190,10 @@ def _validate(
         )
         if any(size > 1 and stride == 0 for size, stride in zip(out.shape, out.stride())):
             raise ValueError(f"out must not have overlapping elements, got strides {out.stride()} (an expanded view?)")
+    if workspace is not None:
+        workspace = _checks.check_tensor("workspace", workspace, dtypes=(torch.int32,), ndim=1, device=device)
+        if not workspace.is_contiguous():
+            raise ValueError(f"workspace must be contiguous, got strides {workspace.stride()}")
     quant = resolve_activation_quant(cast(ExpertWeight, gate_up_proj), activation_quant)
     resolved = _runtime.resolve_backend(backend, device)
     if isinstance(gate_up_proj, MXFP4) and quant == "fp8" and resolved == "triton":
@@ -327,6 +349,7 @@ def _format(cls: type[QuantizedWeight], name: str, launch: Callable[..., None],
         tiles: list[int],
         use_pdl: bool,
         backend: str,
+        workspace: Optional[torch.Tensor],
         out: torch.Tensor,
     ) -> None:
         plan = DispatchPlan(gate_up_values.shape[0], top_k, block_m, expert_offsets, permuted_to_expanded,
@@ -336,30 +359,31 @@ def _format(cls: type[QuantizedWeight], name: str, launch: Callable[..., None],
             reference(hidden, gate_up, down, plan, swiglu_limit=swiglu_limit, out=out)
             return
         launch(hidden, gate_up, down, plan, out, GemmTiles(*tiles[:5]), GemmTiles(*tiles[5:]), swiglu_limit,
-               use_pdl=use_pdl)
+               use_pdl=use_pdl, workspace=workspace)
 
     impl.__name__ = impl.__qualname__ = f"_{name}_impl"
-    op = torch.library.custom_op(f"moefuse::{name}", impl, mutates_args=("out",))
+    op = torch.library.custom_op(f"moefuse::{name}", impl, mutates_args=("out", "workspace"))
     op.register_fake(lambda *args: None)
     return _Format(name, impl)
 
 
 def _fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, plan: DispatchPlan, out: torch.Tensor,
          gemm1_tiles: GemmTiles, gemm2_tiles: GemmTiles, swiglu_limit: Optional[float], *,
-         use_pdl: bool = False) -> None:
+         use_pdl: bool = False, workspace: Optional[torch.Tensor] = None) -> None:
     """W8A8: the persistent kernels where they take the shapes (128-row plans on Hopper, which ``plan_block_m`` gives
     from ``persistent.FP8_MIN_TOKENS``) unless ``MOEFUSE_PERSISTENT=0``, else the ``tl`` kernels."""
     if _runtime.persistent_enabled(fp8=True) and persistent.eligible_fp8(hidden, gate_up, down, plan, out):
         persistent.experts_persistent_fp8(hidden, gate_up, down, plan, out, swiglu_limit)
     else:
-        experts_fp8(hidden, gate_up, down, plan, out, gemm1_tiles, gemm2_tiles, swiglu_limit, use_pdl=use_pdl)
+        experts_fp8(hidden, gate_up, down, plan, out, gemm1_tiles, gemm2_tiles, swiglu_limit, use_pdl=use_pdl,
+                    workspace=workspace)
 
 
 def _mxfp4_w4a16(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: DispatchPlan, out: torch.Tensor,
                  gemm1_tiles: GemmTiles, gemm2_tiles: GemmTiles, swiglu_limit: Optional[float], *,
-                 use_pdl: bool = False) -> None:
+                 use_pdl: bool = False, workspace: Optional[torch.Tensor] = None) -> None:
     """W4A16: the warp-specialized kernels on Hopper where they take the shapes, the ``tl`` kernels elsewhere (the
-    same sums in the same order: bit-identical outputs, SPEC §6)."""
+    same sums in the same order: bit-identical outputs, SPEC §6). They count no arrivals: ``workspace`` is not used."""
     if mxfp4_ws.ws_eligible(hidden, gate_up, down, plan):
         with _unit_column_stride(out) as rows:
             mxfp4_ws.experts_mxfp4_ws(hidden, gate_up, down, plan, rows, swiglu_limit)
@@ -369,8 +393,9 @@ def _mxfp4_w4a16(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: Dispat
 
 def _mxfp4_w4a8(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: DispatchPlan, out: torch.Tensor,
                 gemm1_tiles: GemmTiles, gemm2_tiles: GemmTiles, swiglu_limit: Optional[float], *,
-                use_pdl: bool = False) -> None:
-    """W4A8 (checked by ``_check_w4a8``): its kernels have their own tiles and no PDL."""
+                use_pdl: bool = False, workspace: Optional[torch.Tensor] = None) -> None:
+    """W4A8 (checked by ``_check_w4a8``): its kernels have their own tiles, no PDL and no counters (``workspace`` is
+    not used)."""
     with _unit_column_stride(out) as rows:
         mxfp4_w4a8.experts_mxfp4_w4a8(hidden, gate_up, down, plan, rows, swiglu_limit)
 

@@ -114,8 +114,9 @@ def _gemm1_fp8_kernel(
 
     ``SPLIT_K`` > 1 (decode, where a program a tile and column block leaves SMs idle): program (p, s) of the 2-D grid
     sums the s-th of SPLIT_K runs of 128-deep steps into ``part_ptr`` [SPLIT_K, num_rows, 2N] (fp32), and the last of
-    a tile's programs to arrive (``arrivals_ptr``, zeroed per launch) adds the runs in split order and runs the
-    epilogue: the same bits whichever program arrives last.
+    a tile's programs to arrive (``arrivals_ptr``, zero at the launch) adds the runs in split order and runs the
+    epilogue: the same bits whichever program arrives last. It sets its counter back to zero, so that a workspace
+    given to ``experts_fp8`` needs no zeroing before the next launch.
 
     ``UP_ALIGNED``: N is a multiple of 128, so the up tile's rows N + cols start a weight block as the gate tile's do.
     ``A_QUANTIZED``: the activations come quantized in the plan's row order (``a_ptr``/``a_desc``, scales
@@ -175,6 +176,7 @@ def _gemm1_fp8_kernel(
         # acq_rel: this program's partial sums are visible to the last arriver, and the last sees every one
         if tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel") < SPLIT_K - 1:
             return
+        tl.store(arrivals_ptr + tl.program_id(0), 0)  # every run has arrived: a caller's workspace stays zeroed
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for split in tl.static_range(SPLIT_K):  # in split order, not arrival order
@@ -265,10 +267,14 @@ def experts_fp8(
     *,
     use_pdl: bool = False,
     split_k: Optional[int] = None,
+    workspace: Optional[torch.Tensor] = None,
 ) -> None:
     """Launch GEMM1 (+ activation quantization, SwiGLU, intermediate quantization), then GEMM2, into ``out``.
     ``split_k``: GEMM1's K in that many runs of steps, each its own program (``_gemm1_fp8_kernel``; stages as
-    ``fp8_tiles`` cuts them); None: :func:`default_split_k`.
+    ``fp8_tiles`` cuts them); None: :func:`default_split_k`. ``workspace``: int32 zeros (``moe_experts``'s) that a
+    split GEMM1 counts its runs' arrivals in and leaves zeroed, where it holds a counter per program of the unsplit
+    grid; else the counters are zeroed here, one more kernel before GEMM1 (which also keeps GEMM1 from starting
+    under the previous kernel's tail with PDL).
 
     Plans of ``configs.FP8_PREQUANTIZE_MIN_ROWS`` rows or more take their activations from one quantization pass
     that writes them in the plan's row order: fused, each row would be quantized again by every column block of
@@ -301,7 +307,10 @@ def experts_fp8(
     programs = num_tiles * triton.cdiv(width, t1.block_n)
     if split_k > 1:  # each run's fp32 sums, and each tile's count of runs done
         part = torch.empty(split_k, plan.num_rows, 2 * width, dtype=torch.float32, device=device)
-        arrivals = torch.zeros(programs, dtype=torch.int32, device=device)
+        if workspace is not None and workspace.numel() >= programs:
+            arrivals = workspace
+        else:
+            arrivals = torch.zeros(programs, dtype=torch.int32, device=device)
     else:  # not read
         part, arrivals = inter_scales, plan.tile_expert
     _gemm1_fp8_kernel[(programs, split_k)](

@@ -20,7 +20,8 @@ or fp32 weights; ``BlockFP8`` with bf16 or fp16 activations and fp32 scales or u
   the persistent prefill GEMMs (``MOEFUSE_PERSISTENT=1``) at the widths and tile height they take;
 - for BlockFP8, GEMM1's split along K (``experts_fp8``'s ``split_k``, which the op takes from
   ``fp8.kernels.default_split_k``): the default (1 under the interpreter, ``configs.fp8_split_k`` on a GPU) two
-  times in five, else 2, 3 or 4 runs of steps, on any K, so runs can be short or empty.
+  times in five, else 2, 3 or 4 runs of steps, on any K, so runs can be short or empty;
+- a workspace (``experts_workspace``) given or not, for every format: where given it must be left zeroed.
 
 The plan must equal the reference dispatch's; the rows a plan computes (``n_valid = plan.expert_offsets[-1]``) are
 compared in max and RMS relative error with the float64 oracle of the numerics that ran (plain and MXFP4 W4A16:
@@ -65,7 +66,7 @@ from moefuse import MoEConfig, MoELayer, moe_layer_torch
 from moefuse._runtime import env_override
 from moefuse.config import SCORING_FUNCS
 from moefuse.dispatch import moe_dispatch
-from moefuse.experts import moe_experts, pick_block_m
+from moefuse.experts import experts_workspace, moe_experts, pick_block_m
 from moefuse.experts.fp8 import kernels as fp8_kernels
 from moefuse.experts.mxfp4 import ws as mxfp4_ws
 from moefuse.experts.reference import moe_experts_fp8_torch, moe_experts_torch, moe_experts_w4a8_torch
@@ -192,6 +193,7 @@ def experts_cases(draw: st.DrawFn, fmt: str) -> dict:
         limit=draw(st.one_of(st.none(), st.floats(0.1, 20.0))),
         activation_quant=aq, persistent=persistent,
         split_k=draw(st.sampled_from((None, None, 2, 3, 4))) if fmt == "fp8" else None,
+        workspace=draw(st.booleans()),
         seed=draw(st.integers(0, 2**32 - 1)),
     )
 
@@ -294,7 +296,9 @@ def check_experts(c: dict) -> None:
     want = moe_dispatch(ids, E, block_m, backend="reference")
     for name in ("expert_offsets", "permuted_to_expanded", "expanded_to_permuted", "tile_expert", "tile_row_start"):
         assert torch.equal(getattr(plan, name), getattr(want, name)), f"{c}: plan.{name} differs from the reference"
-    kwargs = dict(swiglu_limit=c["limit"], activation_quant=c["activation_quant"], backend="triton")
+    workspace = experts_workspace(DEVICE) if c.get("workspace") else None
+    kwargs = dict(swiglu_limit=c["limit"], activation_quant=c["activation_quant"], backend="triton",
+                  workspace=workspace)
     if _refused(c, x, w1, w2, plan):
         with pytest.raises(ValueError, match="activation_quant"):
             moe_experts(x, w1, w2, plan, **kwargs)
@@ -308,6 +312,7 @@ def check_experts(c: dict) -> None:
         got = moe_experts(x, w1, w2, plan, out=out, **kwargs)
     assert got.shape == (M * K, H) and got.dtype == dtype and got.device == x.device, c
     assert out is None or got is out, c
+    assert workspace is None or not workspace.any(), f"{c}: the workspace was not left zeroed"
     oracle, key = _oracle(c)
     ref = oracle(x, w1, w2, plan, swiglu_limit=c["limit"], dtype=torch.float64,
                  out=torch.zeros(M * K, H, dtype=torch.float64, device=DEVICE))

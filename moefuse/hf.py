@@ -264,7 +264,10 @@ def experts_forward(experts: HFModule, hidden_states: torch.Tensor, top_k_index:
                          for name in ("gate_up_proj", "down_proj"))
     workspace = None
     if not torch.compiler.is_compiling():  # kept on transformers' module, made at its first call
-        workspace = experts.__dict__.setdefault("_moefuse_workspace", Workspace()).on(hidden_states.device)
+        holder = experts.__dict__.get("_moefuse_workspace")
+        if holder is None:
+            holder = experts.__dict__["_moefuse_workspace"] = Workspace()
+        workspace = holder.on(hidden_states.device)
     out = routed_experts(hidden_states, gate_up, down, weights, top_k_index.to(torch.int32),
                          swiglu_limit=getattr(experts, "limit", None), workspace=workspace)
     return cast(torch.Tensor, out)  # not deferred

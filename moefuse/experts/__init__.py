@@ -9,7 +9,6 @@ from .fp8 import mlp as fp8_mlp
 from .mxfp4 import w4a8 as mxfp4_w4a8
 from .mxfp4 import ws as mxfp4_ws
 from .op import (
-    WORKSPACE_SIZE,
     check_experts_shapes,
     cublas_mlp,
     experts_workspace,
@@ -21,7 +20,7 @@ from .op import (
 from .reference import moe_experts_torch
 
 __all__ = [
-    "GemmTiles", "TileConfig", "WORKSPACE_SIZE", "check_experts_shapes", "cublas_mlp", "experts_workspace", "fp8_mlp",
+    "GemmTiles", "TileConfig", "check_experts_shapes", "cublas_mlp", "experts_workspace", "fp8_mlp",
     "launch_variant", "mlp_on_cublas",
     "moe_experts", "moe_experts_torch", "mxfp4_w4a8",
     "mxfp4_ws", "pick", "pick_block_m", "plan_block_m",

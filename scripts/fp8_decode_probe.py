@@ -118,25 +118,17 @@ def time_presets(device: torch.device, read_tbps: float) -> list[dict[str, Any]]
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
         w1, w2 = random_fp8(E, 2 * I, H, device), random_fp8(E, H, I, device)
         bytes1, bytes2 = (w.values[0].numel() + w.scales[0].numel() * 4 for w in (w1, w2))
-        for M, K in [(1, cfg.top_k), (2, cfg.top_k), (16, cfg.top_k)] + (
-                [(1, cfg.top_k + 1)] if cfg.num_shared_experts else []):
-            x = torch.randn(M, H, device=device, generator=gen).bfloat16()
-            block_m = plan_block_m(M, w1, K, torch.bfloat16)
-            sets = timing.rotations(M * K * (bytes1 + bytes2))
-            plans = [moe_dispatch(_routing(M, E, K, device, gen)[1], E, block_m) for _ in range(sets)]
-            touched = sum(int(torch.unique(p.tile_expert[p.tile_expert >= 0]).numel()) for p in plans) / sets
-            tiles = configs.pick(M, E, H, I, K, tile_dtype(w1, torch.bfloat16), block_m=block_m)
-            outs = [torch.empty(p.num_rows, H, dtype=torch.bfloat16, device=device) for p in plans]
+        for M, K in preset_shapes(name):
+            shape, touched = make_shape(M, K, w1, w2, gen)
             floor1, floor2 = (touched * b / (read_tbps * 1e12) * 1e6 for b in (bytes1, bytes2))
-            op = [lambda p=p, o=o: moe_experts(x, w1, w2, p, out=o) for p, o in zip(plans, outs)]
+            op = shape.op_calls()
             row: dict[str, Any] = {
-                "model": name, "M": M, "slots": K, "block_m": block_m, "experts_touched": touched,
+                "model": name, "M": M, "slots": K, "block_m": shape.plans[0].block_m, "experts_touched": touched,
                 "gemm1_programs": M * K * -(-I // 128), "rule_split": default_split_k(M * K, I, device),
                 "read_floor_us": floor1 + floor2, "gemm1_floor_us": floor1, "gemm2_floor_us": floor2,
                 "op_us": timing.time_or_none(op), **{f"op_{k}": v for k, v in kernel_us(op).items()}}
             for split in SPLITS if M < 16 else (1, 2):
-                calls = [lambda p=p, o=o, split=split: experts_fp8(x, w1, w2, p, o, tiles.gemm1, tiles.gemm2,
-                                                                   split_k=split) for p, o in zip(plans, outs)]
+                calls = shape.split_calls(split)
                 row[f"split{split}_us"] = timing.time_or_none(calls)
                 row.update({f"split{split}_{k}": v for k, v in kernel_us(calls).items()})
             rows.append(row)
@@ -312,14 +304,18 @@ FUSED_PER_SM = (1, 2, 3)
 FUSED_LAGS = (1, None)
 
 
+def lag_of(c: dict[str, Any], plan: Any) -> int:
+    """A configuration's lag on ``plan``'s tiles: its ``lag``, or None for all of GEMM1 first (a lag of every tile)."""
+    return plan.tile_expert.numel() if c["lag"] is None else c["lag"]
+
+
 def run_fused(c: dict[str, Any], x: torch.Tensor, w1: BlockFP8, w2: BlockFP8, plan: Any, out: torch.Tensor,
               sms: int) -> torch.Tensor | None:
     """``fused_experts_fp8`` in configuration ``c`` (a ``--fused`` row's keys; lag None: all of GEMM1 first) on
     ``sms`` SMs; returns the launcher's give-up flag."""
-    return fused_experts_fp8(x, w1, w2, plan, out, split=c["split"],
-                             lag=plan.tile_expert.numel() if c["lag"] is None else c["lag"],
-                             programs=c["per_sm"] * sms, num_warps=c["warps"], num_stages=c["stages"],
-                             maxnreg=c["maxnreg"], prequant=c["prequant"], prefetch=c["prefetch"], swap1=c["swap1"])
+    return fused_experts_fp8(x, w1, w2, plan, out, split=c["split"], lag=lag_of(c, plan), programs=c["per_sm"] * sms,
+                             num_warps=c["warps"], num_stages=c["stages"], maxnreg=c["maxnreg"],
+                             prequant=c["prequant"], prefetch=c["prefetch"], swap1=c["swap1"])
 
 
 @dataclasses.dataclass
@@ -351,6 +347,33 @@ class Shape:
         return moe_experts_fp8_torch(self.x, self.w1, self.w2, plan, dtype=torch.float64,
                                      out=out)[: int(plan.expert_offsets[-1])]
 
+    def op_calls(self, workspace: torch.Tensor | None = None) -> list[Callable[[], object]]:
+        """``moe_experts`` on each routing's plan, into its output."""
+        return [lambda p=p, o=o: moe_experts(self.x, self.w1, self.w2, p, out=o, workspace=workspace)
+                for p, o in zip(self.plans, self.outs)]
+
+    def split_calls(self, split: int) -> list[Callable[[], object]]:
+        """``experts_fp8`` on the op's tiles with GEMM1 split ``split`` ways, on each routing's plan."""
+        return [lambda p=p, o=o: experts_fp8(self.x, self.w1, self.w2, p, o, self.tiles.gemm1, self.tiles.gemm2,
+                                             split_k=split) for p, o in zip(self.plans, self.outs)]
+
+
+def make_shape(M: int, K: int, w1: BlockFP8, w2: BlockFP8, gen: torch.Generator) -> tuple[Shape, float]:
+    """The :class:`Shape` of M tokens of K slots on these weights, on the op's plans, with as many random routings
+    as the touched weights need to overflow the L2; and the experts a routing touches, on average."""
+    E, H, I = w1.shape[0], w1.shape[2], w2.shape[2]  # noqa: E741 (SPEC's name)
+    device = w1.values.device
+    bytes_per_expert = sum(w.values[0].numel() + w.scales[0].numel() * 4 for w in (w1, w2))
+    x = torch.randn(M, H, device=device, generator=gen).bfloat16()
+    block_m = plan_block_m(M, w1, K, torch.bfloat16)
+    ids = [_routing(M, E, K, device, gen)[1] for _ in range(timing.rotations(M * K * bytes_per_expert))]
+    plans = [moe_dispatch(i, E, block_m) for i in ids]
+    touched = sum(int(torch.unique(p.tile_expert[p.tile_expert >= 0]).numel()) for p in plans) / len(plans)
+    tiles = configs.pick(M, E, H, I, K, tile_dtype(w1, torch.bfloat16), block_m=block_m)
+    outs = [torch.empty(p.num_rows, H, dtype=torch.bfloat16, device=device) for p in plans]
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return Shape(x, w1, w2, ids, plans, outs, tiles, sms), touched
+
 
 def preset_shapes(name: str) -> list[tuple[int, int]]:
     """(tokens, slots a token) a sweep times per preset: 1, 2 and 16 tokens, and 1 with the shared expert's slot."""
@@ -368,31 +391,16 @@ def sweep_rows(device: torch.device, read_tbps: float, name: str, shape_list: Se
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
     w1, w2 = random_fp8(E, 2 * I, H, device), random_fp8(E, H, I, device)
     bytes_per_expert = sum(w.values[0].numel() + w.scales[0].numel() * 4 for w in (w1, w2))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = []
     for M, K in shape_list:
-        x = torch.randn(M, H, device=device, generator=gen).bfloat16()
-        block_m = plan_block_m(M, w1, K, torch.bfloat16)
-        sets = timing.rotations(M * K * bytes_per_expert)
-        ids = [_routing(M, E, K, device, gen)[1] for _ in range(sets)]
-        plans = [moe_dispatch(i, E, block_m) for i in ids]
-        touched = sum(int(torch.unique(p.tile_expert[p.tile_expert >= 0]).numel()) for p in plans) / sets
-        tiles = configs.pick(M, E, H, I, K, tile_dtype(w1, torch.bfloat16), block_m=block_m)
-        outs = [torch.empty(p.num_rows, H, dtype=torch.bfloat16, device=device) for p in plans]
+        shape, touched = make_shape(M, K, w1, w2, gen)
         split = default_split_k(M * K, I, device)
-        op: list[Callable[[], object]] = [lambda p=p, o=o: moe_experts(x, w1, w2, p, out=o)
-                                          for p, o in zip(plans, outs)]
         workspace = experts_workspace(device)  # as MoELayer passes one: the split's counters need no zeroing kernel
-        op_workspace: list[Callable[[], object]] = [
-            lambda p=p, o=o: moe_experts(x, w1, w2, p, out=o, workspace=workspace) for p, o in zip(plans, outs)]
-        split_op: list[Callable[[], object]] = [
-            lambda p=p, o=o: experts_fp8(x, w1, w2, p, o, tiles.gemm1, tiles.gemm2, split_k=split)
-            for p, o in zip(plans, outs)]
-        base = {"model": name, "M": M, "slots": K, "block_m": block_m,
+        base = {"model": name, "M": M, "slots": K, "block_m": shape.plans[0].block_m,
                 "read_floor_us": touched * bytes_per_expert / (read_tbps * 1e12) * 1e6,
-                "op_us": timing.time_or_none(op), "op_workspace_us": timing.time_or_none(op_workspace),
-                "split_op_us": timing.time_or_none(split_op), "op_split": split}
-        shape = Shape(x, w1, w2, ids, plans, outs, tiles, sms)
+                "op_us": timing.time_or_none(shape.op_calls()),
+                "op_workspace_us": timing.time_or_none(shape.op_calls(workspace)),
+                "split_op_us": timing.time_or_none(shape.split_calls(split)), "op_split": split}
         for c in configs_:
             extra = candidate(shape, c)
             if extra is None:
@@ -461,9 +469,8 @@ WS_LAGS = (1, 3, None)
 
 def ws_table(c: dict[str, Any], plan: Any, H: int, I: int) -> torch.Tensor:  # noqa: E741 (SPEC's name)
     """The item table of a ``--ws`` configuration ``c`` (lag None: all of GEMM1 first) on ``plan``'s tiles."""
-    num_tiles = plan.tile_expert.numel()
     runs, _ = ws_decode.runs_of(H, c["split"])
-    return ws_decode.item_table(num_tiles, num_tiles if c["lag"] is None else c["lag"], (I // 128) * runs, H // 128,
+    return ws_decode.item_table(plan.tile_expert.numel(), lag_of(c, plan), (I // 128) * runs, H // 128,
                                 plan.tile_expert.device)
 
 
@@ -491,9 +498,8 @@ def ws_candidate(shape: Shape, c: dict[str, Any]) -> dict[str, Any] | None:
         return None
     n = int(plan.expert_offsets[-1])
     swap1 = torch.empty_like(got)
-    fused_experts_fp8(shape.x, shape.w1, shape.w2, plan, swap1, split=c["split"],
-                      lag=plan.tile_expert.numel() if c["lag"] is None else c["lag"], programs=2 * shape.sms,
-                      num_warps=8, maxnreg=128, prequant=True, swap1=True)
+    fused_experts_fp8(shape.x, shape.w1, shape.w2, plan, swap1, split=c["split"], lag=lag_of(c, plan),
+                      programs=2 * shape.sms, num_warps=8, maxnreg=128, prequant=True, swap1=True)
     op = torch.empty_like(got)
     moe_experts(shape.x, shape.w1, shape.w2, plan, out=op)
     gave_up = run_ws(c, shape.x, shape.w1, shape.w2, plan, got, shape.sms, table)

@@ -570,24 +570,23 @@ def fused(args: argparse.Namespace) -> list[str]:
                       f"{step:10d}", flush=True)
     print(f"\n{'tile rows':>9s} {'slots':>5s} {'maxnreg':>7s} {'programs/SM':>11s} {'clamp':>5s} {'smem':>6s} "
           f"{'stack':>5s} {'HGMMA':>5s} {'GEMM2 step':>10s}")
-    for block_m in (ws_decode.BLOCK_M,):
-        for per_sm, stages, maxnreg in probe.WS_LAUNCHES:
-            for has_limit in (False, True):
-                where = (f"warp-specialized decode, {block_m}-row tiles, {stages} slots, maxnreg {maxnreg}, "
-                         f"clamp {has_limit}")
-                result = compiled_stats(where, problems, lambda: compile_ws_decode(block_m, stages, has_limit,
-                                                                                    maxnreg))
-                if result is None:
-                    continue
-                text, s, smem = result
-                # the consumer's shortest loop with a wgmma: GEMM2's step (GEMM1's holds the quantization too)
-                step = main_loop_instructions(text, shortest_with="GMMA")
-                print(f"{block_m:9d} {stages:5d} {maxnreg:7d} {per_sm:11d} {str(has_limit):>5s} {smem:6d} "
-                      f"{s['stack']:5d} {s['hgmma']:5d} {step:10d}", flush=True)
-                # the launch's programs an SM must fit: shared memory, and registers (8 warps a CTA) in 64K
-                if s["stack"] or per_sm * smem > configs.HOPPER_SMEM or per_sm * 256 * maxnreg > 65536:
-                    problems.append(f"{where}: {s['stack']} bytes of stack, {smem} bytes of shared memory, "
-                                    f"{per_sm} programs an SM")
+    block_m = ws_decode.BLOCK_M  # the only tile height it takes
+    for per_sm, stages, maxnreg in probe.WS_LAUNCHES:
+        for has_limit in (False, True):
+            where = (f"warp-specialized decode, {block_m}-row tiles, {stages} slots, maxnreg {maxnreg}, "
+                     f"clamp {has_limit}")
+            result = compiled_stats(where, problems, lambda: compile_ws_decode(block_m, stages, has_limit, maxnreg))
+            if result is None:
+                continue
+            text, s, smem = result
+            # the consumer's shortest loop with a wgmma: GEMM2's step (GEMM1's holds the quantization too)
+            step = main_loop_instructions(text, shortest_with="GMMA")
+            print(f"{block_m:9d} {stages:5d} {maxnreg:7d} {per_sm:11d} {str(has_limit):>5s} {smem:6d} "
+                  f"{s['stack']:5d} {s['hgmma']:5d} {step:10d}", flush=True)
+            # the launch's programs an SM must fit: shared memory, and registers (8 warps a CTA) in 64K
+            if s["stack"] or per_sm * smem > configs.HOPPER_SMEM or per_sm * 256 * maxnreg > 65536:
+                problems.append(f"{where}: {s['stack']} bytes of stack, {smem} bytes of shared memory, "
+                                f"{per_sm} programs an SM")
     for evict_last in (False, True):
         where = f"L2 prefetch kernel, evict_last {evict_last}"
         fn = l2_prefetch._l2_prefetch_kernel

@@ -46,18 +46,15 @@ def test_summary_plot_writes_png(tmp_path):
     assert (tmp_path / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_fp8_peer_is_scaled_by_the_runs_floors():
-    """``bench.quant.peer_in_this_run``: the anchor's better vLLM config at the anchor's own floor, in proportion to
-    this run's floor otherwise (the anchor measured another machine's read rate), and nothing where the anchor has
-    no row."""
+def test_fp8_peer_is_the_anchors_better_config():
+    """``bench.quant.peer_from_anchor``: the anchor's better vLLM config at that token count, unscaled, with the
+    anchor's date; nothing where the anchor has no row."""
     from moefuse.bench import quant, report
 
-    row = next(r for r in report.anchors()["fp8_block_scale_experts_vllm_triton"]["rows"] if r["tokens"] == 1)
-    us, measured = quant.peer_in_this_run(1, row["fp8_read_floor_us"])
-    assert us == pytest.approx(min(row["default_config_us"], row["tuned_config_us"]), rel=1e-12)
-    assert measured == "2026-12-03"
-    assert quant.peer_in_this_run(1, 2 * row["fp8_read_floor_us"])[0] == pytest.approx(2 * us, rel=1e-12)
-    assert quant.peer_in_this_run(3, 100.0) is None
+    for row in report.anchors()["fp8_block_scale_experts_vllm_triton"]["rows"]:
+        us, measured = quant.peer_from_anchor(row["tokens"])
+        assert us == min(row["default_config_us"], row["tuned_config_us"]) and measured == "2026-12-03"
+    assert quant.peer_from_anchor(3) is None
 
 
 def test_peer_ratio_takes_our_time_on_the_peers_scope():

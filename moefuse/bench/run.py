@@ -72,7 +72,7 @@ SUMMARY: list[dict[str, Any]] = [
      "marker": "P"},
     {"label": "routed experts, fp8", "stage": "quant", "where": {"format": "fp8", "model": "deepseek-v3"}, "us": "us",
      "floor": ("read_floor_us", "mma_floor_us"), "peer": "peer_us", "ours_vs_peer": "routed_us",
-     "peer_name": "vLLM Triton fp8 (dispatch + experts + combine, its run × floor ratio)",
+     "peer_name": "vLLM Triton fp8 (dispatch + experts + combine, as its anchor run measured it)",
      "kind": "experts", "fmt": "fp8"},
     {"label": "routed experts, MXFP4 (V4-Flash)", "stage": "quant",
      "where": {"format": "mxfp4", "model": "deepseek-v4-flash"}, "us": "us", "floor": ("read_floor_us", "mma_floor_us"),

@@ -151,10 +151,12 @@ def _check(x, w1, w2, ids, *, limit=None, block_m=16):
 
 
 @pytest.mark.parametrize("M", [0, 1, 7, 33])
-@pytest.mark.parametrize("shape", [(5, 200, 136), (3, 256, 128)], ids=["edges", "whole-blocks"])
+@pytest.mark.parametrize("shape", [(5, 200, 136), (3, 256, 128), (3, 136, 520)],
+                         ids=["edges", "whole-blocks", "five-gemm2-steps"])
 def test_triton_matches_float64(M, shape, gen, device):
     """H and I not multiples of 128 (partial blocks and groups; a scale block that straddles the gate and up rows),
-    E not a power of two, -1 slots, and whole blocks."""
+    E not a power of two, -1 slots, and whole blocks; and I = 520, GEMM2's K in five steps with a scale group each
+    (the last of 8 columns), so that a step multiplied by another step's scales shows."""
     E, H, I = shape
     _check(*_inputs(gen, M, 2 + M % 2, E, H, I, invalid=0.1, device=device), limit=1.5 if M % 2 else None)
 

@@ -1,7 +1,7 @@
 """Issue 40's probe: fp8 block-scale experts at decode (1, 2 and 16 tokens) with GEMM1 split along K, on one GPU.
 
-    python scripts/fp8_decode_probe.py [--json FILE] [--layer] [--read | --fused | --ws | --layer-prefetch |
-                                       --ncu-target P]
+    python scripts/fp8_decode_probe.py [--json FILE] [--layer] [--read | --fused [--quick] | --ws |
+                                       --gemm2-launch | --layer-prefetch | --ncu-target P]
 
 At one token GEMM1 has one program per tile and 128 intermediate columns: 8 · 16 = 128 programs for DeepSeek-V3,
 96 for DeepSeek-V4-Flash, 88 for GLM-4.5-Air, 48 for Qwen3-30B-A3B, against 132 SMs; 144, 112 and 99 with the
@@ -33,13 +33,19 @@ mma.sync or on swapped wgmma, the next item's first lines prefetched or not) and
 DeepSeek-V3 at one token; then the fastest few on every preset at 1, 2 and 16 tokens (and 1 with the shared
 expert's slot), beside the op and ``experts_fp8`` split as the op splits. Each fused time comes with whether its
 output has the same bits as ``experts_fp8`` split the same way on the same tiles (on mma.sync it must), and its
-largest relative difference.
+largest relative difference. ``--quick``: 24 of the 216 (split 7, two programs an SM, 4 warps or 8 at 128
+registers): 70 s on an H200.
 
 ``--ws``: both GEMMs as one persistent, warp-specialized launch (``ws_decode.py``, Gluon): every launch (runs per
 GEMM1 column block; programs an SM with their ring slots and registers; lag) on DeepSeek-V3 at one token, then the
 fastest few on every preset, on 16-row tiles (the routings planned again where the op's are taller), beside the op.
 Each time comes with whether its output has the same bits as the fused ``tl`` kernel's on swapped wgmma (the same
 numerics), its largest difference from the op, and its error and the op's from SPEC §5's float64 emulation.
+
+``--gemm2-launch``: ``experts_fp8`` at one token on every preset with GEMM2's launch changed (128 or 64 or 256
+columns, 2-4 stages, 4 or 8 warps; GEMM1 and its split as the op's), beside the op: whether fewer stages (more
+programs an SM, the grid in one wave) move GEMM2; each row says whether its output has the op's bits (the order of
+the sums does not change, so it must).
 
 ``--layer-prefetch``: the fp8 layer at one token with its shared expert's weights asked of the L2 as the call
 starts (``l2_prefetch.py``), per preset with a shared expert, against the layer as it is.
@@ -302,6 +308,7 @@ FUSED_GEMM1 = ((False, False), (True, False), (True, True))
 FUSED_PREFETCH = (False, True)
 FUSED_PER_SM = (1, 2, 3)
 FUSED_LAGS = (1, None)
+FUSED_QUICK = {"splits": (7,), "builds": ((4, None), (8, 128)), "per_sm": (2,)}  # --quick: 24 of the 216
 
 
 def lag_of(c: dict[str, Any], plan: Any) -> int:
@@ -448,13 +455,16 @@ def fused_candidate(shape: Shape, c: dict[str, Any]) -> dict[str, Any] | None:
             "gemm2_item_kb": 128 * shape.I / 1024}
 
 
-def fused_sweep(device: torch.device, read_tbps: float, save: Callable[[dict[str, Any]], None]) -> None:
-    """The fused kernel against the op: every configuration on DeepSeek-V3 at one token, then the fastest few on
-    every preset and token count."""
+def fused_sweep(device: torch.device, read_tbps: float, save: Callable[[dict[str, Any]], None],
+                quick: bool = False) -> None:
+    """The fused kernel against the op: every configuration (``quick``: ``FUSED_QUICK``'s) on DeepSeek-V3 at one
+    token, then the fastest few on every preset and token count."""
+    splits, builds, per_sms = ((FUSED_QUICK["splits"], FUSED_QUICK["builds"], FUSED_QUICK["per_sm"]) if quick
+                               else (FUSED_SPLITS, FUSED_BUILDS, FUSED_PER_SM))
     every = [{"split": split, "warps": warps, "maxnreg": maxnreg, "stages": stages, "prequant": prequant,
               "swap1": swap1, "prefetch": prefetch, "per_sm": per_sm, "lag": lag}
-             for split in FUSED_SPLITS for warps, maxnreg in FUSED_BUILDS for stages in FUSED_STAGES
-             for prequant, swap1 in FUSED_GEMM1 for prefetch in FUSED_PREFETCH for per_sm in FUSED_PER_SM
+             for split in splits for warps, maxnreg in builds for stages in FUSED_STAGES
+             for prequant, swap1 in FUSED_GEMM1 for prefetch in FUSED_PREFETCH for per_sm in per_sms
              for lag in FUSED_LAGS]
     sweep_then_presets(device, read_tbps, every, fused_candidate, "fused_us", save, seed=3)
 
@@ -515,6 +525,39 @@ def ws_sweep(device: torch.device, read_tbps: float, save: Callable[[dict[str, A
     every = [{"split": split, "per_sm": per_sm, "stages": stages, "maxnreg": maxnreg, "lag": lag}
              for split in WS_SPLITS for per_sm, stages, maxnreg in WS_LAUNCHES for lag in WS_LAGS]
     sweep_then_presets(device, read_tbps, every, ws_candidate, "ws_us", save, seed=5)
+
+
+# GEMM2's launches tried inside the op at one token (columns a program, stages, warps): fewer stages fit more
+# programs an SM (DeepSeek-V3's 448 at 128 columns: 3 an SM on 4 stages, 1.13 waves; 4 an SM on 3, one wave).
+GEMM2_LAUNCHES = ((128, 4, 4), (128, 3, 4), (128, 2, 4), (64, 4, 4), (64, 3, 4), (256, 3, 4), (256, 3, 8),
+                  (128, 3, 8))
+
+
+def gemm2_candidate(shape: Shape, c: dict[str, Any]) -> dict[str, Any] | None:
+    """``experts_fp8`` with GEMM2's launch ``c`` (GEMM1 and its split as the op's, with a workspace): its time, and
+    whether its output has the op's bits (the order of the sums does not change, so it must)."""
+    gemm2 = dataclasses.replace(shape.tiles.gemm2, block_n=c["block_n"], num_stages=c["stages"], num_warps=c["warps"])
+    split = default_split_k(shape.ids[0].numel(), shape.I, shape.x.device)
+    workspace = experts_workspace(shape.x.device)
+    outs = [torch.empty_like(o) for o in shape.outs]
+    us = timing.time_or_none([lambda p=p, o=o: experts_fp8(shape.x, shape.w1, shape.w2, p, o, shape.tiles.gemm1,
+                                                           gemm2, split_k=split, workspace=workspace)
+                              for p, o in zip(shape.plans, outs)])
+    if us is None:  # did not compile or launch here (reported on stderr)
+        return None
+    plan = shape.plans[0]
+    n = int(plan.expert_offsets[-1])
+    want = moe_experts(shape.x, shape.w1, shape.w2, plan)
+    return {"gemm2_us": us, "same_bits": bool(torch.equal(outs[0][:n], want[:n])),
+            "op_gemm2": dataclasses.asdict(shape.tiles.gemm2)}
+
+
+def gemm2_launches(device: torch.device, read_tbps: float) -> list[dict[str, Any]]:
+    """Per preset at one token: the op, then ``experts_fp8`` with each of ``GEMM2_LAUNCHES`` (``gemm2_candidate``)."""
+    gen = torch.Generator(device).manual_seed(7)
+    launches = [{"block_n": block_n, "stages": stages, "warps": warps} for block_n, stages, warps in GEMM2_LAUNCHES]
+    return [row for name in PRESETS
+            for row in sweep_rows(device, read_tbps, name, [(1, preset(name).top_k)], launches, gemm2_candidate, gen)]
 
 
 # The layer-level prefetch's launches: (programs, evict_last); 0 programs: the layer as it is.
@@ -592,7 +635,10 @@ def main() -> int:
     parser.add_argument("--layer", action="store_true", help="the fp8 layers' one-token timelines too")
     parser.add_argument("--read", action="store_true", help="only GEMM1's boxes streamed with no arithmetic")
     parser.add_argument("--fused", action="store_true", help="only the one-launch kernel over both GEMMs")
+    parser.add_argument("--quick", action="store_true", help="with --fused: 24 of its 216 configurations")
     parser.add_argument("--ws", action="store_true", help="only the warp-specialized kernel over both GEMMs")
+    parser.add_argument("--gemm2-launch", action="store_true", help="only the op at one token with GEMM2's launch "
+                        "changed")
     parser.add_argument("--layer-prefetch", action="store_true",
                         help="only the fp8 layer at one token with its shared expert's weights prefetched into L2")
     parser.add_argument("--ncu-target", choices=PRESETS, help="only one preset's one-token calls, for ncu")
@@ -602,24 +648,31 @@ def main() -> int:
                         "configuration (JSON, the keys of a --fused row)")
     args = parser.parse_args()
     device = torch.device("cuda")
+
+    def write(**results: Any) -> None:
+        """``results`` into ``--json`` (if given), after the GPU's name and torch's version."""
+        if args.json:
+            args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                             **results}, indent=1))
+
     if args.ncu_target:
         ncu_target(device, args.ncu_target, args.fused_config, args.ws_config)
         return 0
     if args.layer_prefetch:
-        prefetched = layer_prefetch(device)
-        if args.json:
-            args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                             "layer_prefetch": prefetched}, indent=1))
+        write(layer_prefetch=layer_prefetch(device))
         return 0
     ceilings = timing.measure_ceilings(gemm=False)
     if args.fused or args.ws:
         def save(results: dict[str, Any]) -> None:
-            if args.json:
-                args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                                 "triton": triton.__version__, "read_tbps": ceilings.read_tbps,
-                                                 **results}, indent=1))
+            write(triton=triton.__version__, read_tbps=ceilings.read_tbps, **results)
 
-        (ws_sweep if args.ws else fused_sweep)(device, ceilings.read_tbps, save)
+        if args.ws:
+            ws_sweep(device, ceilings.read_tbps, save)
+        else:
+            fused_sweep(device, ceilings.read_tbps, save, quick=args.quick)
+        return 0
+    if args.gemm2_launch:
+        write(read_tbps=ceilings.read_tbps, gemm2_launch=gemm2_launches(device, ceilings.read_tbps))
         return 0
     if args.read:
         rows = read_pattern(device, ceilings.read_tbps)
@@ -628,13 +681,11 @@ def main() -> int:
             args.json.write_text(json.dumps({"read_tbps": ceilings.read_tbps, "read": rows, "sizes": sizes},
                                             indent=1))
         return 0
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "read_tbps": ceilings.read_tbps, "errors": errors(device),
+    result: dict[str, Any] = {"read_tbps": ceilings.read_tbps, "errors": errors(device),
                               "time": time_presets(device, ceilings.read_tbps)}
     if args.layer:
         result["layer"] = layer_timelines(device)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    write(**result)
     return 0
 
 

@@ -22,17 +22,18 @@ import triton.language as tl
 from moefuse.formats import ExpertWeight
 from moefuse.layer import MoELayer
 
+# The inline PTX of ``_prefetch_l2``, with and without the eviction hint: a dummy output, as inline_asm_elementwise
+# needs one.
+_PREFETCH = tl.constexpr("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;")
+_PREFETCH_EVICT_LAST = tl.constexpr("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;")
+
 
 @triton.jit
 def _prefetch_l2(ptrs, EVICT_LAST: tl.constexpr):
     """Ask the L2 for the 128-byte lines at ``ptrs`` (``EVICT_LAST``: to be kept there first); nothing comes back.
     Inline PTX: compiled kernels only (``fused_decode.py`` asks for its next item's lines with it too)."""
-    if EVICT_LAST:
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+    tl.inline_asm_elementwise(_PREFETCH_EVICT_LAST if EVICT_LAST else _PREFETCH, "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit

@@ -130,7 +130,7 @@ def time_presets(device: torch.device, read_tbps: float) -> list[dict[str, Any]]
             op = shape.op_calls()
             row: dict[str, Any] = {
                 "model": name, "M": M, "slots": K, "block_m": shape.plans[0].block_m, "experts_touched": touched,
-                "gemm1_programs": M * K * -(-I // 128), "rule_split": default_split_k(M * K, I, device),
+                "gemm1_programs": M * K * -(-I // 128), "rule_split": shape.op_split,
                 "read_floor_us": floor1 + floor2, "gemm1_floor_us": floor1, "gemm2_floor_us": floor2,
                 "op_us": timing.time_or_none(op), **{f"op_{k}": v for k, v in kernel_us(op).items()}}
             for split in SPLITS if M < 16 else (1, 2):
@@ -348,6 +348,11 @@ class Shape:
     def I(self) -> int:  # noqa: E743 (the model's intermediate width, as SPEC names it)
         return self.w2.shape[2]
 
+    @property
+    def op_split(self) -> int:
+        """GEMM1's split along K as the op takes it on these routings (``default_split_k``)."""
+        return default_split_k(self.ids[0].numel(), self.I, self.x.device)
+
     def reference(self, plan: Any) -> torch.Tensor:
         """SPEC §5's float64 emulation of ``plan``'s valid rows (a plan of the first routing)."""
         out = torch.zeros(plan.num_rows, self.H, dtype=torch.float64, device=self.x.device)
@@ -401,13 +406,12 @@ def sweep_rows(device: torch.device, read_tbps: float, name: str, shape_list: Se
     rows = []
     for M, K in shape_list:
         shape, touched = make_shape(M, K, w1, w2, gen)
-        split = default_split_k(M * K, I, device)
         workspace = experts_workspace(device)  # as MoELayer passes one: the split's counters need no zeroing kernel
         base = {"model": name, "M": M, "slots": K, "block_m": shape.plans[0].block_m,
                 "read_floor_us": touched * bytes_per_expert / (read_tbps * 1e12) * 1e6,
                 "op_us": timing.time_or_none(shape.op_calls()),
                 "op_workspace_us": timing.time_or_none(shape.op_calls(workspace)),
-                "split_op_us": timing.time_or_none(shape.split_calls(split)), "op_split": split}
+                "split_op_us": timing.time_or_none(shape.split_calls(shape.op_split)), "op_split": shape.op_split}
         for c in configs_:
             extra = candidate(shape, c)
             if extra is None:
@@ -537,8 +541,7 @@ def gemm2_candidate(shape: Shape, c: dict[str, Any]) -> dict[str, Any] | None:
     """``experts_fp8`` with GEMM2's launch ``c`` (GEMM1 and its split as the op's, with a workspace): its time, and
     whether its output has the op's bits (the order of the sums does not change, so it must)."""
     gemm2 = dataclasses.replace(shape.tiles.gemm2, block_n=c["block_n"], num_stages=c["stages"], num_warps=c["warps"])
-    split = default_split_k(shape.ids[0].numel(), shape.I, shape.x.device)
-    workspace = experts_workspace(shape.x.device)
+    split, workspace = shape.op_split, experts_workspace(shape.x.device)
     outs = [torch.empty_like(o) for o in shape.outs]
     us = timing.time_or_none([lambda p=p, o=o: experts_fp8(shape.x, shape.w1, shape.w2, p, o, shape.tiles.gemm1,
                                                            gemm2, split_k=split, workspace=workspace)

@@ -179,12 +179,13 @@ def test_nan_stays_in_its_token(M, limit, gen, device):
     _check(x, w1, w2, ids, limit=limit)
 
 
-@pytest.mark.parametrize("split_k", [2, 3, 5])
+@pytest.mark.parametrize("split_k", [2, 3, 4, 5])
 def test_split_k_matches_float64_and_repeats(split_k, gen, device):
     """GEMM1 in runs of K steps, each its own program, summed by the last to finish (decode): against float64 at
     the short tiles' tolerance, on H = 520 (five steps, the last of 8 columns: runs of one, two or three steps, one
-    of them short) and I = 136 (partial blocks), -1 slots, the clamp, a NaN token; on a GPU, where the programs
-    race, two runs give the same bits (the runs are added in split order, whichever finishes last)."""
+    of them short; in four runs the last has none, and must still arrive) and I = 136 (partial blocks), -1 slots,
+    the clamp, a NaN token; on a GPU, where the programs race, two runs give the same bits (the runs are added in
+    split order, whichever finishes last)."""
     x, w1, w2, ids = _inputs(gen, 5, 2, 4, 520, 136, invalid=0.2, device=device)
     x[3, 300] = float("nan")
     ids[3] = torch.tensor([0, 1], dtype=ids.dtype)  # the NaN token has rows
@@ -214,15 +215,17 @@ def test_split_k_counts_in_the_workspace_and_leaves_it_zeroed(split_k, gen, devi
     leave it zeroed. The workspace is really the counters: one whose counters start at 1 lets a run that is not the
     last end its tile, adding another run's partial sums before they are written (a wrong result: the inputs
     differ from the call before, whose buffers the allocator may hand back). One too small for the grid is not
-    used."""
-    x, w1, w2, ids = _inputs(gen, 5, 2, 4, 520, 136, invalid=0.2, device=device)
-    plan = moe_dispatch(ids, 4, 16, backend="triton")
+    used. H = 264 (three 128-deep steps, the last of 8 columns) gives every run of either split a step: with an
+    empty last run (H = 392 in three runs) a primed tile adds that run's unwritten sums, which are right by
+    chance where the buffer comes back zeroed, and the check would fail a correct kernel."""
+    x, w1, w2, ids = _inputs(gen, 5, 2, 2, 264, 136, invalid=0.2, device=device)
+    plan = moe_dispatch(ids, 2, 16, backend="triton")
     n = int(plan.expert_offsets[-1])
     tiles = GemmTiles(128, 128, 1, 4, 2)
     programs = plan.tile_expert.numel() * 2  # GEMM1's unsplit grid: 2 column blocks of I = 136
 
     def run(hidden, workspace):
-        out = torch.zeros(plan.num_rows, 520, dtype=x.dtype, device=device)
+        out = torch.zeros(plan.num_rows, 264, dtype=x.dtype, device=device)
         experts_fp8(hidden, w1, w2, plan, out, tiles, tiles, split_k=split_k, workspace=workspace)
         return out[:n]
 

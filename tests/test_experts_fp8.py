@@ -212,33 +212,32 @@ def test_split_k_matches_float64_and_repeats(split_k, gen, device):
 def test_split_k_counts_in_the_workspace_and_leaves_it_zeroed(split_k, gen, device):
     """Given a workspace, split GEMM1 counts its arrivals there (so no zeroing kernel runs) and its last arrivers
     set the counters back to zero: two calls on one workspace give the bits of a call with counters of its own, and
-    leave it zeroed. The workspace is really the counters: one whose counters start at 1 lets a run that is not the
-    last end its tile, adding another run's partial sums before they are written (a wrong result: the inputs
-    differ from the call before, whose buffers the allocator may hand back). One too small for the grid is not
-    used. H = 264 (three 128-deep steps, the last of 8 columns) gives every run of either split a step: with an
-    empty last run (H = 392 in three runs) a primed tile adds that run's unwritten sums, which are right by
-    chance where the buffer comes back zeroed, and the check would fail a correct kernel."""
-    x, w1, w2, ids = _inputs(gen, 5, 2, 2, 264, 136, invalid=0.2, device=device)
+    leave it zeroed. The workspace is really the counters: primed far below zero, no run takes itself for its
+    tile's last, and each tile's counters end raised by exactly the split, whatever order the runs arrive in (a
+    GPU's races change nothing). One too small for the grid is not used, and not touched. H = 392 is four 128-deep steps
+    of GEMM1 (the last of 8 columns), so that in three runs the last is empty and must still arrive."""
+    x, w1, w2, ids = _inputs(gen, 5, 2, 2, 392, 136, invalid=0.2, device=device)
     plan = moe_dispatch(ids, 2, 16, backend="triton")
     n = int(plan.expert_offsets[-1])
     tiles = GemmTiles(128, 128, 1, 4, 2)
     programs = plan.tile_expert.numel() * 2  # GEMM1's unsplit grid: 2 column blocks of I = 136
 
-    def run(hidden, workspace):
-        out = torch.zeros(plan.num_rows, 264, dtype=x.dtype, device=device)
-        experts_fp8(hidden, w1, w2, plan, out, tiles, tiles, split_k=split_k, workspace=workspace)
+    def run(workspace):
+        out = torch.zeros(plan.num_rows, 392, dtype=x.dtype, device=device)
+        experts_fp8(x, w1, w2, plan, out, tiles, tiles, split_k=split_k, workspace=workspace)
         return out[:n]
 
-    want = run(x, None)
+    want = run(None)
     workspace = experts_workspace(device)
     for _ in range(2):
-        assert torch.equal(run(x, workspace), want)
+        assert torch.equal(run(workspace), want)
         assert not workspace.any()
-    y = torch.randn(x.shape, generator=gen).to(device, x.dtype)
-    primed = run(y, torch.ones(programs, dtype=torch.int32, device=device))
-    assert not torch.equal(primed, run(y, None))
-    z = torch.randn(x.shape, generator=gen).to(device, x.dtype)
-    assert torch.equal(run(z, torch.ones(programs - 1, dtype=torch.int32, device=device)), run(z, None))
+    primed = torch.full((programs,), -100, dtype=torch.int32, device=device)
+    run(primed)
+    counted = primed == -100 + split_k  # the rest: tiles past the plan's, whose programs return at once
+    assert (counted | (primed == -100)).all() and int(counted.sum()) == 2 * int((plan.tile_expert >= 0).sum())
+    short = torch.full((programs - 1,), -100, dtype=torch.int32, device=device)
+    assert torch.equal(run(short), want) and (short == -100).all()
 
 
 def test_workspace_is_checked_before_any_launch(device):

@@ -334,6 +334,46 @@ def test_passes_around_cublas_match_the_quantizer(M, limit, gen, device):
     assert torch.allclose(a_s.cpu().double(), act.view(M, -1, 128).abs().amax(2) / 448, rtol=1e-6)
 
 
+@pytest.mark.parametrize("per_program", [1, 2, 4, 5])
+def test_quantize_pass_in_runs_of_groups(per_program, gen, device, monkeypatch):
+    """The quantization pass over a plan's gathered rows, its groups of 128 columns split into runs of
+    ``per_program`` (one program each, forced here; ``groups_per_program`` picks it by the row count): the same bits
+    as ``quantize_rows`` for every run length, on H = 520 (five groups, the last of 8 columns, so that runs of 2 and
+    4 leave a short last run); -1 slots, a NaN token, rows past the plan left unwritten."""
+    from moefuse.experts.fp8 import quantize
+
+    monkeypatch.setattr(quantize, "groups_per_program", lambda row_blocks, groups: per_program)
+    x, _, _, ids = _inputs(gen, 19, 2, 4, 520, 128, invalid=0.2, device=device)
+    plan = moe_dispatch(ids, 4, 16, backend="triton")
+    x[int(plan.permuted_to_expanded[0]) // 2, 300] = float("nan")  # a routed token, in the third group
+    n = int(plan.expert_offsets[-1])
+    q = torch.full((plan.num_rows, 520), 7.0, device=device).to(torch.float8_e4m3fn)
+    scales = torch.full((plan.num_rows, 5), 7.0, device=device)
+    quantize.quantize_rows_into(x, q, scales, plan, gather=True)
+    want_q, want_s = quantize_rows(x[plan.permuted_to_expanded[:n].long() // 2].cpu())
+    finite = want_s.isfinite().repeat_interleave(128, dim=1)[:, :520]  # a NaN group's values are unspecified
+    assert bool(want_s.isnan().any())
+    assert torch.equal(torch.where(finite, q[:n].cpu().view(torch.uint8), 0),
+                       torch.where(finite, want_q.view(torch.uint8), 0))
+    assert torch.equal(scales[:n].cpu().nan_to_num(-1.0), want_s.nan_to_num(-1.0))
+    assert bool((scales[n:] == 7.0).all()) and bool((q[n:].float() == 7.0).all()), "rows past the plan"
+
+
+def test_groups_per_program_fills_the_pass():
+    """The pass's runs of groups: one group a program while the row blocks are few (DeepSeek-V3's 56 groups at 16
+    tokens: 8 row blocks, 448 programs), longer runs as they grow, and a whole row a program from about
+    ``PASS_PROGRAMS`` row blocks (4,096 tokens); never more programs than blocks x groups, nor fewer than blocks."""
+    from moefuse.experts.fp8.quantize import PASS_PROGRAMS, groups_per_program
+
+    assert [groups_per_program(-(-tokens * 8 // 16), 56) for tokens in (1, 16, 128, 1024, 4096)] == [1, 1, 4, 32, 56]
+    for row_blocks in (0, 1, 7, 100, 1000, 5000):
+        for groups in (1, 5, 16, 56):
+            per = groups_per_program(row_blocks, groups)
+            assert 1 <= per <= groups
+            programs = row_blocks * -(-groups // per)
+            assert per == groups or programs >= PASS_PROGRAMS // 2 or per == 1
+
+
 def test_plan_block_m_gives_the_persistent_kernels_their_plans(monkeypatch):
     """fp8 experts get the persistent kernels' 128-row plans on Hopper from ``persistent.FP8_MIN_TOKENS`` tokens
     (where they measured faster), if their widths are whole items, unless ``MOEFUSE_PERSISTENT=0``; the tile table's

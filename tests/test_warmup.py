@@ -39,7 +39,8 @@ def test_bad_max_tokens(bad):
 # Integer arguments whose value follows the token count (rows, tiles, work items, chunks). Triton specializes an
 # integer on being 1 or a multiple of 16, so one left specialized gives a token count a kernel variant that
 # warm-up, which runs one count per launch signature, may not have compiled: a compile on the request path.
-TOKEN_VARYING = {"M", "n_valid", "num_rows", "num_tiles", "num_chunks", "tiles_per_chunk", "items", "num_items"}
+TOKEN_VARYING = {"M", "n_valid", "num_rows", "num_tiles", "num_chunks", "tiles_per_chunk", "items", "num_items",
+                 "groups_per_program"}
 
 
 def _launched_kernels():

@@ -55,14 +55,16 @@ def _quantize(x, EMULATE_RTNE: tl.constexpr):
     return _to_e4m3(y, EMULATE_RTNE), tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
 
 
-@triton.jit(do_not_specialize=["num_rows", "stride_sg"])  # stride_sg: the rows, for column-major scales
+# stride_sg: the rows, for column-major scales; groups_per_program follows the row count
+@triton.jit(do_not_specialize=["num_rows", "stride_sg", "groups_per_program"])
 def _quantize_rows_kernel(
-    source_ptr, q_ptr, s_ptr, p2e_ptr, expert_offsets_ptr, num_experts, num_rows, K, top_k,
+    source_ptr, q_ptr, s_ptr, p2e_ptr, expert_offsets_ptr, num_experts, num_rows, K, top_k, groups_per_program,
     stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
     GATHER: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """q[p], s[p] = quant(x) per 128 columns for the plan's valid rows p, x = source[permuted_to_expanded[p] //
-    top_k] (``GATHER``) or source[p]; without a plan (``expert_offsets_ptr`` None), for rows p < num_rows."""
+    top_k] (``GATHER``) or source[p]; without a plan (``expert_offsets_ptr`` None), for rows p < num_rows.
+    Program (r, c): rows r·BLOCK_R onwards, the c-th run of ``groups_per_program`` groups of 128 columns."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the plan comes from dispatch
         tl.extra.cuda.gdc_launch_dependents()
@@ -76,7 +78,8 @@ def _quantize_rows_kernel(
     else:
         sources = rows.to(tl.int64)
     ks = tl.arange(0, 128)
-    for k0 in range(0, K, 128):
+    k_first = tl.program_id(1) * groups_per_program * 128
+    for k0 in range(k_first, tl.minimum(k_first + groups_per_program * 128, K), 128):
         k_ok = ks < K - k0
         mask = row_ok[:, None] & k_ok[None, :]
         x = tl.load(source_ptr + sources[:, None] * stride_xm + (k0 + ks)[None, :] * stride_xk, mask=mask,
@@ -84,6 +87,20 @@ def _quantize_rows_kernel(
         q, scale = _quantize(x.to(tl.float32), EMULATE_RTNE)
         tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + (k0 + ks)[None, :] * stride_qk, q, mask=mask)
         tl.store(s_ptr + rows.to(tl.int64) * stride_sm + k0 // 128 * stride_sg, scale, mask=row_ok)
+
+
+# About eight programs an SM of an H200 (132 SMs): enough that each SM has rows to load while others reduce.
+PASS_PROGRAMS = 1024
+
+
+def groups_per_program(row_blocks: int, groups: int) -> int:
+    """How many of a row block's ``groups`` (of 128 columns) one program of the pass quantizes, one after another:
+    all of them where the ``row_blocks`` alone make about :data:`PASS_PROGRAMS` programs, fewer (a power of two)
+    below, down to one. A program a row block, looping over all 56 of DeepSeek-V3's groups, made the pass 33.5 µs
+    for one token's 8 rows (docs/PERF-NOTES.md, twenty-fifth session); at 16 tokens (128 rows, 8 row blocks) the
+    same 56 steps in a row come before GEMM1 can start."""
+    want = -(-row_blocks * groups // PASS_PROGRAMS)
+    return max(1, min(triton.next_power_of_2(want), groups))
 
 
 def quantized_rows(plan: DispatchPlan, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,8 +126,10 @@ def quantize_rows_into(source: torch.Tensor, q: torch.Tensor, scales: torch.Tens
         rows = plan.num_rows
         args = (plan.permuted_to_expanded, plan.expert_offsets, plan.num_experts, plan.num_rows, source.shape[1],
                 plan.top_k)
-    _quantize_rows_kernel[(triton.cdiv(rows, block_r),)](
-        source, q, scales, *args, source.stride(0), source.stride(1), *q.stride(), *scales.stride(),
+    row_blocks, groups = triton.cdiv(rows, block_r), triton.cdiv(source.shape[1], BLOCK)
+    per_program = groups_per_program(row_blocks, groups)
+    _quantize_rows_kernel[(row_blocks, triton.cdiv(groups, per_program))](
+        source, q, scales, *args, per_program, source.stride(0), source.stride(1), *q.stride(), *scales.stride(),
         GATHER=gather, EMULATE_RTNE=_runtime.interpreting(), BLOCK_R=block_r, USE_PDL=use_pdl,
         num_warps=4, **launch,
     )

@@ -214,8 +214,9 @@ def test_split_k_counts_in_the_workspace_and_leaves_it_zeroed(split_k, gen, devi
     set the counters back to zero: two calls on one workspace give the bits of a call with counters of its own, and
     leave it zeroed. The workspace is really the counters: primed far below zero, no run takes itself for its
     tile's last, and each tile's counters end raised by exactly the split, whatever order the runs arrive in (a
-    GPU's races change nothing). One too small for the grid is not used, and not touched. H = 392 is four 128-deep steps
-    of GEMM1 (the last of 8 columns), so that in three runs the last is empty and must still arrive."""
+    GPU's races change nothing). One too small for the grid is not used, and not touched. H = 392 is four
+    128-deep steps of GEMM1 (the last of 8 columns), so that in three runs the last is empty and must still
+    arrive."""
     x, w1, w2, ids = _inputs(gen, 5, 2, 2, 392, 136, invalid=0.2, device=device)
     plan = moe_dispatch(ids, 2, 16, backend="triton")
     n = int(plan.expert_offsets[-1])
@@ -362,7 +363,8 @@ def test_quantize_pass_in_runs_of_groups(per_program, gen, device, monkeypatch):
 def test_groups_per_program_fills_the_pass():
     """The pass's runs of groups: one group a program while the row blocks are few (DeepSeek-V3's 56 groups at 16
     tokens: 8 row blocks, 448 programs), longer runs as they grow, and a whole row a program from about
-    ``PASS_PROGRAMS`` row blocks (4,096 tokens); never more programs than blocks x groups, nor fewer than blocks."""
+    ``PASS_PROGRAMS`` row blocks (4,096 tokens); runs of one group to all of them, and a run of several groups
+    short of a whole row only where the pass keeps at least half of ``PASS_PROGRAMS`` programs."""
     from moefuse.experts.fp8.quantize import PASS_PROGRAMS, groups_per_program
 
     assert [groups_per_program(-(-tokens * 8 // 16), 56) for tokens in (1, 16, 128, 1024, 4096)] == [1, 1, 4, 32, 56]

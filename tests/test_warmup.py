@@ -40,7 +40,7 @@ def test_bad_max_tokens(bad):
 # integer on being 1 or a multiple of 16, so one left specialized gives a token count a kernel variant that
 # warm-up, which runs one count per launch signature, may not have compiled: a compile on the request path.
 TOKEN_VARYING = {"M", "n_valid", "num_rows", "num_tiles", "num_chunks", "tiles_per_chunk", "items", "num_items",
-                 "groups_per_program"}
+                 "run_groups"}
 
 
 def _launched_kernels():

@@ -55,16 +55,17 @@ def _quantize(x, EMULATE_RTNE: tl.constexpr):
     return _to_e4m3(y, EMULATE_RTNE), tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
 
 
-# stride_sg: the rows, for column-major scales; groups_per_program follows the row count
-@triton.jit(do_not_specialize=["num_rows", "stride_sg", "groups_per_program"])
+# stride_sg: the rows, for column-major scales; run_groups follows the row count
+@triton.jit(do_not_specialize=["num_rows", "stride_sg", "run_groups"])
 def _quantize_rows_kernel(
-    source_ptr, q_ptr, s_ptr, p2e_ptr, expert_offsets_ptr, num_experts, num_rows, K, top_k, groups_per_program,
+    source_ptr, q_ptr, s_ptr, p2e_ptr, expert_offsets_ptr, num_experts, num_rows, K, top_k, run_groups,
     stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
     GATHER: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """q[p], s[p] = quant(x) per 128 columns for the plan's valid rows p, x = source[permuted_to_expanded[p] //
     top_k] (``GATHER``) or source[p]; without a plan (``expert_offsets_ptr`` None), for rows p < num_rows.
-    Program (r, c): rows r·BLOCK_R onwards, the c-th run of ``groups_per_program`` groups of 128 columns."""
+    Program (r, c): rows r·BLOCK_R onwards, the c-th run of ``run_groups`` groups of 128 columns
+    (:func:`groups_per_program`)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the plan comes from dispatch
         tl.extra.cuda.gdc_launch_dependents()
@@ -78,8 +79,8 @@ def _quantize_rows_kernel(
     else:
         sources = rows.to(tl.int64)
     ks = tl.arange(0, 128)
-    k_first = tl.program_id(1) * groups_per_program * 128
-    for k0 in range(k_first, tl.minimum(k_first + groups_per_program * 128, K), 128):
+    k_first = tl.program_id(1) * run_groups * 128
+    for k0 in range(k_first, tl.minimum(k_first + run_groups * 128, K), 128):
         k_ok = ks < K - k0
         mask = row_ok[:, None] & k_ok[None, :]
         x = tl.load(source_ptr + sources[:, None] * stride_xm + (k0 + ks)[None, :] * stride_xk, mask=mask,
@@ -89,7 +90,7 @@ def _quantize_rows_kernel(
         tl.store(s_ptr + rows.to(tl.int64) * stride_sm + k0 // 128 * stride_sg, scale, mask=row_ok)
 
 
-# About eight programs an SM of an H200 (132 SMs): enough that each SM has rows to load while others reduce.
+# About eight 4-warp programs an SM of an H200 (132 SMs): a choice, not yet timed (PERF-NOTES, thirty-fourth session)
 PASS_PROGRAMS = 1024
 
 

@@ -336,28 +336,33 @@ def test_passes_around_cublas_match_the_quantizer(M, limit, gen, device):
 
 
 @pytest.mark.parametrize("per_program", [1, 2, 4, 5])
-def test_quantize_pass_in_runs_of_groups(per_program, gen, device, monkeypatch):
-    """The quantization pass over a plan's gathered rows, its groups of 128 columns split into runs of
-    ``per_program`` (one program each, forced here; ``groups_per_program`` picks it by the row count): the same bits
-    as ``quantize_rows`` for every run length, on H = 520 (five groups, the last of 8 columns, so that runs of 2 and
-    4 leave a short last run); -1 slots, a NaN token, rows past the plan left unwritten."""
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "rows"])
+def test_quantize_rows_pass(gather, per_program, gen, device, monkeypatch):
+    """The activation quantization pass (``quantize_rows_into``: fp8 GEMM1's rows from 64 plan rows, W4A8's, the
+    fp8 shared expert's on cuBLAS): the plan's valid rows, gathered from the tokens or (GEMM2's intermediate) as
+    they are, quantized per SPEC §5 bit for bit as ``quantize_rows``, the other rows left unwritten; its groups of
+    128 columns in runs of ``per_program`` a program (forced here; ``groups_per_program`` picks it by the row
+    count), on H = 520 (five groups, the last of 8 columns, so that runs of 2 and 4 leave a short last run); -1
+    slots, a NaN in a routed row."""
     from moefuse.experts.fp8 import quantize
 
     monkeypatch.setattr(quantize, "groups_per_program", lambda row_blocks, groups: per_program)
     x, _, _, ids = _inputs(gen, 19, 2, 4, 520, 128, invalid=0.2, device=device)
     plan = moe_dispatch(ids, 4, 16, backend="triton")
-    x[int(plan.permuted_to_expanded[0]) // 2, 300] = float("nan")  # a routed token, in the third group
     n = int(plan.expert_offsets[-1])
+    source = x if gather else torch.randn(plan.num_rows, 520, generator=gen).bfloat16().to(device)
+    source[int(plan.permuted_to_expanded[0]) // 2 if gather else 0, 300] = float("nan")  # in the third group
     q = torch.full((plan.num_rows, 520), 7.0, device=device).to(torch.float8_e4m3fn)
     scales = torch.full((plan.num_rows, 5), 7.0, device=device)
-    quantize.quantize_rows_into(x, q, scales, plan, gather=True)
-    want_q, want_s = quantize_rows(x[plan.permuted_to_expanded[:n].long() // 2].cpu())
+    quantize.quantize_rows_into(source, q, scales, plan, gather=gather)
+    rows = source[plan.permuted_to_expanded[:n].long() // 2] if gather else source[:n]
+    want_q, want_s = quantize_rows(rows.cpu())
     finite = want_s.isfinite().repeat_interleave(128, dim=1)[:, :520]  # a NaN group's values are unspecified
     assert bool(want_s.isnan().any())
     assert torch.equal(torch.where(finite, q[:n].cpu().view(torch.uint8), 0),
                        torch.where(finite, want_q.view(torch.uint8), 0))
     assert torch.equal(scales[:n].cpu().nan_to_num(-1.0), want_s.nan_to_num(-1.0))
-    assert bool((scales[n:] == 7.0).all()) and bool((q[n:].float() == 7.0).all()), "rows past the plan"
+    assert bool((scales[n:] == 7.0).all()) and bool((q[n:].float() == 7.0).all()), "rows with no token are unwritten"
 
 
 def test_groups_per_program_fills_the_pass():

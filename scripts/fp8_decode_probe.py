@@ -678,11 +678,8 @@ def main() -> int:
         write(read_tbps=ceilings.read_tbps, gemm2_launch=gemm2_launches(device, ceilings.read_tbps))
         return 0
     if args.read:
-        rows = read_pattern(device, ceilings.read_tbps)
-        sizes = read_sizes(device, ceilings.read_tbps)
-        if args.json:
-            args.json.write_text(json.dumps({"read_tbps": ceilings.read_tbps, "read": rows, "sizes": sizes},
-                                            indent=1))
+        write(read_tbps=ceilings.read_tbps, read=read_pattern(device, ceilings.read_tbps),
+              sizes=read_sizes(device, ceilings.read_tbps))
         return 0
     result: dict[str, Any] = {"read_tbps": ceilings.read_tbps, "errors": errors(device),
                               "time": time_presets(device, ceilings.read_tbps)}

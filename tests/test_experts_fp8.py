@@ -179,14 +179,16 @@ def test_nan_stays_in_its_token(M, limit, gen, device):
     _check(x, w1, w2, ids, limit=limit)
 
 
+@pytest.mark.parametrize("M", [5, 33], ids=["quantized-in-gemm1", "quantized-before"])
 @pytest.mark.parametrize("split_k", [2, 3, 4, 5])
-def test_split_k_matches_float64_and_repeats(split_k, gen, device):
+def test_split_k_matches_float64_and_repeats(split_k, M, gen, device):
     """GEMM1 in runs of K steps, each its own program, summed by the last to finish (decode): against float64 at
     the short tiles' tolerance, on H = 520 (five steps, the last of 8 columns: runs of one, two or three steps, one
     of them short; in four runs the last has none, and must still arrive) and I = 136 (partial blocks), -1 slots,
-    the clamp, a NaN token; on a GPU, where the programs race, two runs give the same bits (the runs are added in
-    split order, whichever finishes last)."""
-    x, w1, w2, ids = _inputs(gen, 5, 2, 4, 520, 136, invalid=0.2, device=device)
+    the clamp, a NaN token, with the activations quantized in GEMM1 (a few rows) or by the pass before it (64 rows
+    or more: each run starts at its own step of the quantized rows); on a GPU, where the programs race, two runs
+    give the same bits (the runs are added in split order, whichever finishes last)."""
+    x, w1, w2, ids = _inputs(gen, M, 2, 4, 520, 136, invalid=0.2, device=device)
     x[3, 300] = float("nan")
     ids[3] = torch.tensor([0, 1], dtype=ids.dtype)  # the NaN token has rows
     plan = moe_dispatch(ids, 4, 16, backend="triton")

@@ -98,8 +98,10 @@ def random_fp8(E: int, N: int, K: int, device: torch.device) -> BlockFP8:
     return BlockFP8(values, scales)
 
 
-def kernel_us(calls: Sequence[Callable[[], object]], rounds: int = 4) -> dict[str, float]:
-    """Mean device µs per call of each GEMM kernel the calls launch (eager, under ``torch.profiler``)."""
+def kernel_us(calls: Sequence[Callable[[], object]], rounds: int = 4,
+              kernels: Sequence[str] = ("gemm1", "gemm2")) -> dict[str, float]:
+    """Mean device µs per call of the kernels the calls launch whose names hold ``_<name>_`` for each of
+    ``kernels`` (the fp8 GEMMs unless told), as ``<name>_us`` (eager, under ``torch.profiler``)."""
     for call in calls:
         call()
     torch.cuda.synchronize()
@@ -110,8 +112,8 @@ def kernel_us(calls: Sequence[Callable[[], object]], rounds: int = 4) -> dict[st
         torch.cuda.synchronize()
     total: dict[str, float] = defaultdict(float)
     for event in prof.events():
-        for name in ("gemm1", "gemm2"):
-            if event.device_type == torch.autograd.DeviceType.CUDA and f"_{name}_fp8_kernel" in event.name:
+        for name in kernels:
+            if event.device_type == torch.autograd.DeviceType.CUDA and f"_{name}_" in event.name:
                 total[f"{name}_us"] += event.device_time_total / (rounds * len(calls))
     return dict(total)
 

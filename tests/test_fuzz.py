@@ -39,7 +39,9 @@ tests/test_layer_fp8.py and test_layer_mxfp4.py do, so a near-tie in fp32 logits
 
 Tolerances come from ``tests/tolerances.py`` (the largest errors ``scripts/error_table.py`` measured on an H200 per
 format and tile path, with headroom); none is set here. fp16 results are measured against at least fp16's
-smallest normal (``check_experts``): below it fp16 rounds to absolute steps.
+smallest normal (``check_experts``): below it fp16 rounds to absolute steps. fp32 results (experts and layers with
+no rounding below fp32) may also err up to ``SUM_ORDER`` times what the oracle computed in fp32 errs on the same
+instance: a sum of a few terms that cancel errs more, relative to its result, than any fixed tolerance allows.
 
 Budget (``EXAMPLES``, ``LAYER_EXAMPLES`` per parameter): on an H200 about 2 min 45 s from a cold Triton cache (163 s
 measured); on one CPU core about 70 s (68-74 s measured, 2026-12-03; Triton's interpreter runs each kernel program in
@@ -276,6 +278,29 @@ def _oracle(c: dict) -> tuple:
     return moe_experts_torch, c["fmt"]  # plain, and MXFP4 W4A16 (exact weights): the same oracle
 
 
+# fp32 numerics (no rounding below fp32 anywhere) err by one rounding of the terms a sum adds, so a sum of a few
+# terms that cancel errs far more, relative to the result, than the sums of H = 7,168 random terms the tolerance was
+# measured on. Found by 300 examples a parameter (MOEFUSE_FUZZ_EXAMPLES=300, interpreter): E = 300, H = 1, I = 13
+# summed 13 terms of 6.9 in magnitude to -0.0155 and a correct kernel erred 2.0e-5 of the largest output (seed
+# 1128); a layer of H = 91, I = 1 erred 1.5e-5, its gate a cancelled sum (seed 881). Each was 2.2 and 1.2 times
+# what the same oracle in fp32 errs on the instance (its sums in another order). So fp32 results may also err up
+# to SUM_ORDER times that: an allowance that follows the instance's conditioning, where a fixed relative tolerance
+# cannot. Measured on the interpreter over examples drawn as these tests draw them (two draws each), the kernel's
+# error over the fp32 oracle's: experts 0.83-0.85 at the median and 2.8 at most (494 examples), layers 1.0 and 2.9
+# (160). There, 8 times the oracle's error came to at most 9.3e-6 (experts) and 4.5e-6 (layers) of the largest
+# output: under the 1e-5 tolerance, which still decides on those shapes. On the GPU's wider sums (H to 3,072) the
+# allowance may pass it; not yet measured there.
+SUM_ORDER = 8
+
+
+def _sum_order_floors(ref: torch.Tensor, ref32: torch.Tensor, tol: float, rms_tol: float) -> tuple[float, float]:
+    """The ``floor`` arguments of ``rel_error`` and ``rms_rel_error`` that let an fp32 result err up to
+    ``SUM_ORDER`` times as much as ``ref32`` (the oracle in fp32) errs from ``ref`` (float64), in max and RMS."""
+    diff = (ref32.double() - ref).abs()
+    return (SUM_ORDER * diff.max().item() / tol if diff.numel() else 0.0,
+            SUM_ORDER * diff.norm().item() / (rms_tol * max(diff.numel(), 1) ** 0.5))
+
+
 # --- the experts op ------------------------------------------------------------------------------------------------
 
 # The format is a parameter, not a draw: each gets its own examples (hypothesis's choices are far from uniform)
@@ -321,9 +346,14 @@ def check_experts(c: dict) -> None:
     # more than any relative tolerance (H = I = 1 with one output of 3.0e-6 erred 1.96e-3, over fp16's 1e-3 RMS), so
     # fp16 is measured against at least its smallest normal (2^-11 at most), where an O(1) error still fails
     floor = torch.finfo(dtype).tiny if dtype == torch.float16 else 0.0
-    err = rel_error(got[:n_valid], ref[:n_valid], floor)
-    rms = rms_rel_error(got[:n_valid], ref[:n_valid], floor)
     tol, rms_tol = experts_tolerance(key, block_m)
+    floors = (floor, floor)
+    if key == "fp32":
+        ref32 = oracle(x, w1, w2, plan, swiglu_limit=c["limit"], dtype=torch.float32,
+                       out=torch.zeros(M * K, H, dtype=torch.float32, device=DEVICE))
+        floors = _sum_order_floors(ref[:n_valid], ref32[:n_valid], tol, rms_tol)
+    err = rel_error(got[:n_valid], ref[:n_valid], floors[0])
+    rms = rms_rel_error(got[:n_valid], ref[:n_valid], floors[1])
     assert err <= tol and rms <= rms_tol, (f"{c}: {key} on {block_m}-row tiles, {n_valid} rows: relative error "
                                            f"{err:.3e} (max {tol:.0e}), RMS {rms:.3e} (max {rms_tol:.0e})")
     if storage is not None:  # nothing but the n_valid rows of the view may be written
@@ -373,14 +403,20 @@ def layer_cases(draw: st.DrawFn, quant: str | None) -> dict:
     )
 
 
+def _layer_formats(c: dict, layer: MoELayer) -> list[str]:
+    """The tolerance keys of the routed experts' numerics and the shared expert's."""
+    routed = "w4a8" if layer.activation_quant == "fp8" and c["quant"] == "mxfp4" else c["quant"] or c["dtype"]
+    return [routed, "fp8" if layer.shared_quant == "fp8" else c["dtype"]]
+
+
 def _layer_tolerance(c: dict, layer: MoELayer) -> float:
     """The largest (max relative) tolerance of any tile height the layer's grouped GEMMs pick: the routed experts
     with or without the shared slot, and the shared expert as a one-expert GEMM. Max only, as tests/test_layer*.py
     compare: an RMS over the few values of a small batch says little."""
     M, H, I, E, K = c["M"], c["H"], c["I"], c["E"], c["K"]
     weight = layer.experts.weights()[0]
-    routed = "w4a8" if layer.activation_quant == "fp8" and c["quant"] == "mxfp4" else c["quant"] or c["dtype"]
-    fmts = [routed, "fp8" if layer.shared_quant == "fp8" else c["dtype"]]
+    fmts = _layer_formats(c, layer)
+    routed = fmts[0]
     heights = {pick_block_m(M, E + s, H, I, K + s, tile_dtype(weight, DTYPES[c["dtype"]])) for s in (0, 1)}
     heights |= {128} if routed == "w4a8" else set()
     heights.add(pick_block_m(M, 1, H, I * max(c["shared"], 1), 1, torch.float8_e4m3fn if layer.shared_quant else
@@ -413,5 +449,9 @@ def check_layer(c: dict) -> None:
     # 16-bit layers route in fp32 (their router does): float64 routing could break a near-tie the other way
     route = None if dtype == torch.float32 else torch.float32
     want = moe_layer_torch(layer, x, c["non_padded"], route_dtype=route)
-    tol, err = _layer_tolerance(c, layer), rel_error(got, want)
+    tol, floor = _layer_tolerance(c, layer), 0.0
+    if _layer_formats(c, layer) == ["fp32", "fp32"]:  # routed as ``want`` is, so that only the sums' order differs
+        want32 = moe_layer_torch(layer, x, c["non_padded"], dtype=torch.float32, route_dtype=torch.float64)
+        floor = _sum_order_floors(want, want32, tol, tol)[0]
+    err = rel_error(got, want, floor)
     assert err <= tol, f"{c}: relative error {err:.3e} (max {tol:.0e})"

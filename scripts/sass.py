@@ -254,17 +254,16 @@ def compile_gemm(gemm: int, dtype: torch.dtype, block_m: int, tiles: configs.Gem
     return compile_sm90(fn, signature, constexprs, tiles.num_warps, tiles.num_stages)
 
 
-def compile_fp8_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_limit: bool, prequantized: bool,
-                     split_k: int = 1):
-    """The fp8 block-scale GEMM1 or GEMM2 (``experts/fp8/kernels.py``) as ``experts_fp8`` launches it on sm_90 (bf16
-    activations, TMA weights and, for 16-byte rows, TMA activation rows; PDL); ``tiles`` adapted by ``fp8_tiles``;
+def compile_fp8_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_limit: bool, split_k: int = 1):
+    """The fp8 block-scale GEMM1 or GEMM2 (``experts/fp8/kernels.py``) as ``experts_fp8`` launches it on sm_90 (TMA
+    weights, TMA activation rows: the pass's for GEMM1, GEMM1's for GEMM2; PDL); ``tiles`` adapted by ``fp8_tiles``;
     ``split_k``: GEMM1's K in that many programs."""
     fn = experts_fp8._gemm1_fp8_kernel if gemm == 1 else experts_fp8._gemm2_fp8_kernel
     constexprs = {
         "EMULATE_RTNE": False, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
-        "GROUP_M": tiles.group_m, "W_TMA": True, "USE_PDL": True, "A_TMA": gemm == 2 or prequantized,
+        "GROUP_M": tiles.group_m, "W_TMA": True, "USE_PDL": True, "A_TMA": True,
         **{name: 1 for name in UNIT_STRIDES + ("stride_ak",) if name in fn.arg_names},
-        **({"HAS_LIMIT": has_limit, "A_QUANTIZED": prequantized, "UP_ALIGNED": True, "SPLIT_K": split_k} if gemm == 1
+        **({"HAS_LIMIT": has_limit, "UP_ALIGNED": True, "SPLIT_K": split_k} if gemm == 1
            else {"SWAP": block_m < experts_fp8.WGMMA_MIN_ROWS}),
     }
     rows = f"tensordesc<fp8e4nv[{block_m}, {tiles.block_k}]>"
@@ -454,18 +453,17 @@ def experts(args: argparse.Namespace) -> list[str]:
                     gemms = [(g, experts_mxfp4.mxfp4_tiles(t), k) for g, t, k in gemms]
                 for gemm, tiles, k in gemms:
                     has_limit = gemm == 1 and c.swiglu_limit is not None
-                    prequantized = fp8 and M * c.top_k >= configs.FP8_PREQUANTIZE_MIN_ROWS
                     if (mxfp4 and cfg.block_m in experts_mxfp4_ws.LAUNCH  # the Gluon kernels run: `mxfp4-ws`
                             and experts_mxfp4_ws.widths_fit(c.hidden_size, c.intermediate_size)):
                         continue
                     split_k = split if gemm == 1 else 1
-                    key = (gemm, dtype, cfg.block_m, tiles, k % tiles.block_k == 0, has_limit, prequantized, split_k)
+                    key = (gemm, dtype, cfg.block_m, tiles, k % tiles.block_k == 0, has_limit, split_k)
                     if key in seen:  # N and K are run-time arguments: the same launch compiles the same
                         continue
                     seen.add(key)
                     where = f"{name} {TYPE_NAMES[dtype]} M={M} GEMM{gemm}"
                     result = compiled_stats(where, problems, lambda: (
-                        compile_fp8_gemm(gemm, cfg.block_m, tiles, has_limit, prequantized, split_k) if fp8
+                        compile_fp8_gemm(gemm, cfg.block_m, tiles, has_limit, split_k) if fp8
                         else compile_mxfp4_gemm(gemm, cfg.block_m, tiles, has_limit) if mxfp4
                         else compile_gemm(gemm, dtype, cfg.block_m, tiles, k, has_limit)))
                     if result is None:

@@ -40,10 +40,11 @@ HOPPER_SMEM = 227 * 1024  # the most shared memory one block may opt in to on sm
 SMEM_BUDGET = 212 * 1024  # the heuristic's limit on smem_bytes (an upper model; see there)
 
 TABLE_DTYPES = (torch.bfloat16, torch.float16)  # the tile tables' activations; other dtypes take the heuristic
-# fp8 (``experts/fp8/``): plans of this many rows (M·K) or more quantize the activations in one pass before GEMM1
-# instead of in its prologue. One H200, DeepSeek-V3: the pass cost 24 µs at one token (8 rows) and saved 103 µs at
-# 16 tokens (128 rows) and 271 µs at 128 tokens.
-FP8_PREQUANTIZE_MIN_ROWS = 64
+# fp8 (``experts/fp8/``): at most this many plan rows (M·K, a token to a few), GEMM1 runs 8 warps, and 5 pipeline
+# stages where it is one wave of programs; 4 warps and 4 stages from 64 rows. One H100, one token, the experts (µs,
+# 8 warps against 4): DeepSeek-V3 with the shared expert's slot 153.5 against 160.6, GLM-4.5-Air 60.3 against 65.5,
+# ties within 1 µs at two tokens and on the other presets (docs/PERF-NOTES.md, thirty-sixth session).
+FP8_FEW_ROWS = 63
 # fp8 at decode: GEMM1 split along K into runs of steps, each its own program, where one program per tile and column
 # block would leave SMs idle or a short second wave (fp8_split_k), each on at most this many pipeline stages so that
 # two share an SM (5 stages of the 8-warp 16-row tile take 115 KB of shared memory). One H200, one token (µs,
@@ -371,10 +372,10 @@ def heuristic(
                      group_m=4, num_warps=8, num_stages=3, spread=False)
     elif fp8:
         tall = block_m >= 64
-        fused = rows < FP8_PREQUANTIZE_MIN_ROWS  # GEMM1 quantizes its activation tiles itself: 8 warps share that
-        deep = fused and num_tiles * -(-I // 128) <= NUM_SMS  # 5 stages only where GEMM1 is one wave of programs
+        few = rows <= FP8_FEW_ROWS
+        deep = few and num_tiles * -(-I // 128) <= NUM_SMS  # 5 stages only where GEMM1 is one wave of programs
         gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=128, group_m=0 if tall else 1,
-                     num_warps=8 if tall or fused else 4, num_stages=5 if deep else 4, spread=False)
+                     num_warps=8 if tall or few else 4, num_stages=5 if deep else 4, spread=False)
         gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=128, block_k=128, group_m=0 if tall else 1,
                      num_warps=4, num_stages=4, spread=not tall)
     elif block_m <= 32:

@@ -246,12 +246,11 @@ def plan_block_m(
 
 def launch_variant(gate_up_proj: ExpertWeight, num_rows: int, activation_quant: Optional[str]) -> tuple:
     """What besides the tiles decides which kernels ``moe_experts`` compiles for a plan of ``num_rows`` rows on these
-    weights and (resolved) ``activation_quant``: fp8 block-scale's activation quantization pass (GEMM1 quantizes its
-    own tiles below ``configs.FP8_PREQUANTIZE_MIN_ROWS`` rows) and GEMM1's split along K, MXFP4's W4A8 kernels.
+    weights and (resolved) ``activation_quant``: fp8 block-scale's split of GEMM1 along K, MXFP4's W4A8 kernels.
     Warm-up keys on it."""
     if isinstance(gate_up_proj, BlockFP8):
         split = fp8_kernels.default_split_k(num_rows, gate_up_proj.shape[1] // 2, gate_up_proj.values.device)
-        return ("prequantized", num_rows >= configs.FP8_PREQUANTIZE_MIN_ROWS, "split_k", split)
+        return ("split_k", split)
     if isinstance(gate_up_proj, MXFP4):
         return ("activations", activation_quant)
     return ()

@@ -7,11 +7,12 @@ Contract (inputs validated by :func:`moefuse.experts.moe_experts`):
 - GEMM1 writes the intermediate in e4m3, [M·K, I], with its fp32 scales [M·K, ceil(I/128)]; GEMM2 writes ``out``
   [M·K, H] in hidden's dtype. Rows of no token are not written.
 
-What the peers run as separate kernels is fused here:
-
-- **GEMM1's prologue quantizes the activations.** It gathers each tile's token rows from ``hidden`` (as the bf16
-  kernel does), and per 128-column step computes each row's amax, scale and e4m3 values in registers
-  (``quantize._quantize``): no quantized copy of the activations is written.
+- **The activations are quantized once, before GEMM1**, by ``quantize.quantize_rows_into``: per token row and
+  128 columns, gathered into the plan's row order, e4m3 values and one fp32 scale a group, which GEMM1 reads
+  through TMA. Quantizing in GEMM1's loop instead (below 64 rows until the thirty-sixth session) saves the pass's
+  launch but quantizes each row once per column block, 406 instructions a step per warp against 249; on one H100
+  the pass was as fast or faster on every preset, e.g. DeepSeek-V3 258 against 268 µs at two tokens, the worst
+  0.2 µs slower (Qwen3-30B-A3B, one token; docs/CHOICES.md). Same bits either way (one ``_quantize``).
 - **Both GEMMs promote per block.** Each 128-deep step is one fp8 ``tl.dot`` into a fresh fp32 tile, scaled by
   the rows' activation scales and the tile's weight-block scale (one scalar per step: a tile's columns lie in one
   block) and added to the fp32 accumulator: DeepSeek-V3's recipe (promotion every 128 products). Within a step,
@@ -43,7 +44,7 @@ from ... import _runtime
 from ...dispatch import DispatchPlan
 from ...formats import BLOCK, BlockFP8
 from ..common import _program_start, _round, _swiglu, _tile_span, rows_descriptor, weight_descriptor
-from ..configs import FP8_PREQUANTIZE_MIN_ROWS, FP8_SPLIT_STAGES, SMEM_BUDGET, GemmTiles, fp8_split_k
+from ..configs import FP8_SPLIT_STAGES, SMEM_BUDGET, GemmTiles, fp8_split_k
 from .quantize import _quantize, quantize_rows_into, quantized_rows
 
 WGMMA_MIN_ROWS = 64  # GEMM2's shorter tiles swap their MMA's operands (``_add_scaled``)
@@ -100,17 +101,19 @@ def _split_range(K, run, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_tiles", "num_rows"])  # they vary with the token count: one variant for all
 def _gemm1_fp8_kernel(
-    hidden_ptr, a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, inter_ptr, is_ptr,
-    tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, p2e_ptr, part_ptr, arrivals_ptr,
-    num_tiles, N, K, top_k, limit, num_rows,
-    stride_hm, stride_hk, stride_am, stride_ak, stride_asm, stride_asg,
+    a_ptr, a_desc, as_ptr, w_ptr, w_desc, ws_ptr, inter_ptr, is_ptr,
+    tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, part_ptr, arrivals_ptr,
+    num_tiles, N, K, limit, num_rows,
+    stride_am, stride_ak, stride_asm, stride_asg,
     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_im, stride_in, stride_ism, stride_isg,
     HAS_LIMIT: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr, A_QUANTIZED: tl.constexpr,
-    A_TMA: tl.constexpr, USE_PDL: tl.constexpr, UP_ALIGNED: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr, USE_PDL: tl.constexpr,
+    UP_ALIGNED: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    """intermediate[rows, n] = quant(SwiGLU(deq(q(x)) @ deq(W)[e, n]^T, ... [e, N + n]^T)). N = I, K = H.
+    """intermediate[rows, n] = quant(SwiGLU(deq(a) @ deq(W)[e, n]^T, ... [e, N + n]^T)). N = I, K = H; ``a``: the
+    activations quantized in the plan's row order (``a_ptr``/``a_desc``, scales ``as_ptr``, from
+    ``_quantize_rows_kernel``).
 
     ``SPLIT_K`` > 1 (decode, where a program a tile and column block leaves SMs idle): program (p, s) of the 2-D grid
     sums the s-th of SPLIT_K runs of 128-deep steps into ``part_ptr`` [SPLIT_K, num_rows, 2N] (fp32), and the last of
@@ -119,8 +122,6 @@ def _gemm1_fp8_kernel(
     given to ``experts_fp8`` needs no zeroing before the next launch.
 
     ``UP_ALIGNED``: N is a multiple of 128, so the up tile's rows N + cols start a weight block as the gate tile's do.
-    ``A_QUANTIZED``: the activations come quantized in the plan's row order (``a_ptr``/``a_desc``, scales
-    ``as_ptr``, from ``_quantize_rows_kernel``); else they are gathered from ``hidden`` and quantized here.
     """
     tile, col_block, expert = _program_start(num_tiles, N, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                                              BLOCK_M, BLOCK_N, GROUP_M, USE_PDL)
@@ -128,7 +129,6 @@ def _gemm1_fp8_kernel(
         return
     row_start, rows, row_ok, a_rows, cols, col_ok, wrapped = _tile_span(
         tile, col_block, expert, N, tile_row_start_ptr, expert_offsets_ptr, BLOCK_M, BLOCK_N)
-    tokens = (tl.load(p2e_ptr + a_rows) // top_k).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     k_begin, k_end = _split_range(K, tl.program_id(1), BLOCK_K, SPLIT_K)
     w_expert = w_ptr + expert.to(tl.int64) * stride_we
@@ -148,13 +148,8 @@ def _gemm1_fp8_kernel(
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k_ok = ks < K - k0
-        if A_QUANTIZED:
-            a, a_scale = _load_rows(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, ks, k_ok, stride_am, stride_ak,
-                                    stride_asm, stride_asg, A_TMA)
-        else:
-            x = tl.load(hidden_ptr + tokens[:, None] * stride_hm + (k0 + ks)[None, :] * stride_hk,
-                        mask=k_ok[None, :], other=0.0)
-            a, a_scale = _quantize(x.to(tl.float32), EMULATE_RTNE)
+        a, a_scale = _load_rows(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, ks, k_ok, stride_am, stride_ak,
+                                stride_asm, stride_asg, A_TMA)
         if W_TMA:  # zero-filled past K
             gate_w = w_desc.load([gate_row, k0]).T
             up_w = w_desc.load([gate_row + N, k0]).T
@@ -269,18 +264,13 @@ def experts_fp8(
     split_k: Optional[int] = None,
     workspace: Optional[torch.Tensor] = None,
 ) -> None:
-    """Launch GEMM1 (+ activation quantization, SwiGLU, intermediate quantization), then GEMM2, into ``out``.
+    """Quantize the activations in the plan's row order, then launch GEMM1 (+ SwiGLU, intermediate quantization)
+    and GEMM2, into ``out``.
     ``split_k``: GEMM1's K in that many runs of steps, each its own program (``_gemm1_fp8_kernel``; stages as
     ``fp8_tiles`` cuts them); None: :func:`default_split_k`. ``workspace``: int32 zeros (``moe_experts``'s) that a
     split GEMM1 counts its runs' arrivals in and leaves zeroed, where it holds a counter per program of the unsplit
     grid; else the counters are zeroed here, one more kernel before GEMM1 (which also keeps GEMM1 from starting
     under the previous kernel's tail with PDL).
-
-    Plans of ``configs.FP8_PREQUANTIZE_MIN_ROWS`` rows or more take their activations from one quantization pass
-    that writes them in the plan's row order: fused, each row would be quantized again by every column block of
-    GEMM1 (16 times for DeepSeek-V3), and at 64-row tiles the gathered tile's addresses and fp32 copy would not fit
-    in registers beside the two accumulators. Below it (a token or a few), the fused prologue saves the pass's
-    launch. Both ways give the same bits (one ``_quantize``).
     """
     if split_k is not None and (not isinstance(split_k, int) or split_k < 1):
         raise ValueError(f"split_k must be a positive int or None, got {split_k!r}")
@@ -294,15 +284,13 @@ def experts_fp8(
     launch = {"launch_pdl": True} if use_pdl else {}
     if split_k is None:
         split_k = default_split_k(plan.expanded_to_permuted.numel(), width, device)
+    # The stage model counts GEMM1's e4m3 activation tiles at hidden's width, as every fp8 time was measured: at 1
+    # byte, 128-row tiles would take a fourth stage (not measured).
     t1 = fp8_tiles(gemm1_tiles, plan.block_m, True, hidden.element_size(), split_k)
     t2 = fp8_tiles(gemm2_tiles, plan.block_m, False, 1)
-    prequantize = plan.num_rows >= FP8_PREQUANTIZE_MIN_ROWS
-    if prequantize:
-        a, a_scales = quantized_rows(plan, hidden_size, device)
-        quantize_rows_into(hidden, a, a_scales, plan, gather=True, use_pdl=use_pdl)
-        a_desc = rows_descriptor(a, plan.block_m, t1.block_k)
-    else:  # not read: GEMM1 quantizes the gathered rows itself
-        a, a_scales, a_desc = inter, inter_scales, None
+    a, a_scales = quantized_rows(plan, hidden_size, device)
+    quantize_rows_into(hidden, a, a_scales, plan, gather=True, use_pdl=use_pdl)
+    a_desc = rows_descriptor(a, plan.block_m, t1.block_k)
     desc1 = weight_descriptor(gate_up.values, t1.block_n, t1.block_k)
     programs = num_tiles * triton.cdiv(width, t1.block_n)
     if split_k > 1:  # each run's fp32 sums, and each tile's count of runs done
@@ -314,16 +302,14 @@ def experts_fp8(
     else:  # not read
         part, arrivals = inter_scales, plan.tile_expert
     _gemm1_fp8_kernel[(programs, split_k)](
-        hidden, a, a if a_desc is None else a_desc, a_scales,
+        a, a if a_desc is None else a_desc, a_scales,
         gate_up.values, gate_up.values if desc1 is None else desc1, gate_up.scales, inter, inter_scales,
-        plan.tile_expert, plan.tile_row_start, plan.expert_offsets, plan.permuted_to_expanded, part, arrivals,
-        num_tiles, width, hidden_size, plan.top_k, 0.0 if swiglu_limit is None else float(swiglu_limit),
-        plan.num_rows,
-        hidden.stride(0), hidden.stride(1), *a.stride(), *a_scales.stride(),
+        plan.tile_expert, plan.tile_row_start, plan.expert_offsets, part, arrivals,
+        num_tiles, width, hidden_size, 0.0 if swiglu_limit is None else float(swiglu_limit), plan.num_rows,
+        *a.stride(), *a_scales.stride(),
         *gate_up.values.stride(), *gate_up.scales.stride(), *inter.stride(), *inter_scales.stride(),
         HAS_LIMIT=swiglu_limit is not None, EMULATE_RTNE=emulate, BLOCK_M=plan.block_m, BLOCK_N=t1.block_n,
-        BLOCK_K=t1.block_k, GROUP_M=t1.group_m, W_TMA=desc1 is not None,
-        A_QUANTIZED=prequantize, A_TMA=a_desc is not None, USE_PDL=use_pdl,
+        BLOCK_K=t1.block_k, GROUP_M=t1.group_m, W_TMA=desc1 is not None, A_TMA=a_desc is not None, USE_PDL=use_pdl,
         UP_ALIGNED=width % BLOCK == 0, SPLIT_K=split_k, num_warps=t1.num_warps, num_stages=t1.num_stages, **launch,
     )
     desc2 = weight_descriptor(down.values, t2.block_n, t2.block_k)

@@ -48,13 +48,19 @@ def test_summary_plot_writes_png(tmp_path):
 
 def test_fp8_peer_is_the_anchors_better_config():
     """``bench.quant.peer_from_anchor``: the anchor's better vLLM config at that token count, unscaled, with the
-    anchor's date; nothing where the anchor has no row."""
+    anchor's date; nothing where the anchor has no row, nor on a GPU model other than the anchors' (an H100's
+    times beside the H200's would read as a loss no kernel made)."""
     from moefuse.bench import quant, report
 
-    for row in report.anchors()["fp8_block_scale_experts_vllm_triton"]["rows"]:
-        us, measured = quant.peer_from_anchor(row["tokens"])
+    rows = report.anchors("NVIDIA H200")["fp8_block_scale_experts_vllm_triton"]["rows"]
+    assert rows
+    for row in rows:
+        us, measured = quant.peer_from_anchor(row["tokens"], "NVIDIA H200")
         assert us == min(row["default_config_us"], row["tuned_config_us"]) and measured == "2026-12-03"
-    assert quant.peer_from_anchor(3) is None
+        assert quant.peer_from_anchor(row["tokens"], "NVIDIA H100 80GB HBM3") is None
+    assert quant.peer_from_anchor(3, "NVIDIA H200") is None
+    other = report.anchors("NVIDIA H100 80GB HBM3")
+    assert all(not table["rows"] for table in other.values() if isinstance(table, dict) and "rows" in table)
 
 
 def test_peer_ratio_takes_our_time_on_the_peers_scope():

@@ -177,7 +177,7 @@ def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict[str, Any]]:
     cfg = preset("deepseek-v3")
     E, H, I, K = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
     w1, w2 = _weights(E, H, I, device, gen)
-    anchor_rows = report.anchors()["routed_experts_best_public_triton"]["rows"]
+    anchor_rows = report.anchors(torch.cuda.get_device_name())["routed_experts_best_public_triton"]["rows"]
     anchors = {row["tokens"]: row["best_config_us"] for row in anchor_rows}
     rows: list[dict[str, Any]] = []
     for M in QUICK_TOKENS if quick else TOKENS:

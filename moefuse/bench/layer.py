@@ -61,7 +61,7 @@ def _floors(layer: MoELayer, x: torch.Tensor, ceilings: timing.Ceilings) -> dict
 def _hf_anchor(model: str, tokens: int) -> float | None:
     if model != "deepseek-v3":
         return None
-    for row in report.anchors()["transformers_deepseek_v3_block"]["rows"]:
+    for row in report.anchors(torch.cuda.get_device_name())["transformers_deepseek_v3_block"]["rows"]:
         if row["M"] == tokens and isinstance(row["grouped_mm"], (int, float)):
             return float(row["grouped_mm"])
     return None

@@ -114,10 +114,11 @@ def _fp8_mma_tflops() -> float:
 PEER_MODEL = "deepseek-v3"  # the shapes the fp8 peer was measured on
 
 
-def peer_from_anchor(tokens: int) -> tuple[float, str] | None:
+def peer_from_anchor(tokens: int, gpu: str) -> tuple[float, str] | None:
     """vLLM's fp8 experts at ``tokens`` tokens (the better of its two configs, dispatch and combine included) as the
-    committed anchor measured them, and the anchor's date; None where the anchor has no such row."""
-    anchor = report.anchors()["fp8_block_scale_experts_vllm_triton"]
+    committed anchor measured them, and the anchor's date; None where the anchor has no such row, or was measured
+    on another GPU model than ``gpu`` (:func:`report.anchors`)."""
+    anchor = report.anchors(gpu)["fp8_block_scale_experts_vllm_triton"]
     for row in anchor["rows"]:
         if row["tokens"] == tokens:
             return min(row["default_config_us"], row["tuned_config_us"]), anchor["measured"].split(",")[0]
@@ -181,7 +182,7 @@ def _experts_row(fmt: str, model: str, M: int, weights: tuple, ceilings: timing.
     row["x_floor"] = row["us"] / row["read_floor_us"]
     if fmt == "fp8":
         row["mma_floor_us"] = 2 * M * K * 3 * H * I / (fp8_tflops * 1e12) * 1e6
-    peer = peer_from_anchor(M) if fmt == "fp8" and model == PEER_MODEL else None
+    peer = peer_from_anchor(M, torch.cuda.get_device_name()) if fmt == "fp8" and model == PEER_MODEL else None
     if peer is not None:
         row["routed_us"] = _routed_us(x, w1, w2, [ids] + more, plan.block_m, quant)
         row["peer_us"], row["peer_anchor"] = peer

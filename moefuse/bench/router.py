@@ -123,7 +123,7 @@ def check(device: torch.device | str = "cuda") -> list[dict[str, Any]]:
 
 def _anchor_us(config: tuple, tokens: int) -> float | None:
     _, experts, topk, groups, kept, scoring, shared = config
-    for row in report.anchors()["router_best_public_triton"]["rows"]:
+    for row in report.anchors(torch.cuda.get_device_name())["router_best_public_triton"]["rows"]:
         if (row["num_experts"], row["topk"], row["num_expert_group"], row["topk_group"], row["scoring"],
                 row["fused_shared"], row["tokens"]) == (experts, topk, groups, kept, scoring, shared, tokens):
             return float(row["us"])

@@ -172,7 +172,8 @@ def test_ue8m0_scales_and_empty_experts(gen, device):
 @pytest.mark.parametrize("limit", [None, 1.5], ids=["no-clamp", "clamp"])
 def test_nan_stays_in_its_token(M, limit, gen, device):
     """A NaN in one token's hidden state makes that token's rows NaN (SPEC §5), at a few rows and at 64 or more
-    (GEMM1's decode and prefill tiles), with and without the clamp; every other row matches the reference."""
+    (GEMM1 on 8 warps and on 4: ``configs.FP8_FEW_ROWS``), with and without the clamp; every other row matches the
+    reference."""
     x, w1, w2, ids = _inputs(gen, M, 2, 3, 200, 136, device=device)
     x[1, 150] = float("nan")
     _check(x, w1, w2, ids, limit=limit)

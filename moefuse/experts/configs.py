@@ -41,9 +41,10 @@ SMEM_BUDGET = 212 * 1024  # the heuristic's limit on smem_bytes (an upper model;
 
 TABLE_DTYPES = (torch.bfloat16, torch.float16)  # the tile tables' activations; other dtypes take the heuristic
 # fp8 (``experts/fp8/``): at most this many plan rows (M·K, a token to a few), GEMM1 runs 8 warps, and 5 pipeline
-# stages where it is one wave of programs; 4 warps and 4 stages from 64 rows. One H100, one token, the experts (µs,
-# 8 warps against 4): DeepSeek-V3 with the shared expert's slot 153.5 against 160.6, GLM-4.5-Air 60.3 against 65.5,
-# ties within 1 µs at two tokens and on the other presets (docs/PERF-NOTES.md, thirty-sixth session).
+# stages where it is one wave of programs; 4 warps and 4 stages from 64 rows. One H100, the experts on quantized
+# rows, 8 warps against 4: as fast or faster at one token on every preset (Kimi-K2 with the shared expert's slot
+# 153.4 against 163.2 µs, GLM-4.5-Air 60.2 against 65.3), within 0.9 µs at two tokens (docs/PERF-NOTES.md,
+# thirty-sixth session).
 FP8_FEW_ROWS = 63
 # fp8 at decode: GEMM1 split along K into runs of steps, each its own program, where one program per tile and column
 # block would leave SMs idle or a short second wave (fp8_split_k), each on at most this many pipeline stages so that

@@ -7,12 +7,14 @@ Contract (inputs validated by :func:`moefuse.experts.moe_experts`):
 - GEMM1 writes the intermediate in e4m3, [M·K, I], with its fp32 scales [M·K, ceil(I/128)]; GEMM2 writes ``out``
   [M·K, H] in hidden's dtype. Rows of no token are not written.
 
+How:
+
 - **The activations are quantized once, before GEMM1**, by ``quantize.quantize_rows_into``: per token row and
   128 columns, gathered into the plan's row order, e4m3 values and one fp32 scale a group, which GEMM1 reads
   through TMA. Quantizing in GEMM1's loop instead (below 64 rows until the thirty-sixth session) saves the pass's
   launch but quantizes each row once per column block, 406 instructions a step per warp against 249; on one H100
-  the pass was as fast or faster on every preset, e.g. DeepSeek-V3 258 against 268 µs at two tokens, the worst
-  0.2 µs slower (Qwen3-30B-A3B, one token; docs/CHOICES.md). Same bits either way (one ``_quantize``).
+  the pass was as fast or faster on every preset, e.g. DeepSeek-V3 258.2 against 266.1 µs at two tokens, the
+  worst 0.2 µs slower (Qwen3-30B-A3B, one token; docs/CHOICES.md). Same bits either way (one ``_quantize``).
 - **Both GEMMs promote per block.** Each 128-deep step is one fp8 ``tl.dot`` into a fresh fp32 tile, scaled by
   the rows' activation scales and the tile's weight-block scale (one scalar per step: a tile's columns lie in one
   block) and added to the fp32 accumulator: DeepSeek-V3's recipe (promotion every 128 products). Within a step,

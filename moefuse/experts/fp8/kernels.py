@@ -223,8 +223,8 @@ def _gemm2_fp8_kernel(
             w = w_desc.load([w_row, k0]).T
         else:
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        # The scale loads go out after the step's TMA wait. Issued before it, or a step ahead, they were no faster at
-        # one token (one H100, docs/PERF-NOTES.md, thirty-sixth and thirty-seventh sessions).
+        # This weight-block scale's load goes out after the step's TMA wait. Issued before it, or a step ahead, it was
+        # no faster at one token (one H100, docs/PERF-NOTES.md, thirty-sixth and thirty-seventh sessions).
         acc = _add_scaled(acc, a, w, a_scale, tl.load(w_scale_ptrs + k0 // BLOCK_K * stride_sk), True, SWAP)
         w_ptrs += BLOCK_K * stride_wk
     if SWAP:

@@ -535,11 +535,11 @@ def test_w4a8_matches_float64(shape, M, far, limit, gen, device):
     n_valid = int(plan.expert_offsets[-1])
     # As the fp8 kernels' (test_experts_fp8.test_tall_tiles): wgmma's fp8 sums flip e4m3 roundings of the
     # intermediate; on an H200 1.5-2.3e-2 max here. A wrong scale, flush or row errs by O(1). The RMS bound is the
-    # table's: at one token (3 rows of I = 128) the RMS is about the max, and a GPU run met 1.55e-2 (seed 500794227,
-    # odd steps, flushed groups), which the 1e-2 once written here refused.
-    tol, rms_tol = experts_tolerance("w4a8", 128)
-    assert_rel_close(out[:n_valid], ref[:n_valid], tol, "w4a8 gemm2_out")
+    # table's, widened for few rows: at one token (3 rows of I = 128) the RMS is about the max, and a GPU run met
+    # 1.55e-2 (seed 500794227, odd steps, flushed groups), which the 1e-2 once written here refused.
     finite = ref[:n_valid].isfinite().all(dim=1)  # the NaN token's rows (placement checked above)
+    tol, rms_tol = experts_tolerance("w4a8", 128, int(finite.sum()))
+    assert_rel_close(out[:n_valid], ref[:n_valid], tol, "w4a8 gemm2_out")
     rms = rms_rel_error(out[:n_valid][finite], ref[:n_valid][finite])
     assert rms <= rms_tol, f"w4a8 gemm2_out: RMS relative error {rms:.3e} > {rms_tol}"
     assert out[n_valid:].isnan().all(), "rows with no token must be left unwritten"
@@ -572,7 +572,7 @@ def test_w4a8_row_bases_are_each_rows_own(gen, device):
     n_valid = int(plan.expert_offsets[-1])
     row_expert = torch.repeat_interleave(torch.arange(E, device=device), plan.expert_offsets.diff())
     back = torch.exp2(-row_shift[row_expert].double())  # each output column to one scale
-    tol, rms_tol = experts_tolerance("w4a8", 128)
+    tol, rms_tol = experts_tolerance("w4a8", 128, n_valid)
     assert_rel_close(out[:n_valid] * back, ref[:n_valid] * back, tol, "w4a8 gemm2_out")
     assert rms_rel_error(out[:n_valid] * back, ref[:n_valid] * back) <= rms_tol
 

@@ -346,7 +346,7 @@ def check_experts(c: dict) -> None:
     # more than any relative tolerance (H = I = 1 with one output of 3.0e-6 erred 1.96e-3, over fp16's 1e-3 RMS), so
     # fp16 is measured against at least its smallest normal (2^-11 at most), where an O(1) error still fails
     floor = torch.finfo(dtype).tiny if dtype == torch.float16 else 0.0
-    tol, rms_tol = experts_tolerance(key, block_m)
+    tol, rms_tol = experts_tolerance(key, block_m, n_valid)
     floors = (floor, floor)
     if key == "fp32":
         ref32 = oracle(x, w1, w2, plan, swiglu_limit=c["limit"], dtype=torch.float32,

@@ -30,10 +30,11 @@ _TABLE = {
     # (issue 37, seed 1603806832). Rare, so the table's 8 seeds did not see it; the RMS stays small.
     ("fp8", "short"): (5e-2, 1e-2),
     # 2.9e-2 / 4.4e-3 in the table (96 tokens and more): wgmma's fp8 sums flip e4m3 roundings of the intermediate.
-    # On a handful of rows the RMS nears the max, as W4A8's below: a GPU fuzz run met 1.34e-2 RMS (max 3.3e-2) on 10
-    # rows of E = 77, H = 256, I = 128, top-1 (persistent kernels, which match the tl tall tiles' table cells to
-    # three digits; twenty-third session).
-    ("fp8", "tall"): (5e-2, 2e-2),
+    # On narrow shapes and few rows both near the max (``experts_tolerance``): over 600 seeds of E = 77, H = 256,
+    # I = 128 on one H100 the largest max error was 4.53e-2 on 8 rows, 4.42e-2 on 32 (thirty-eighth session), too
+    # close to the 5e-2 once here; a GPU fuzz run met 1.34e-2 RMS on 10 rows (persistent kernels, which match the tl
+    # tall tiles' table cells to three digits; twenty-third session).
+    ("fp8", "tall"): (7.5e-2, 2e-2),
     ("mxfp4", "short"): (1e-2, 5e-3),  # 3.4e-3 / 1.7e-3
     ("mxfp4", "tall"): (1e-2, 5e-3),  # the same (fp32 sums on every tile height)
     # 1.9e-2 / 3.7e-3 in the table (H, I >= 512). At the narrowest widths W4A8 takes, a row's 128 e4m3-rounded
@@ -52,6 +53,18 @@ def tile_path(block_m: int) -> str:
     return "short" if block_m <= 32 else "tall"
 
 
-def experts_tolerance(fmt: str, block_m: int) -> tuple[float, float]:
-    """``(max, rms)`` relative error allowed for format ``fmt`` (a key above) on tiles of ``block_m`` rows."""
-    return _TABLE[(fmt, tile_path(block_m))]
+def experts_tolerance(fmt: str, block_m: int, rows: int | None = None) -> tuple[float, float]:
+    """``(max, rms)`` relative error allowed for format ``fmt`` (a key above) on tiles of ``block_m`` rows, the RMS
+    over ``rows`` compared rows where given.
+
+    The table's RMS bounds hold over many rows. Over few rows the RMS is nearly the max: a flipped e4m3 rounding of
+    one intermediate value moves every output of its row, so a row's errors do not average out. Measured on one H100
+    (``scripts/few_rows_error.py``, thirty-eighth session: tall fp8 tiles, E = 77, H = 256, I = 128, skewed routing,
+    600 seeds a row count), the largest RMS over 1 / 8 / 32 / 128 rows was 3.27e-2 / 1.99e-2 / 1.14e-2 / 7.4e-3 (and
+    2.25e-2 on 2 rows, the GPU fuzz run that failed the fixed 2e-2): it falls about as ``rows ** -0.25``. So the
+    RMS bound is ``max / rows ** 0.25`` where that exceeds the table's, 2.2x or more over each of those on tall fp8
+    (max 7.5e-2); an O(1) error still fails both bounds."""
+    max_tol, rms_tol = _TABLE[(fmt, tile_path(block_m))]
+    if rows:
+        rms_tol = max(rms_tol, max_tol / rows ** 0.25)
+    return max_tol, rms_tol

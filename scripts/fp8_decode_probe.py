@@ -22,10 +22,12 @@ each kernel of one replay starts and ends (PDL lets a kernel start before the on
 the touched experts' gate and up boxes through TMA (DeepSeek-V3 at one token: 8 experts, [4096, 7168] e4m3 each)
 on GEMM1's grid (a program per expert and box of rows, split along K) and multiplies each by a block of ones (one
 wgmma, so that the loads are pipelined as GEMM1's are), with boxes of 128 rows x 128 bytes (GEMM1's), 64 x 256 and
-128 x 256, on 2-4 stages; µs and TB/s under graph replay. Then the same bytes stored box by box (each 128 x 128 box
-16 KB contiguous, as a repacked weight would be), on 1, 2 and 4 splits at 3 and 4 stages; and a plain grid-stride
-read (``_stream_kernel``: 4 or 8 programs an SM, no TMA) of exactly each preset's one-token expert bytes, all and
-GEMM1's alone, against the floor the bench uses (bytes at the 1 GiB ``torch.sum`` read rate).
+128 x 256, on 2-4 stages; µs and TB/s under graph replay. Then 128 x 128 boxes two K-adjacent ones a step, issued
+back to back; the same bytes stored box by box (each 128 x 128 box 16 KB contiguous, as a repacked weight would
+be), on 1, 2 and 4 splits at 3 and 4 stages; GEMM1's boxes on each preset's own one-token launch (grid, split,
+stages, warps); and a plain grid-stride read (``_stream_kernel``: 4 or 8 programs an SM, no TMA) of exactly each
+preset's one-token expert bytes, all and GEMM1's alone, against the floor the bench uses (bytes at the 1 GiB
+``torch.sum`` read rate).
 
 ``--fused``: both GEMMs as one persistent launch (``fused_decode.py``). First every build (runs per GEMM1 column
 block, warps and register cap, stages, activations quantized in GEMM1's loop or by items of their own, GEMM1 on
@@ -81,9 +83,9 @@ from moefuse.bench.experts import _routing  # noqa: E402
 from moefuse.config import preset  # noqa: E402
 from moefuse.dispatch import moe_dispatch  # noqa: E402
 from moefuse.experts import configs, experts_workspace, moe_experts, plan_block_m  # noqa: E402
-from moefuse.experts.fp8.kernels import default_split_k, experts_fp8  # noqa: E402
+from moefuse.experts.fp8.kernels import default_split_k, experts_fp8, fp8_tiles  # noqa: E402
 from moefuse.experts.reference import moe_experts_fp8_torch  # noqa: E402
-from moefuse.formats import BlockFP8, tile_dtype  # noqa: E402
+from moefuse.formats import BLOCK, BlockFP8, tile_dtype  # noqa: E402
 from moefuse.layer import MoELayer  # noqa: E402
 from moefuse.testing import rel_error, rms_rel_error  # noqa: E402
 
@@ -172,34 +174,39 @@ def errors(device: torch.device) -> list[dict[str, Any]]:
 
 @triton.jit
 def _read_boxes_kernel(desc, experts_ptr, out_ptr, N, K, BOX_N: tl.constexpr, BOX_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, TILED: tl.constexpr = False):
+                       SPLIT_K: tl.constexpr, TILED: tl.constexpr = False, PAIRS: tl.constexpr = False):
     """Program (p, s): expert ``experts[p // (N / BOX_N)]``'s rows of block p % (N / BOX_N) (gate and, N further on,
     up), the s-th of SPLIT_K runs of K, box by box through TMA, each box times a 16-column block of ones: one fp8
     wgmma per box (about one instruction per weight), so that Triton pipelines the loads as it does GEMM1's.
     ``TILED``: the weights stored box by box, box (n-block, k-step) of the [E·2N, K] weights at rows
-    (n-block · K/BOX_K + k-step) · BOX_N of the [-1, BOX_K] view ``desc`` covers (BOX_N · BOX_K contiguous bytes)."""
+    (n-block · K/BOX_K + k-step) · BOX_N of the [-1, BOX_K] view ``desc`` covers (BOX_N · BOX_K contiguous bytes).
+    ``PAIRS``: two K-adjacent boxes of each block a step, issued back to back (the checkpoint's layout): whether
+    the DRAM sees them as one box twice as wide."""
     blocks = N // BOX_N
     steps = K // BOX_K
     expert = tl.load(experts_ptr + tl.program_id(0) // blocks)
     gate = expert * 2 * blocks + tl.program_id(0) % blocks  # the gate rows' n-block; up's is `blocks` further
-    per = tl.cdiv(tl.cdiv(K, BOX_K), SPLIT_K) * BOX_K
+    depth: tl.constexpr = 2 * BOX_K if PAIRS else BOX_K
+    per = tl.cdiv(tl.cdiv(K, depth), SPLIT_K) * depth
     k_begin = tl.program_id(1) * per
     ones = tl.full([BOX_K, 16], 1.0, tl.float32).to(tl.float8e4nv)
     acc = tl.zeros([BOX_N, 16], dtype=tl.float32)
-    for k0 in range(k_begin, tl.minimum(k_begin + per, K), BOX_K):
+    for k0 in range(k_begin, tl.minimum(k_begin + per, K), depth):
         for n_block in tl.static_range(2):  # gate, then up
             if TILED:
                 box = desc.load([((gate + n_block * blocks) * steps + k0 // BOX_K) * BOX_N, 0])
             else:
                 box = desc.load([(gate + n_block * blocks) * BOX_N, k0])
             acc = tl.dot(box, ones, acc)
+            if PAIRS:
+                acc = tl.dot(desc.load([(gate + n_block * blocks) * BOX_N, k0 + BOX_K]), ones, acc)
     tl.store(out_ptr + tl.program_id(0) * SPLIT_K + tl.program_id(1) + tl.zeros([1], tl.int32),
              tl.sum(tl.sum(acc, 1), 0)[None])
 
 
 # read_pattern's layouts: (layout, box shape, stage counts); the splits are 1, 2 and 4 for each.
 READ_LAYOUTS = [("checkpoint", box, (2, 3, 4)) for box in ((128, 128), (64, 256), (128, 256))] + [
-    ("box by box", (128, 128), (3, 4))]
+    ("checkpoint, pairs", (128, 128), (2, 3)), ("box by box", (128, 128), (3, 4))]
 
 
 def read_pattern(device: torch.device, read_tbps: float) -> list[dict[str, Any]]:
@@ -214,12 +221,12 @@ def read_pattern(device: torch.device, read_tbps: float) -> list[dict[str, Any]]
     out = torch.empty(1 << 16, dtype=torch.float32, device=device)
     rows = []
     for layout, (box_n, box_k), stage_counts in READ_LAYOUTS:
-        tiled = layout == "box by box"
+        tiled, pairs = layout == "box by box", layout.endswith("pairs")
         desc = TensorDescriptor.from_tensor(values.view(-1, box_k) if tiled else values, [box_n, box_k])
         for split in (1, 2, 4):
             for stages in stage_counts:
                 grid = (K * I // box_n, split)
-                calls = [lambda e=e: _read_boxes_kernel[grid](desc, e, out, I, H, box_n, box_k, split, tiled,
+                calls = [lambda e=e: _read_boxes_kernel[grid](desc, e, out, I, H, box_n, box_k, split, tiled, pairs,
                                                              num_warps=4, num_stages=stages) for e in experts]
                 us = timing.time_or_none(calls)
                 if us is None:
@@ -228,6 +235,37 @@ def read_pattern(device: torch.device, read_tbps: float) -> list[dict[str, Any]]
                              "programs": grid[0] * split, "us": us, "tbps": K * 2 * I * H / us / 1e6,
                              "floor_us": K * 2 * I * H / (read_tbps * 1e12) * 1e6})
                 print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
+    return rows
+
+
+def read_launches(device: torch.device, read_tbps: float) -> list[dict[str, Any]]:
+    """GEMM1's boxes streamed with no arithmetic on each preset's one-token launch as the op takes it (the
+    checkpoint's layout, 128 x 128 boxes, the op's grid, split, stages and warps): what the op's access pattern
+    alone costs over a plain read of the same bytes (``read_sizes``)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    out = torch.empty(1 << 16, dtype=torch.float32, device=device)
+    gen = torch.Generator(device).manual_seed(2)
+    rows = []
+    for model in PRESETS:
+        cfg = preset(model)
+        E, H, I, K = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k  # noqa: E741
+        values = torch.empty(E * 2 * I, H, dtype=torch.uint8, device=device).random_(0, 0x7E)
+        desc = TensorDescriptor.from_tensor(values.view(torch.float8_e4m3fn), [BLOCK, BLOCK])
+        tiles = configs.pick(1, E, H, I, K, BlockFP8.tile_dtype)  # the plan's block_m at one token: the table's
+        split = configs.fp8_split_k(K, I, sms)
+        gemm1 = fp8_tiles(tiles.gemm1, tiles.block_m, True, 2, split)
+        grid = (K * I // BLOCK, split)
+        sets = timing.rotations(K * 2 * I * H)
+        experts = [torch.randperm(E, device=device, generator=gen)[:K].int() for _ in range(sets)]
+        calls = [lambda e=e: _read_boxes_kernel[grid](desc, e, out, I, H, BLOCK, BLOCK, split, False,
+                                                     num_warps=gemm1.num_warps, num_stages=gemm1.num_stages)
+                 for e in experts]
+        us = timing.time_or_none(calls)
+        floor = K * 2 * I * H / (read_tbps * 1e12) * 1e6
+        rows.append({"model": model, "split_k": split, "stages": gemm1.num_stages, "warps": gemm1.num_warps,
+                     "programs": grid[0] * split, "us": us, "floor_us": floor,
+                     "x_floor": None if us is None else us / floor})
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
     return rows
 
 
@@ -681,7 +719,7 @@ def main() -> int:
         return 0
     if args.read:
         write(read_tbps=ceilings.read_tbps, read=read_pattern(device, ceilings.read_tbps),
-              sizes=read_sizes(device, ceilings.read_tbps))
+              launches=read_launches(device, ceilings.read_tbps), sizes=read_sizes(device, ceilings.read_tbps))
         return 0
     result: dict[str, Any] = {"read_tbps": ceilings.read_tbps, "errors": errors(device),
                               "time": time_presets(device, ceilings.read_tbps)}

@@ -242,7 +242,6 @@ def read_launches(device: torch.device, read_tbps: float) -> list[dict[str, Any]
     """GEMM1's boxes streamed with no arithmetic on each preset's one-token launch as the op takes it (the
     checkpoint's layout, 128 x 128 boxes, the op's grid, split, stages and warps): what the op's access pattern
     alone costs over a plain read of the same bytes (``read_sizes``)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
     out = torch.empty(1 << 16, dtype=torch.float32, device=device)
     gen = torch.Generator(device).manual_seed(2)
     rows = []
@@ -252,7 +251,7 @@ def read_launches(device: torch.device, read_tbps: float) -> list[dict[str, Any]
         values = torch.empty(E * 2 * I, H, dtype=torch.uint8, device=device).random_(0, 0x7E)
         desc = TensorDescriptor.from_tensor(values.view(torch.float8_e4m3fn), [BLOCK, BLOCK])
         tiles = configs.pick(1, E, H, I, K, BlockFP8.tile_dtype)  # the plan's block_m at one token: the table's
-        split = configs.fp8_split_k(K, I, sms)
+        split = default_split_k(K, I, device)  # the op's split for one token's K rows
         gemm1 = fp8_tiles(tiles.gemm1, tiles.block_m, True, 2, split)
         grid = (K * I // BLOCK, split)
         sets = timing.rotations(K * 2 * I * H)

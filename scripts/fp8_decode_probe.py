@@ -240,8 +240,8 @@ def read_pattern(device: torch.device, read_tbps: float) -> list[dict[str, Any]]
 
 def read_launches(device: torch.device, read_tbps: float) -> list[dict[str, Any]]:
     """GEMM1's boxes streamed with no arithmetic on each preset's one-token launch as the op takes it (the
-    checkpoint's layout, 128 x 128 boxes, the op's grid, split, stages and warps): what the op's access pattern
-    alone costs over a plain read of the same bytes (``read_sizes``)."""
+    checkpoint's layout, 128 x 128 boxes, the op's grid, split, steps of one box or two, stages and warps): what
+    the op's access pattern alone costs over a plain read of the same bytes (``read_sizes``)."""
     out = torch.empty(1 << 16, dtype=torch.float32, device=device)
     gen = torch.Generator(device).manual_seed(2)
     rows = []
@@ -256,12 +256,14 @@ def read_launches(device: torch.device, read_tbps: float) -> list[dict[str, Any]
         grid = (K * I // BLOCK, split)
         sets = timing.rotations(K * 2 * I * H)
         experts = [torch.randperm(E, device=device, generator=gen)[:K].int() for _ in range(sets)]
-        calls = [lambda e=e: _read_boxes_kernel[grid](desc, e, out, I, H, BLOCK, BLOCK, split, False,
+        pairs = gemm1.block_k > BLOCK  # the op's steps of two boxes
+        calls = [lambda e=e: _read_boxes_kernel[grid](desc, e, out, I, H, BLOCK, BLOCK, split, False, pairs,
                                                      num_warps=gemm1.num_warps, num_stages=gemm1.num_stages)
                  for e in experts]
         us = timing.time_or_none(calls)
         floor = K * 2 * I * H / (read_tbps * 1e12) * 1e6
-        rows.append({"model": model, "split_k": split, "stages": gemm1.num_stages, "warps": gemm1.num_warps,
+        rows.append({"model": model, "split_k": split, "pairs": pairs, "stages": gemm1.num_stages,
+                     "warps": gemm1.num_warps,
                      "programs": grid[0] * split, "us": us, "floor_us": floor,
                      "x_floor": None if us is None else us / floor})
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)

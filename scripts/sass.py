@@ -259,19 +259,20 @@ def compile_fp8_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_limi
     weights, TMA activation rows: the pass's for GEMM1, GEMM1's for GEMM2; PDL); ``tiles`` adapted by ``fp8_tiles``;
     ``split_k``: GEMM1's K in that many programs."""
     fn = experts_fp8._gemm1_fp8_kernel if gemm == 1 else experts_fp8._gemm2_fp8_kernel
+    box = experts_fp8.BLOCK  # a step loads tiles.block_k // box boxes
     constexprs = {
-        "EMULATE_RTNE": False, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
-        "GROUP_M": tiles.group_m, "W_TMA": True, "USE_PDL": True, "A_TMA": True,
+        "EMULATE_RTNE": False, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": box,
+        "BOXES": tiles.block_k // box, "GROUP_M": tiles.group_m, "W_TMA": True, "USE_PDL": True, "A_TMA": True,
         **{name: 1 for name in UNIT_STRIDES + ("stride_ak",) if name in fn.arg_names},
         **({"HAS_LIMIT": has_limit, "UP_ALIGNED": True, "SPLIT_K": split_k} if gemm == 1
            else {"SWAP": block_m < experts_fp8.WGMMA_MIN_ROWS}),
     }
-    rows = f"tensordesc<fp8e4nv[{block_m}, {tiles.block_k}]>"
+    rows = f"tensordesc<fp8e4nv[{block_m}, {box}]>"
     types = {"hidden_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*fp8e4nv", "inter_ptr": "*fp8e4nv",
              "a_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "is_ptr": "*fp32", "as_ptr": "*fp32", "part_ptr": "*fp32",
              "limit": "fp32",
              "a_desc": rows, "inter_desc": rows,
-             "w_desc": f"tensordesc<fp8e4nv[{tiles.block_n}, {tiles.block_k}]>"}
+             "w_desc": f"tensordesc<fp8e4nv[{tiles.block_n}, {box}]>"}
     signature = {name: types.get(name, "*i32" if name.endswith("_ptr") else "i32")
                  for name in fn.arg_names if name not in constexprs}
     return compile_sm90(fn, signature, constexprs, tiles.num_warps, tiles.num_stages)

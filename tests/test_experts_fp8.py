@@ -181,19 +181,20 @@ def test_nan_stays_in_its_token(M, limit, gen, device):
 
 @pytest.mark.parametrize("M", [5, 33], ids=["few-rows", "many-rows"])
 @pytest.mark.parametrize("split_k", [2, 3, 4, 5])
-def test_split_k_matches_float64_and_repeats(split_k, M, gen, device):
+@pytest.mark.parametrize("depth", [128, 256], ids=["one-box-steps", "two-box-steps"])
+def test_split_k_matches_float64_and_repeats(depth, split_k, M, gen, device):
     """GEMM1 in runs of K steps, each its own program, summed by the last to finish (decode): against float64 at
-    the short tiles' tolerance, on H = 520 (five steps, the last of 8 columns: runs of one, two or three steps, one
-    of them short; in four runs the last has none, and must still arrive) and I = 136 (partial blocks), -1 slots,
-    the clamp, a NaN token, at 10 and 66 rows (each run starts at its own step of the quantized rows); on a GPU,
-    where the programs race, two runs give the same bits (the runs are added in split order, whichever finishes
-    last)."""
+    the short tiles' tolerance, on H = 520 (five boxes, the last of 8 columns: runs of one, two or three steps, one
+    of them short; in four runs the last has none, and must still arrive; in steps of two boxes, three steps, the
+    last one box) and I = 136 (partial blocks), -1 slots, the clamp, a NaN token, at 10 and 66 rows (each run starts
+    at its own step of the quantized rows); on a GPU, where the programs race, two runs give the same bits (the runs
+    are added in split order, whichever finishes last)."""
     x, w1, w2, ids = _inputs(gen, M, 2, 4, 520, 136, invalid=0.2, device=device)
     x[3, 300] = float("nan")
     ids[3] = torch.tensor([0, 1], dtype=ids.dtype)  # the NaN token has rows
     plan = moe_dispatch(ids, 4, 16, backend="triton")
     n = int(plan.expert_offsets[-1])
-    tiles = GemmTiles(128, 128, 1, 4, 2)
+    tiles = GemmTiles(128, depth, 1, 4, 2)
     outs = []
     for _ in range(2 if torch.device(device).type == "cuda" else 1):  # the interpreter runs programs one after another
         out = torch.full((plan.num_rows, 520), float("nan"), dtype=x.dtype, device=device)
@@ -208,6 +209,27 @@ def test_split_k_matches_float64_and_repeats(split_k, M, gen, device):
         assert torch.equal(outs[0].isnan(), again.isnan()) and torch.equal(outs[0].nan_to_num(), again.nan_to_num())
     with pytest.raises(ValueError, match="split_k"):
         experts_fp8(x, w1, w2, plan, out, tiles, tiles, split_k=0)
+
+
+@pytest.mark.parametrize("shape", [(520, 136), (392, 264), (256, 648)], ids=["pointer-rows", "tma-rows", "wide"])
+@pytest.mark.parametrize("M", [3, 40], ids=["few-rows", "many-rows"])
+def test_two_box_steps_sum_as_one_box_steps(shape, M, gen, device):
+    """Steps of two K-adjacent boxes (short tiles' default: ``configs.heuristic`` item 6) promote each box on its
+    own, in K order: the same bits as steps of one box, in both GEMMs, with an odd count of boxes (the last step's
+    second box past K, whose scale index must stay in range), a last box of 8 columns, rows read by pointers
+    (H = 520, I = 136: not 16-byte rows) or through TMA, and GEMM2's K in six boxes (I = 648)."""
+    H, I = shape
+    x, w1, w2, ids = _inputs(gen, M, 2, 3, H, I, invalid=0.2, device=device)
+    plan = moe_dispatch(ids, 3, 16, backend="triton")
+    outs = []
+    for depth in (128, 256):
+        tiles = GemmTiles(128, depth, 1, 4, 3)
+        out = torch.full((plan.num_rows, H), float("nan"), dtype=x.dtype, device=device)
+        experts_fp8(x, w1, w2, plan, out, tiles, tiles, 1.5, split_k=1)
+        outs.append(out)
+    assert torch.equal(outs[0].isnan(), outs[1].isnan()) and torch.equal(outs[0].nan_to_num(), outs[1].nan_to_num())
+    n = int(plan.expert_offsets[-1])
+    assert not outs[1][:n].isnan().any() and outs[1][n:].isnan().all()
 
 
 @pytest.mark.parametrize("split_k", [2, 3])
@@ -258,11 +280,12 @@ def test_workspace_is_checked_before_any_launch(device):
 
 
 def test_split_k_where_the_grid_leaves_sms_idle():
-    """GEMM1 splits along K at one token on every preset of an H200 (132 SMs), into the runs measured fastest there
-    (splits 1-4, with and without the shared expert's slot), and not from 16 tokens, where a split measured slower.
-    The rule fills waves of two programs per SM: on 127 SMs, 128 programs in two runs each leave 252 of two waves'
-    508 slots empty, in three runs 124."""
-    fastest = {"deepseek-v3": (2, 3), "kimi-k2": (2, 3), "deepseek-v4-flash": (2, 2), "glm-4.5-air": (3, 2),
+    """GEMM1 splits along K at one token where its grid leaves SMs idle on a 132-SM Hopper, into the runs measured
+    fastest on one H100 for two-box steps (splits 1-4, with and without the shared expert's slot; docs/PERF-NOTES.md,
+    thirty-ninth session), and not from 16 tokens, where a split measured slower. The rule fills waves of one
+    unsplit program or two split ones per SM: on 127 SMs, 128 programs in two runs each leave 252 of two waves' 508
+    slots empty, in three runs 124."""
+    fastest = {"deepseek-v3": (1, 3), "kimi-k2": (1, 3), "deepseek-v4-flash": (1, 1), "glm-4.5-air": (3, 1),
                "qwen3-30b-a3b": (4, 4)}
     for name, cfg in PRESETS.items():
         for slots, split in zip((cfg.top_k, cfg.top_k + 1), fastest[name]):

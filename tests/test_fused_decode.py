@@ -48,9 +48,11 @@ def test_same_bits_as_the_split_op(E, H, I, M, K, split, lag, block_n2, programs
     x, w1, w2, plan = _case(E, H, I, M, K, gen, dtype, dropped)
     n = int(plan.expert_offsets[-1])
     tiles = configs.pick(M, E, H, I, K, tile_dtype(w1, dtype), block_m=plan.block_m)
-    gemm2 = dataclasses.replace(tiles.gemm2, block_n=block_n2)  # the op's tile width: on the same tiles, the same sums
+    # the op's tile width, and its steps one box deep (so its split's runs are the fused kernel's): the same sums
+    gemm1 = dataclasses.replace(tiles.gemm1, block_k=128)
+    gemm2 = dataclasses.replace(tiles.gemm2, block_n=block_n2)
     want = torch.full((plan.num_rows, H), float("nan"), dtype=dtype, device=DEVICE)
-    experts_fp8(x, w1, w2, plan, want, tiles.gemm1, gemm2, limit, split_k=split)
+    experts_fp8(x, w1, w2, plan, want, gemm1, gemm2, limit, split_k=split)
     got = torch.full_like(want, float("nan"))
     gave_up = fused.fused_experts_fp8(x, w1, w2, plan, got, split=split, lag=lag, programs=programs,
                                       block_n2=block_n2, prequant=prequant, prefetch=prefetch, swiglu_limit=limit)

@@ -53,6 +53,12 @@ FP8_FEW_ROWS = 63
 # alone 104.0 -> 82.1 with three (scripts/fp8_decode_probe.py; docs/PERF-NOTES.md, twenty-fourth and twenty-fifth
 # sessions).
 FP8_SPLIT_STAGES = 3
+# fp8 short tiles (below 64 rows: decode) take steps of two K-adjacent 128-deep boxes, this many in flight (two where
+# GEMM1 is split, so that two split programs share an SM). A box's rows are 128 bytes of fp8; two boxes a step read
+# like one 256-byte-wide box: DeepSeek-V3's GEMM1 boxes, read with no arithmetic at its one-token launch, 89.9 µs box
+# by box against 82.6 in pairs, 76.6 at the floor (one H100; docs/PERF-NOTES.md, thirty-ninth session).
+FP8_PAIR_STAGES = 3
+FP8_SPLIT_PAIR_STAGES = 2
 FP8_SPLIT_MAX = 4  # the most runs fp8_split_k splits GEMM1's K into (splits 1-4 measured)
 MXFP4_FEW_ROWS = 16  # at most this many routed rows: MXFP4's deeper decode tiles (heuristic, item 7)
 # MXFP4's tile heights and the most rows per touched expert each takes before the next is faster (heuristic, item 7);
@@ -310,7 +316,15 @@ def heuristic(
     5. Every block is capped by its dimension (next power of two, at least 16: the smallest ``tl.dot``);
        stages and BLOCK_K shrink until the operand buffers fit in shared memory.
     6. fp8 block-scale weights (``dtype`` float8_e4m3fn, ``experts/fp8/kernels.py``): BLOCK_K 128 (one scale step) and
-       GEMM1's BLOCK_N 128 (one intermediate scale group); tiles of 16 rows up to 16 rows per expert, else 64;
+       GEMM1's BLOCK_N 128 (one intermediate scale group); tiles of 16 rows up to 16 rows per expert, else 64.
+       16-row tiles step through K two K-adjacent 128-deep boxes at a time (BLOCK_K 256), 3 steps in flight in
+       both GEMMs (``FP8_PAIR_STAGES``; 2 in a split GEMM1): each box still promoted on its own, so the same sums.
+       One H100, the op against one-box steps in interleaved fresh processes (thirty-ninth session, µs at 1 / 16 /
+       128 tokens): DeepSeek-V3 135.6 -> 130.4 / 1,552.5 -> 1,486.7 / 3,826.7 -> 3,655.6; Kimi-K2 136.0 -> 131.9 /
+       1,716.0 -> 1,645.3 / 5,428.2 -> 5,187.7; GLM-4.5-Air 60.4 -> 59.8 / 540.7 -> 524.6 / 785.4 -> 760.2;
+       Qwen3-30B-A3B 24.0 -> 23.8 / 157.8 -> 153.7 / 225.8 -> 219.3; DeepSeek-V4-Flash 0.9% slower at one token
+       (66.5 -> 67.1, within its spread between processes), 719.1 -> 686.5 at 16 and 2,138.4 -> 2,047.0 at 128.
+       The rest of this item was measured on one-box steps (its stage counts now hold for 64-row tiles only):
        GEMM1 8 warps where it quantizes its own activations or the tiles are tall, else 4 (swept on an H200: 4 warps
        and 4 stages saved 2% at 16 and 128 tokens); GEMM1 5 stages where it quantizes its own activations and its
        programs fit one wave on the SMs (a token or a few: one program per SM streams its weight tiles, and more of
@@ -375,10 +389,13 @@ def heuristic(
         tall = block_m >= 64
         few = rows <= FP8_FEW_ROWS
         deep = few and num_tiles * -(-I // 128) <= NUM_SMS  # 5 stages only where GEMM1 is one wave of programs
-        gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=128, group_m=0 if tall else 1,
-                     num_warps=8 if tall or few else 4, num_stages=5 if deep else 4, spread=False)
-        gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=128, block_k=128, group_m=0 if tall else 1,
-                     num_warps=4, num_stages=4, spread=not tall)
+        # short tiles step through K two 128-deep boxes at a time (BLOCK_K 256: fp8.kernels' BOXES)
+        block_k = 128 if tall else 256
+        gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=block_k, group_m=0 if tall else 1,
+                     num_warps=8 if tall or few else 4, num_stages=(5 if deep else 4) if tall else FP8_PAIR_STAGES,
+                     spread=False)
+        gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=128, block_k=block_k, group_m=0 if tall else 1,
+                     num_warps=4, num_stages=4 if tall else FP8_PAIR_STAGES, spread=not tall)
     elif block_m <= 32:
         gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=128, group_m=1, num_warps=8,
                      num_stages=3, spread=True)
@@ -398,16 +415,21 @@ def fp8_split_k(rows: int, width: int, sms: int) -> int:
 
     Where the unsplit grid (a program per row and 128 columns at most: rows · ceil(I / 128)) would fill at most
     two programs per SM (a token or two), the split in 1..``FP8_SPLIT_MAX`` whose programs fill the largest share of
-    their waves of 2 · ``sms`` slots (two split programs share an SM on ``FP8_SPLIT_STAGES`` stages), the fewest on
-    a tie; else 1. On one H200 this picked the fastest of splits 1-4 in each of the seven one-token grids measured
-    (DeepSeek-V3 / Kimi-K2: 2, 3 with the shared expert's slot; GLM-4.5-Air: 3, 2 with the slot; DeepSeek-V4-Flash:
-    2; Qwen3-30B-A3B: 4)."""
+    their waves, the fewest on a tie; else 1. A wave is ``sms`` unsplit programs (``FP8_PAIR_STAGES`` of two-box
+    steps hold an SM's shared memory) or 2 · ``sms`` split ones (two share an SM on ``FP8_SPLIT_PAIR_STAGES``).
+    On one H100 (132 SMs, the experts on two-box steps, thirty-ninth session, best of two CUDA-graph timings per
+    split, µs at splits 1 / 2 / 3 / 4) it picks: DeepSeek-V3 1 (132.5 / 137.1 / 137.0 / 136.9), 3 with the shared
+    expert's slot (176.7 / 172.0 / 152.8 / 158.0); Kimi-K2 the same; DeepSeek-V4-Flash 1 with and without the slot
+    (67.6 / 69.7 / 71.3 / 69.0; 74.8 / 76.4 / 79.4 / 79.2); GLM-4.5-Air 3 (the op, 60.3 and 59.8 µs in two
+    processes, against 63.1 unsplit), 1 with the slot (69.6 / 70.9 / 73.4 / 72.0); Qwen3-30B-A3B 4 (28.1 / 28.2 /
+    27.6 / 28.0: within 0.5 µs). Split runs there were timed without a workspace, so with the counters' zeroing
+    kernel the op does not run."""
     programs = rows * -(-width // 128)
-    slots = 2 * sms
-    if programs > slots:
+    if programs > 2 * sms:
         return 1
 
     def filled(split: int) -> float:
+        slots = sms if split == 1 else 2 * sms
         return programs * split / (-(-programs * split // slots) * slots)
 
     return max(range(1, FP8_SPLIT_MAX + 1), key=lambda split: (filled(split), -split))

@@ -28,10 +28,12 @@ How:
   tile the same quantization, written as e4m3 plus one scale per row.
 
 Grid and tile order are the bf16 kernels' (``common._program_tile``); at a token or two GEMM1 also splits along K
-(``configs.fp8_split_k``: its grid would leave SMs idle or a short second wave). BLOCK_K is 128 (one scale step);
-GEMM1's BLOCK_N is 128 (one intermediate scale group per tile row); GEMM2's BLOCK_N is at most 128, so a tile's
-columns lie in one weight block. Weights go through TMA on sm90+ where their layout allows, as in ``bf16.py``. The
-quantization itself, and its rounding under the interpreter, are in ``quantize.py``.
+(``configs.fp8_split_k``: its grid would leave SMs idle or a short second wave). BLOCK_K is 128 (one scale step: a
+box); short tiles' pipelined steps load two K-adjacent boxes (``BOXES``), which the DRAM serves like one box of
+256-byte rows, and promote each box on its own, so the sums are those of one-box steps. GEMM1's BLOCK_N is 128 (one
+intermediate scale group per tile row); GEMM2's BLOCK_N is at most 128, so a tile's columns lie in one weight
+block. Weights go through TMA on sm90+ where their layout allows, as in ``bf16.py``. The quantization itself, and
+its rounding under the interpreter, are in ``quantize.py``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from ... import _runtime
 from ...dispatch import DispatchPlan
 from ...formats import BLOCK, BlockFP8
 from ..common import _program_start, _round, _swiglu, _tile_span, rows_descriptor, weight_descriptor
-from ..configs import FP8_SPLIT_STAGES, SMEM_BUDGET, GemmTiles, fp8_split_k
+from ..configs import FP8_SPLIT_PAIR_STAGES, FP8_SPLIT_STAGES, SMEM_BUDGET, GemmTiles, fp8_split_k
 from .quantize import _quantize, quantize_rows_into, quantized_rows
 
 WGMMA_MIN_ROWS = 64  # GEMM2's shorter tiles swap their MMA's operands (``_add_scaled``)
@@ -79,24 +81,34 @@ def _add_scaled(acc, a, w, a_scale, w_scale, ONE_BLOCK: tl.constexpr, SWAP: tl.c
 
 
 @triton.jit
-def _load_rows(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, ks, k_ok, stride_am, stride_ak, stride_asm, stride_asg,
-               A_TMA: tl.constexpr):
+def _load_rows(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, group, ks, k_ok, stride_am, stride_ak, stride_asm,
+               stride_asg, A_TMA: tl.constexpr):
     """The e4m3 activation tile at K offset ``k0`` of contiguous rows ``a_rows`` (from ``row_start``), and each
-    row's scale of that 128-column group. Through TMA, rows past the tensor and columns past K read zeros."""
+    row's scale of 128-column group ``group``. Through TMA, rows past the tensor and columns past K read zeros."""
     if A_TMA:
         a = a_desc.load([row_start, k0])
     else:  # addresses formed per step: a [BLOCK_M, BLOCK_K] pointer tile kept across steps would hold 2 registers each
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + ks)[None, :] * stride_ak, mask=k_ok[None, :], other=0.0)
-    return a, tl.load(as_ptr + a_rows * stride_asm + k0 // 128 * stride_asg)
+    return a, tl.load(as_ptr + a_rows * stride_asm + group * stride_asg)
 
 
 @triton.jit
-def _split_range(K, run, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """The K range of run ``run`` of steps: all of K, or the ``run``-th of SPLIT_K runs of whole steps (the last may
-    be shorter or empty)."""
+def _box_group(k0, K, BLOCK_K: tl.constexpr, BOXES: tl.constexpr):
+    """The 128-column scale group of the box at K offset ``k0``. With two boxes a step, the last step's second box
+    may start past K: its loads read zeros, and its group is clamped to the last so that its scale loads stay in
+    range (a finite scale times a zero product adds nothing)."""
+    if BOXES == 1:
+        return k0 // BLOCK_K
+    return tl.minimum(k0, K - 1) // BLOCK_K
+
+
+@triton.jit
+def _split_range(K, run, STEP: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The K range of run ``run`` of ``STEP``-deep steps: all of K, or the ``run``-th of SPLIT_K runs of whole steps
+    (the last may be shorter or empty)."""
     if SPLIT_K == 1:
         return 0, K
-    per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    per = tl.cdiv(tl.cdiv(K, STEP), SPLIT_K) * STEP
     k_begin = run * per
     return k_begin, tl.minimum(k_begin + per, K)
 
@@ -111,19 +123,21 @@ def _gemm1_fp8_kernel(
     stride_im, stride_in, stride_ism, stride_isg,
     HAS_LIMIT: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr, USE_PDL: tl.constexpr,
-    UP_ALIGNED: tl.constexpr, SPLIT_K: tl.constexpr,
+    UP_ALIGNED: tl.constexpr, SPLIT_K: tl.constexpr, BOXES: tl.constexpr,
 ):
     """intermediate[rows, n] = quant(SwiGLU(deq(a) @ deq(W)[e, n]^T, ... [e, N + n]^T)). N = I, K = H; ``a``: the
     activations quantized in the plan's row order (``a_ptr``/``a_desc``, scales ``as_ptr``, from
     ``_quantize_rows_kernel``).
 
     ``SPLIT_K`` > 1 (decode, where a program a tile and column block leaves SMs idle): program (p, s) of the 2-D grid
-    sums the s-th of SPLIT_K runs of 128-deep steps into ``part_ptr`` [SPLIT_K, num_rows, 2N] (fp32), and the last of
+    sums the s-th of SPLIT_K runs of steps into ``part_ptr`` [SPLIT_K, num_rows, 2N] (fp32), and the last of
     a tile's programs to arrive (``arrivals_ptr``, zero at the launch) adds the runs in split order and runs the
     epilogue: the same bits whichever program arrives last. It sets its counter back to zero, so that a workspace
     given to ``experts_fp8`` needs no zeroing before the next launch.
 
     ``UP_ALIGNED``: N is a multiple of 128, so the up tile's rows N + cols start a weight block as the gate tile's do.
+    ``BOXES``: K-adjacent 128-deep boxes a pipelined step (1 or 2; ``fp8_tiles``), each promoted on its own in K
+    order, so the sums are the same whatever the count; a split's runs hold whole steps.
     """
     tile, col_block, expert = _program_start(num_tiles, N, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                                              BLOCK_M, BLOCK_N, GROUP_M, USE_PDL)
@@ -132,7 +146,7 @@ def _gemm1_fp8_kernel(
     row_start, rows, row_ok, a_rows, cols, col_ok, wrapped = _tile_span(
         tile, col_block, expert, N, tile_row_start_ptr, expert_offsets_ptr, BLOCK_M, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    k_begin, k_end = _split_range(K, tl.program_id(1), BLOCK_K, SPLIT_K)
+    k_begin, k_end = _split_range(K, tl.program_id(1), BOXES * BLOCK_K, SPLIT_K)
     w_expert = w_ptr + expert.to(tl.int64) * stride_we
     gate_ptrs = (w_expert + wrapped[None, :].to(tl.int64) * stride_wn
                  + (k_begin + ks)[:, None] * stride_wk)  # [BLOCK_K, BLOCK_N]
@@ -148,21 +162,24 @@ def _gemm1_fp8_kernel(
         up_scale_ptrs = s_expert + ((N + wrapped) // 128) * stride_sn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        k_ok = ks < K - k0
-        a, a_scale = _load_rows(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, ks, k_ok, stride_am, stride_ak,
-                                stride_asm, stride_asg, A_TMA)
-        if W_TMA:  # zero-filled past K
-            gate_w = w_desc.load([gate_row, k0]).T
-            up_w = w_desc.load([gate_row + N, k0]).T
-        else:
-            gate_w = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
-            up_w = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
-        step = k0 // BLOCK_K * stride_sk
-        acc_gate = _add_scaled(acc_gate, a, gate_w, a_scale, tl.load(gate_scale_ptrs + step), True, False)
-        acc_up = _add_scaled(acc_up, a, up_w, a_scale, tl.load(up_scale_ptrs + step), UP_ALIGNED, False)
-        gate_ptrs += BLOCK_K * stride_wk
-        up_ptrs += BLOCK_K * stride_wk
+    for k_step in range(k_begin, k_end, BOXES * BLOCK_K):
+        for box in tl.static_range(BOXES):
+            k0 = k_step + box * BLOCK_K
+            k_ok = ks < K - k0
+            group = _box_group(k0, K, BLOCK_K, BOXES)
+            a, a_scale = _load_rows(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, group, ks, k_ok, stride_am,
+                                    stride_ak, stride_asm, stride_asg, A_TMA)
+            if W_TMA:  # zero-filled past K
+                gate_w = w_desc.load([gate_row, k0]).T
+                up_w = w_desc.load([gate_row + N, k0]).T
+            else:
+                gate_w = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
+                up_w = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
+            step = group * stride_sk
+            acc_gate = _add_scaled(acc_gate, a, gate_w, a_scale, tl.load(gate_scale_ptrs + step), True, False)
+            acc_up = _add_scaled(acc_up, a, up_w, a_scale, tl.load(up_scale_ptrs + step), UP_ALIGNED, False)
+            gate_ptrs += BLOCK_K * stride_wk
+            up_ptrs += BLOCK_K * stride_wk
 
     if SPLIT_K > 1:
         done = row_ok[:, None] & col_ok[None, :]
@@ -197,8 +214,9 @@ def _gemm2_fp8_kernel(
     stride_om, stride_on,
     EMULATE_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr, USE_PDL: tl.constexpr, SWAP: tl.constexpr,
+    BOXES: tl.constexpr,
 ):
-    """out[rows, n] = deq(intermediate[rows]) @ deq(down)[e, n]^T.  N = H, K = I."""
+    """out[rows, n] = deq(intermediate[rows]) @ deq(down)[e, n]^T.  N = H, K = I; ``BOXES`` as in GEMM1."""
     tile, col_block, expert = _program_start(num_tiles, N, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                                              BLOCK_M, BLOCK_N, GROUP_M, USE_PDL)
     if expert < 0:
@@ -215,18 +233,21 @@ def _gemm2_fp8_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = ks < K - k0
-        a, a_scale = _load_rows(inter_ptr, inter_desc, is_ptr, a_rows, row_start, k0, ks, k_ok, stride_im, stride_ik,
-                                stride_ism, stride_isg, A_TMA)
-        if W_TMA:
-            w = w_desc.load([w_row, k0]).T
-        else:
-            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        # This weight-block scale's load goes out after the step's TMA wait. Issued before it, or a step ahead, it was
-        # no faster at one token (one H100, docs/PERF-NOTES.md, thirty-sixth and thirty-seventh sessions).
-        acc = _add_scaled(acc, a, w, a_scale, tl.load(w_scale_ptrs + k0 // BLOCK_K * stride_sk), True, SWAP)
-        w_ptrs += BLOCK_K * stride_wk
+    for k_step in range(0, K, BOXES * BLOCK_K):
+        for box in tl.static_range(BOXES):
+            k0 = k_step + box * BLOCK_K
+            k_ok = ks < K - k0
+            group = _box_group(k0, K, BLOCK_K, BOXES)
+            a, a_scale = _load_rows(inter_ptr, inter_desc, is_ptr, a_rows, row_start, k0, group, ks, k_ok, stride_im,
+                                    stride_ik, stride_ism, stride_isg, A_TMA)
+            if W_TMA:
+                w = w_desc.load([w_row, k0]).T
+            else:
+                w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+            # This weight-block scale's load goes out after the step's TMA wait. Issued before it, or a step ahead, it
+            # was no faster at one token (one H100, docs/PERF-NOTES.md, thirty-sixth and thirty-seventh sessions).
+            acc = _add_scaled(acc, a, w, a_scale, tl.load(w_scale_ptrs + group * stride_sk), True, SWAP)
+            w_ptrs += BLOCK_K * stride_wk
     if SWAP:
         acc = acc.T
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
@@ -234,16 +255,23 @@ def _gemm2_fp8_kernel(
 
 
 def fp8_tiles(tiles: GemmTiles, block_m: int, gemm1: bool, a_bytes: int, split_k: int = 1) -> GemmTiles:
-    """The bf16 tile choice adapted to the format: BLOCK_K 128 (one scale step), GEMM1's BLOCK_N 128 (one
-    intermediate scale group per tile row), GEMM2's BLOCK_N at most 128; pipeline stages cut until the operand
-    buffers (activation tile of ``a_bytes`` per element, fp8 weight tiles) fit in shared memory, and for a GEMM1
-    split along K (``split_k`` > 1) to at most ``FP8_SPLIT_STAGES``, so that two programs share an SM."""
+    """The tile choice adapted to the format: steps of one 128-deep box (one scale step), or of two K-adjacent boxes
+    where the choice asks for steps of 256 or more (``configs.heuristic``, item 6: short tiles); GEMM1's BLOCK_N 128
+    (one intermediate scale group per tile row), GEMM2's BLOCK_N at most 128; pipeline stages cut until the operand
+    buffers fit in shared memory, and for a GEMM1 split along K (``split_k`` > 1) to at most
+    ``FP8_SPLIT_STAGES`` (``FP8_SPLIT_PAIR_STAGES`` of two-box steps), so that two programs share an SM. The model
+    counts the activation tile at ``a_bytes`` an element for one-box steps, as every such launch was measured (GEMM1
+    passes hidden's width), and at its e4m3 byte for two-box steps (counted at 2 bytes, GEMM1's 3 stages on 16 rows
+    would be cut to 2)."""
     block_n = 128 if gemm1 else min(tiles.block_n, 128)
     operands = 2 if gemm1 else 1
-    stages = min(tiles.num_stages, FP8_SPLIT_STAGES) if split_k > 1 else tiles.num_stages
-    while stages > 2 and stages * BLOCK * (block_m * a_bytes + operands * block_n) > SMEM_BUDGET:
+    paired = tiles.block_k >= 2 * BLOCK
+    depth, cap = (2 * BLOCK, FP8_SPLIT_PAIR_STAGES) if paired else (BLOCK, FP8_SPLIT_STAGES)
+    a_bytes = 1 if paired else a_bytes
+    stages = min(tiles.num_stages, cap) if split_k > 1 else tiles.num_stages
+    while stages > 2 and stages * depth * (block_m * a_bytes + operands * block_n) > SMEM_BUDGET:
         stages -= 1
-    return GemmTiles(block_n, BLOCK, tiles.group_m, tiles.num_warps, stages)
+    return GemmTiles(block_n, depth, tiles.group_m, tiles.num_warps, stages)
 
 
 def default_split_k(num_rows: int, width: int, device: torch.device) -> int:
@@ -294,8 +322,8 @@ def experts_fp8(
     t2 = fp8_tiles(gemm2_tiles, plan.block_m, False, 1)
     a, a_scales = quantized_rows(plan, hidden_size, device)
     quantize_rows_into(hidden, a, a_scales, plan, gather=True, use_pdl=use_pdl)
-    a_desc = rows_descriptor(a, plan.block_m, t1.block_k)
-    desc1 = weight_descriptor(gate_up.values, t1.block_n, t1.block_k)
+    a_desc = rows_descriptor(a, plan.block_m, BLOCK)  # boxes of one scale group; a step loads t1.block_k // BLOCK
+    desc1 = weight_descriptor(gate_up.values, t1.block_n, BLOCK)
     programs = num_tiles * triton.cdiv(width, t1.block_n)
     if split_k > 1:  # each run's fp32 sums, and each tile's count of runs done
         part = torch.empty(split_k, plan.num_rows, 2 * width, dtype=torch.float32, device=device)
@@ -313,11 +341,12 @@ def experts_fp8(
         *a.stride(), *a_scales.stride(),
         *gate_up.values.stride(), *gate_up.scales.stride(), *inter.stride(), *inter_scales.stride(),
         HAS_LIMIT=swiglu_limit is not None, EMULATE_RTNE=emulate, BLOCK_M=plan.block_m, BLOCK_N=t1.block_n,
-        BLOCK_K=t1.block_k, GROUP_M=t1.group_m, W_TMA=desc1 is not None, A_TMA=a_desc is not None, USE_PDL=use_pdl,
-        UP_ALIGNED=width % BLOCK == 0, SPLIT_K=split_k, num_warps=t1.num_warps, num_stages=t1.num_stages, **launch,
+        BLOCK_K=BLOCK, GROUP_M=t1.group_m, W_TMA=desc1 is not None, A_TMA=a_desc is not None, USE_PDL=use_pdl,
+        UP_ALIGNED=width % BLOCK == 0, SPLIT_K=split_k, BOXES=t1.block_k // BLOCK, num_warps=t1.num_warps,
+        num_stages=t1.num_stages, **launch,
     )
-    desc2 = weight_descriptor(down.values, t2.block_n, t2.block_k)
-    inter_desc = rows_descriptor(inter, plan.block_m, t2.block_k)
+    desc2 = weight_descriptor(down.values, t2.block_n, BLOCK)
+    inter_desc = rows_descriptor(inter, plan.block_m, BLOCK)
     _gemm2_fp8_kernel[(num_tiles * triton.cdiv(hidden_size, t2.block_n),)](
         inter, inter if inter_desc is None else inter_desc, inter_scales,
         down.values, down.values if desc2 is None else desc2, down.scales, out,
@@ -325,6 +354,7 @@ def experts_fp8(
         num_tiles, hidden_size, width,
         *inter.stride(), *inter_scales.stride(), *down.values.stride(), *down.scales.stride(), *out.stride(),
         EMULATE_RTNE=emulate and out.dtype == torch.bfloat16, BLOCK_M=plan.block_m, BLOCK_N=t2.block_n,
-        BLOCK_K=t2.block_k, GROUP_M=t2.group_m, W_TMA=desc2 is not None, A_TMA=inter_desc is not None,
-        USE_PDL=use_pdl, SWAP=plan.block_m < WGMMA_MIN_ROWS, num_warps=t2.num_warps, num_stages=t2.num_stages, **launch,
+        BLOCK_K=BLOCK, GROUP_M=t2.group_m, W_TMA=desc2 is not None, A_TMA=inter_desc is not None,
+        USE_PDL=use_pdl, SWAP=plan.block_m < WGMMA_MIN_ROWS, BOXES=t2.block_k // BLOCK, num_warps=t2.num_warps,
+        num_stages=t2.num_stages, **launch,
     )

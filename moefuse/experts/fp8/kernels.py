@@ -81,25 +81,23 @@ def _add_scaled(acc, a, w, a_scale, w_scale, ONE_BLOCK: tl.constexpr, SWAP: tl.c
 
 
 @triton.jit
-def _load_rows(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, group, ks, k_ok, stride_am, stride_ak, stride_asm,
-               stride_asg, A_TMA: tl.constexpr):
-    """The e4m3 activation tile at K offset ``k0`` of contiguous rows ``a_rows`` (from ``row_start``), and each
-    row's scale of 128-column group ``group``. Through TMA, rows past the tensor and columns past K read zeros."""
+def _load_box(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, K, ks, stride_am, stride_ak, stride_asm, stride_asg,
+              A_TMA: tl.constexpr, BLOCK_K: tl.constexpr, BOXES: tl.constexpr):
+    """The box at K offset ``k0``: its 128-column scale group, the mask ``k_ok`` of its columns before K, the e4m3
+    activation tile of contiguous rows ``a_rows`` (from ``row_start``) and each row's scale of that group.
+    Through TMA, rows past the tensor and columns past K read zeros. With two boxes a step, the last step's second
+    box may start past K: its loads read zeros, and its group is clamped to the last so that its scale loads stay in
+    range (a finite scale times a zero product adds nothing)."""
+    k_ok = ks < K - k0
+    if BOXES == 1:
+        group = k0 // BLOCK_K
+    else:
+        group = tl.minimum(k0, K - 1) // BLOCK_K
     if A_TMA:
         a = a_desc.load([row_start, k0])
     else:  # addresses formed per step: a [BLOCK_M, BLOCK_K] pointer tile kept across steps would hold 2 registers each
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + ks)[None, :] * stride_ak, mask=k_ok[None, :], other=0.0)
-    return a, tl.load(as_ptr + a_rows * stride_asm + group * stride_asg)
-
-
-@triton.jit
-def _box_group(k0, K, BLOCK_K: tl.constexpr, BOXES: tl.constexpr):
-    """The 128-column scale group of the box at K offset ``k0``. With two boxes a step, the last step's second box
-    may start past K: its loads read zeros, and its group is clamped to the last so that its scale loads stay in
-    range (a finite scale times a zero product adds nothing)."""
-    if BOXES == 1:
-        return k0 // BLOCK_K
-    return tl.minimum(k0, K - 1) // BLOCK_K
+    return group, k_ok, a, tl.load(as_ptr + a_rows * stride_asm + group * stride_asg)
 
 
 @triton.jit
@@ -165,10 +163,8 @@ def _gemm1_fp8_kernel(
     for k_step in range(k_begin, k_end, BOXES * BLOCK_K):
         for box in tl.static_range(BOXES):
             k0 = k_step + box * BLOCK_K
-            k_ok = ks < K - k0
-            group = _box_group(k0, K, BLOCK_K, BOXES)
-            a, a_scale = _load_rows(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, group, ks, k_ok, stride_am,
-                                    stride_ak, stride_asm, stride_asg, A_TMA)
+            group, k_ok, a, a_scale = _load_box(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, K, ks, stride_am,
+                                                stride_ak, stride_asm, stride_asg, A_TMA, BLOCK_K, BOXES)
             if W_TMA:  # zero-filled past K
                 gate_w = w_desc.load([gate_row, k0]).T
                 up_w = w_desc.load([gate_row + N, k0]).T
@@ -236,10 +232,8 @@ def _gemm2_fp8_kernel(
     for k_step in range(0, K, BOXES * BLOCK_K):
         for box in tl.static_range(BOXES):
             k0 = k_step + box * BLOCK_K
-            k_ok = ks < K - k0
-            group = _box_group(k0, K, BLOCK_K, BOXES)
-            a, a_scale = _load_rows(inter_ptr, inter_desc, is_ptr, a_rows, row_start, k0, group, ks, k_ok, stride_im,
-                                    stride_ik, stride_ism, stride_isg, A_TMA)
+            group, k_ok, a, a_scale = _load_box(inter_ptr, inter_desc, is_ptr, a_rows, row_start, k0, K, ks, stride_im,
+                                                stride_ik, stride_ism, stride_isg, A_TMA, BLOCK_K, BOXES)
             if W_TMA:
                 w = w_desc.load([w_row, k0]).T
             else:

@@ -53,13 +53,15 @@ FP8_FEW_ROWS = 63
 # alone 104.0 -> 82.1 with three (scripts/fp8_decode_probe.py; docs/PERF-NOTES.md, twenty-fourth and twenty-fifth
 # sessions).
 FP8_SPLIT_STAGES = 3
-# fp8 short tiles (below 64 rows: decode) take steps of two K-adjacent 128-deep boxes, this many in flight (two where
-# GEMM1 is split, so that two split programs share an SM). A box's rows are 128 bytes of fp8; two boxes a step read
-# like one 256-byte-wide box: DeepSeek-V3's GEMM1 boxes, read with no arithmetic at its one-token launch, 89.9 µs box
-# by box against 82.6 in pairs, 76.6 at the floor (one H100; docs/PERF-NOTES.md, thirty-ninth session).
+# fp8 short tiles (below 64 rows: decode) take steps of two K-adjacent 128-deep boxes, on this many pipeline stages
+# (two where GEMM1 is split, so that two split programs share an SM; under Triton 3.6 GEMM1 buffers one step fewer
+# than its stages, 139 KB at 3). A box's rows are 128 bytes of fp8; two boxes a step read like one 256-byte-wide
+# box: DeepSeek-V3's GEMM1 boxes, read with no arithmetic at its one-token launch, 89.9 µs box by box against 82.6 in
+# pairs, 76.6 at the floor (one H100; docs/PERF-NOTES.md, thirty-ninth session). A fourth stage and four-box steps
+# were no faster (fortieth session).
 FP8_PAIR_STAGES = 3
 FP8_SPLIT_PAIR_STAGES = 2
-FP8_SPLIT_MAX = 4  # the most runs fp8_split_k splits GEMM1's K into (splits 1-4 measured)
+FP8_SPLIT_MAX = 4  # the most runs fp8_split_k splits GEMM1's K into (1-4 measured; 5, 6, 8 no faster, fortieth session)
 MXFP4_FEW_ROWS = 16  # at most this many routed rows: MXFP4's deeper decode tiles (heuristic, item 7)
 # MXFP4's tile heights and the most rows per touched expert each takes before the next is faster (heuristic, item 7);
 # more rows take 128-row tiles. (The limits were measured when 128-row tiles ran W4A8; W4A16 now, unless asked.)
@@ -317,7 +319,7 @@ def heuristic(
        stages and BLOCK_K shrink until the operand buffers fit in shared memory.
     6. fp8 block-scale weights (``dtype`` float8_e4m3fn, ``experts/fp8/kernels.py``): BLOCK_K 128 (one scale step) and
        GEMM1's BLOCK_N 128 (one intermediate scale group); tiles of 16 rows up to 16 rows per expert, else 64.
-       16-row tiles step through K two K-adjacent 128-deep boxes at a time (BLOCK_K 256), 3 steps in flight in
+       16-row tiles step through K two K-adjacent 128-deep boxes at a time (BLOCK_K 256), 3 pipeline stages in
        both GEMMs (``FP8_PAIR_STAGES``; 2 in a split GEMM1): each box still promoted on its own, so the same sums.
        One H100, the op against one-box steps in interleaved fresh processes (thirty-ninth session, µs at 1 / 16 /
        128 tokens): DeepSeek-V3 135.6 -> 130.4 / 1,552.5 -> 1,486.7 / 3,826.7 -> 3,655.6; Kimi-K2 136.0 -> 131.9 /

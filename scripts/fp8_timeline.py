@@ -32,7 +32,7 @@ from moefuse.experts import experts_workspace  # noqa: E402
 from moefuse.experts.fp8 import kernels  # noqa: E402
 
 RUNS = 7
-STEP = 256  # a 16-row tile's step: two 128-deep boxes (fp8_tiles)
+GEMM1_ROWS = 2 * 128  # weight rows a GEMM1 program reads: its 128 columns' gate and up rows (one byte an element)
 TICK_US = 0.1  # the grid the aggregate rate is sampled on
 
 
@@ -85,9 +85,14 @@ def measure(name: str, splits: Sequence[int], device: torch.device) -> list[dict
                  for p, o in zip(shape.plans, shape.outs)]
         for call in calls:
             call()
-        g1_bytes = torch.tensor(run_lengths(H, STEP, split), dtype=torch.float64).repeat(1 << 16)[: 1 << 16] * 256
-        g2_bytes = torch.full((1 << 16,), float(min(shape.tiles.gemm2.block_n, 128) * I), dtype=torch.float64)
-        runs = []
+        # each program's bytes, from the tiles the op launches (fp8_tiles): GEMM1 program p · split + s reads run s
+        t1 = kernels.fp8_tiles(shape.tiles.gemm1, shape.plans[0].block_m, True, 2, split)
+        t2 = kernels.fp8_tiles(shape.tiles.gemm2, shape.plans[0].block_m, False, 1)
+        slots = stamps.shape[1]
+        runs_bytes = torch.tensor(run_lengths(H, t1.block_k, split), dtype=torch.float64) * GEMM1_ROWS
+        g1_bytes = runs_bytes.repeat(-(-slots // split))[:slots]
+        g2_bytes = torch.full((slots,), float(t2.block_n * I), dtype=torch.float64)
+        runs: list[tuple[dict[str, Any], dict[str, Any]]] = []
         for i in range(RUNS):
             calls[(i + 1) % len(calls)]()  # another routing first: this one's weights are not in L2
             stamps.zero_()

@@ -16,18 +16,15 @@ import datetime
 import json
 import os
 import statistics
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from moefuse import MoELayer, preset  # noqa: E402
-from moefuse.bench.report import format_table  # noqa: E402
-from moefuse.parallel import ShardedMoELayer  # noqa: E402
+from moefuse import MoELayer, preset
+from moefuse.bench.report import format_table
+from moefuse.parallel import ShardedMoELayer
 
 
 def _time(fn, iters: int = 20) -> float:
@@ -68,12 +65,12 @@ def _bytes_moved(layer: ShardedMoELayer, x: torch.Tensor) -> int:
     return 2 * rows * x.shape[1] * elem
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="deepseek-v3")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 4096])
     parser.add_argument("--out", default="results")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -34,7 +34,6 @@ PRESETS = {"bf16": "deepseek-v3", "fp8": "deepseek-v3", "mxfp4": "deepseek-v4-fl
 def child(fmt: str, preset: str, max_tokens: int, do_warmup: bool, first_calls: bool) -> dict:
     import torch
 
-    sys.path.insert(0, str(ROOT))
     from moefuse import MoELayer, warmup
     from moefuse import preset as get_preset
 
@@ -74,7 +73,7 @@ def child(fmt: str, preset: str, max_tokens: int, do_warmup: bool, first_calls: 
 
 
 def run_child(cache: str, *args: str) -> dict:
-    env = dict(os.environ, TRITON_CACHE_DIR=cache, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, TRITON_CACHE_DIR=cache)
     proc = subprocess.run([sys.executable, __file__, "--child", *args], env=env, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
@@ -135,7 +134,7 @@ def section(record: dict) -> str:
     return "\n\n".join([head, warm, calls])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--formats", nargs="+", choices=sorted(PRESETS), default=["bf16"])
     parser.add_argument("--preset", help="one preset for every format (default: each format's model)")
@@ -144,13 +143,12 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "results"))
     parser.add_argument("--child", nargs=5, metavar=("FORMAT", "PRESET", "MAX", "WARMUP", "CALLS"),
                         help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         fmt, preset, max_tokens, do_warmup, calls = args.child
         print(json.dumps(child(fmt, preset, int(max_tokens), do_warmup == "1", calls == "1")))
         return
 
-    sys.path.insert(0, str(ROOT))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "cold_start.json"

@@ -20,21 +20,18 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from moefuse import _runtime  # noqa: E402
-from moefuse.bench.timing import environment  # noqa: E402
-from moefuse.dispatch import moe_dispatch  # noqa: E402
-from moefuse.experts import moe_experts  # noqa: E402
-from moefuse.experts.reference import moe_experts_fp8_torch, moe_experts_torch, moe_experts_w4a8_torch  # noqa: E402
-from moefuse.formats import MXFP4, BlockFP8  # noqa: E402
-from moefuse.testing import rel_error, rms_rel_error  # noqa: E402
+from moefuse import _runtime
+from moefuse.bench.timing import environment
+from moefuse.dispatch import moe_dispatch
+from moefuse.experts import moe_experts
+from moefuse.experts.reference import moe_experts_fp8_torch, moe_experts_torch, moe_experts_w4a8_torch
+from moefuse.formats import MXFP4, BlockFP8
+from moefuse.testing import rel_error, rms_rel_error
 
 # (name, activation dtype, activation_quant); the weights' format follows the name
 FORMATS = [
@@ -100,7 +97,7 @@ def measure(fmt: str, dtype: torch.dtype, quant: str | None, shape: tuple, block
     ids = torch.where(torch.rand(M, K, generator=gen) < 0.1, -1, ids).to(device)
     limit = 7.0 if seed % 2 else None
     plan = moe_dispatch(ids, E, block_m)
-    with _runtime.env_override("MOEFUSE_PERSISTENT", "1" if path == "persistent" else "0"):
+    with _runtime.defaults(persistent="all" if path == "persistent" else "none"):
         out = moe_experts(x, w1, w2, plan, swiglu_limit=limit, activation_quant=quant, backend="triton")
     ref = oracle(fmt)(x, w1, w2, plan, swiglu_limit=limit, dtype=torch.float64,
                       out=torch.zeros(plan.num_rows, H, dtype=torch.float64, device=device))
@@ -108,12 +105,12 @@ def measure(fmt: str, dtype: torch.dtype, quant: str | None, shape: tuple, block
     return rel_error(out[:n], ref[:n]), rms_rel_error(out[:n], ref[:n])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=12, help="seeds per narrow cell (a third of it on wide ones)")
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--only", nargs="*", default=[], help="FORMAT[:SHAPE[:PATH]] cells; other rows are kept")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kept, dates = [], [time.strftime("%Y-%m-%d")]
     if args.only and (args.out / "errors.json").exists():

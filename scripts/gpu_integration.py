@@ -1,30 +1,66 @@
-"""GPU checks of the ways in (issue: transformers, torch.compile, CUDA graphs), printed as tables.
+"""GPU checks of the ways in (transformers, torch.compile, CUDA graphs), printed as tables.
 
     python scripts/gpu_integration.py
 
-1. Tiny randomly initialised causal LMs (the test suite's DeepSeek-V3, Qwen3-MoE and GLM-4-MoE) in bf16:
-   logits unpatched vs ``moefuse.patch``-ed, greedy generation of 16 tokens, and the device time of one
+1. Tiny randomly initialised causal LMs (DeepSeek-V3, Qwen3-MoE and GLM-4-MoE: the models of ``tests/test_hf.py``)
+   in bf16: logits unpatched vs ``moefuse.patch``-ed, greedy generation of 16 tokens, and the device time of one
    decode-sized forward (one token) before and after patching.
 2. ``torch.compile(fullgraph=True)`` of a MoELayer (scaled-down DeepSeek-V3, bf16, Triton kernels), eager and
    inside a captured CUDA graph, against the eager layer.
+
+``results/INTEGRATION.md`` is written from its output.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+import moefuse
+from moefuse.bench.report import format_table
+from moefuse.testing import rel_error
 
-from test_hf import MODELS, _model  # noqa: E402
+# The tiny models of tests/test_hf.py (2 layers, hidden 48, 16 experts), built the same way.
+COMMON = dict(vocab_size=128, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 
-import moefuse  # noqa: E402
-from moefuse.bench.report import format_table  # noqa: E402
-from moefuse.testing import rel_error  # noqa: E402
+
+def _deepseek_v3():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    return DeepseekV3ForCausalLM(DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+        n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8))
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**COMMON, num_experts=16, num_experts_per_tok=4, head_dim=12,
+                                              norm_topk_prob=True))
+
+
+def _glm4_moe():
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    return Glm4MoeForCausalLM(Glm4MoeConfig(**COMMON, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+                                            first_k_dense_replace=0, head_dim=12))
+
+
+MODELS = {"deepseek-v3": _deepseek_v3, "qwen3-moe": _qwen3_moe, "glm4-moe": _glm4_moe}
+
+
+def _model(name: str, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = MODELS[name]().eval()
+    with torch.no_grad():  # transformers initialises the expert biases to zero: make them matter
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.rand(buffer.shape) * 0.1)
+    return model
 
 
 def _forward_us(fn, reps: int = 30) -> float:
@@ -84,7 +120,8 @@ def compile_rows() -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     print(format_table(transformers_rows(), [
         ("model", "model"), ("logits_err", "logits rel err (bf16)"), ("same_tokens", "greedy tokens equal /16"),
         ("decode_before_us", "1-token forward, transformers µs"), ("decode_after_us", "patched µs")],

@@ -9,24 +9,21 @@ mean host µs per call of the op and of each piece (pieces nest: a launch contai
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import moefuse.dispatch.op as dispatch_op  # noqa: E402
-import moefuse.experts.bf16 as experts_bf16  # noqa: E402
-import moefuse.experts.op as experts_op  # noqa: E402
-import moefuse.finalize.op as finalize_op  # noqa: E402
-import moefuse.route.op as route_op  # noqa: E402
-from moefuse.bench.report import format_table  # noqa: E402
-from moefuse.config import preset  # noqa: E402
-from moefuse.experts import configs  # noqa: E402
-from moefuse.layer import MoELayer  # noqa: E402
+import moefuse.dispatch.op as dispatch_op
+import moefuse.experts.bf16 as experts_bf16
+import moefuse.experts.op as experts_op
+import moefuse.finalize.op as finalize_op
+import moefuse.route.op as route_op
+from moefuse.bench.report import format_table
+from moefuse.config import preset
+from moefuse.experts import configs
+from moefuse.layer import MoELayer
 
 TOTALS: dict[str, float] = defaultdict(float)
 COUNTS: dict[str, int] = defaultdict(int)
@@ -60,7 +57,8 @@ def instrument() -> None:
     torch.empty = timed("torch.empty", torch_empty)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     from moefuse.dispatch import moe_dispatch
     from moefuse.experts import moe_experts, pick_block_m
     from moefuse.finalize import moe_finalize_fuse_shared

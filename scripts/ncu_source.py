@@ -6,9 +6,9 @@
 
 Prints the instructions holding the most warp-stall samples: their share of all samples, how many times a warp
 executed them, and their largest stall reasons. ``--at``: the instructions around these indices instead, with
-the same columns. A share on an instruction executed once per warp is warps parked there (issue 39: the idle
-warps of a 1-warp producer's warp group made a persistent kernel's "barrier stalls", docs/PERF-NOTES.md,
-twenty-seventh session).
+the same columns. A share on an instruction executed once per warp is warps parked there, not work (the idle
+warps of a 1-warp producer's warp group made the persistent bf16 GEMM2's "barrier stalls", docs/PERF-NOTES.md,
+2026-12-04).
 """
 from __future__ import annotations
 
@@ -61,12 +61,12 @@ def format_rows(instructions: list[Instruction], picked: list[int]) -> list[str]
     return lines
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("csv", type=Path)
     parser.add_argument("--top", type=int, default=20, help="this many instructions with the most samples")
     parser.add_argument("--at", type=int, nargs="+", help="the instructions around these indices instead")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     instructions = read(args.csv)
     if args.at:
         picked = sorted({i for at in args.at for i in range(max(0, at - 6), min(len(instructions), at + 3))})

@@ -1,8 +1,11 @@
 """One line per kernel from Nsight Compute's raw metrics: time, DRAM and L2, issue slots, warps, largest stalls.
 
-    ncu --nvtx --nvtx-include "meas/" --metrics "$(python scripts/ncu_table.py --metrics)" --csv --page raw \
-        python3 scripts/fp8_decode_probe.py --ncu-target deepseek-v3 > ncu.csv
+    ncu [--nvtx --nvtx-include "meas/"] --metrics "$(python scripts/ncu_table.py --metrics)" --csv --page raw \
+        python3 PROGRAM ... > ncu.csv
     python scripts/ncu_table.py ncu.csv [--stalls 4]
+
+Any program's kernels; ``--nvtx-include "meas/"`` keeps those launched inside an NVTX range "meas" (as
+``python -m research.fp8_decode_probe --ncu-target PRESET`` opens around its calls).
 
 The metrics (``--metrics`` prints them for ncu's command line): device time, DRAM throughput (share of peak and
 bytes read), L2 throughput and bytes, issue slots busy, warps active per SM, instructions, tensor pipe (wgmma)
@@ -99,12 +102,12 @@ def table(kernels: list[Kernel], stalls: int = 4) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("csv", type=Path, nargs="?", help="ncu --csv --page raw output")
     parser.add_argument("--stalls", type=int, default=4, help="stall reasons per kernel")
     parser.add_argument("--metrics", action="store_true", help="print the --metrics argument for ncu and exit")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.metrics:
         print(metrics())
         return 0

@@ -11,24 +11,22 @@ and MXFP4 layers with their fp8 shared experts; then the persistent prefill GEMM
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import argparse
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from moefuse import MoEConfig, MoELayer  # noqa: E402
-from moefuse.dispatch import moe_dispatch  # noqa: E402
-from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts, persistent  # noqa: E402
-from moefuse.experts.mxfp4 import ws as mxfp4_ws  # noqa: E402
-from moefuse.finalize import moe_finalize_fuse_shared  # noqa: E402
-from moefuse.formats import MXFP4, BlockFP8, ExpertWeight, tile_dtype  # noqa: E402
-from moefuse.layer import Quant  # noqa: E402
-from moefuse.route import moe_fused_gate, router_logits  # noqa: E402
+from moefuse import MoEConfig, MoELayer
+from moefuse.dispatch import moe_dispatch
+from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts, persistent
+from moefuse.experts.mxfp4 import ws as mxfp4_ws
+from moefuse.finalize import moe_finalize_fuse_shared
+from moefuse.formats import MXFP4, BlockFP8, ExpertWeight, tile_dtype
+from moefuse.layer import Quant
+from moefuse.route import moe_fused_gate, router_logits
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     torch.manual_seed(0)
     dev, bf16 = "cuda", torch.bfloat16
     E, H, I, K = 12, 200, 72, 3

@@ -4,7 +4,6 @@
     python scripts/sass.py experts [--preset NAME ...] [--dtype bf16 fp32] [--check]
     python scripts/sass.py mxfp4-ws [--check]
     python scripts/sass.py persistent [--check]
-    python scripts/sass.py fused [--check]
 
 ``router``: per model config and rows per program (BLOCK_M from ``launch_config`` at M = 8192, and 1): SASS
 instructions (NOPs and the out-of-line slow paths after the last EXIT left out), instructions per row, SHFL and
@@ -12,27 +11,26 @@ REDUX counts, registers and stack bytes (non-zero means spills). The kernel's lo
 branches skip the rare slow paths of ``div_rn``/``sqrt_rn``, so the count is close to what one program executes
 (those skipped branch bodies, a few instructions each, are still in it). ``--dump DIR`` writes each config's ttgir
 and SASS there. Then the router linear: the decode kernel per model width and batch, and the tensor-core prefill
-kernel at each of its launches (``route.linear.MMA_LAUNCHES``; ``--check`` also fails on a spill there).
+kernel at each of its launches (``route.linear.MMA_LAUNCHES``, and the batch-invariant launch at the K runs each
+preset's width takes; ``--check`` also fails on a spill there).
 
-``experts``: every distinct launch of the two grouped GEMMs that the tile table or the heuristic picks for the
-SPEC §4 presets on sm_90 (``configs.pick`` at the table's token buckets), compiled as ``gemm1_swiglu`` / ``gemm2``
-launch them (TMA weights, PDL): shared memory, registers, stack bytes, the HGMMA (wgmma) and HMMA (mma.sync)
-instructions in the SASS, and the main loop's instructions (all threads) per weight of one K step, which is what
-bounds the MXFP4 kernels (an SM issues 128 per clock, half of them on the integer pipe, and the read floor needs
-about 32 weights per clock per SM on an H200). MXFP4 launches that run the warp-specialized Gluon kernels on sm_90
-(``experts/mxfp4/ws.py``: every preset, whose widths are multiples of 128) are left to ``mxfp4-ws``.
+``experts``: every distinct launch of the two grouped GEMMs that a tile table or the heuristic picks for the SPEC §4
+presets on sm_90 (``configs.pick`` at the tables' token buckets, for each table's GPU model and for a bare sm_90, which
+takes the heuristic), compiled as ``gemm1_swiglu`` / ``gemm2`` launch them (TMA weights, PDL): shared memory, registers,
+stack bytes, the HGMMA (wgmma) and HMMA (mma.sync) instructions in the SASS, and the main loop's instructions (all
+threads) per weight of one K step, which is what bounds the MXFP4 kernels (an SM issues 128 per clock, half of them on
+the integer pipe, and the read floor needs about 32 weights per clock per SM on an H200). MXFP4 launches that run the
+warp-specialized Gluon kernels on sm_90 (``experts/mxfp4/ws.py``: every preset, whose widths are multiples of 128) are
+left to ``mxfp4-ws``.
 
 ``mxfp4-ws``: those Gluon kernels at each tile height of ``mxfp4/ws.py``'s ``LAUNCH``, and the W4A8 ones of
 ``mxfp4/w4a8.py``'s, with and without the clamp (they do not depend on the model otherwise): the same columns,
 the main-loop instructions per weight counted over a consumer's loop (W4A16) or the transform's (W4A8); ``--check``
 also fails on a spill (their register budget is set to the edge).
 
-``fused``: issue 40's probes of fp8 decode, compiled as their probe launches them (``fp8_decode_probe.py --fused``
-and ``--layer-prefetch``): every build of the one-launch kernel over both GEMMs (``fused_decode.py``: warps and
-register cap, GEMM1's arithmetic, the next item's prefetch; 16-row tiles, 3 stages) with its shared memory,
-registers, stack bytes and GEMM1's loop per step; the warp-specialized one (``ws_decode.py``, Gluon) at each of
-its probe's launches, with and without the clamp, checked to fit as many programs an SM as the launch puts there;
-then the L2 prefetch kernel (``l2_prefetch.py``).
+``persistent``: the persistent prefill GEMMs of ``experts/persistent.py`` (Gluon; one launch shape for every model),
+bf16, fp16 and fp8 block-scale, each schedule, with and without the clamp; ``--check`` also fails on a spill, on a
+kernel without wgmma, and on stores of 1 or 2 bytes (the epilogue's 16-byte stores lost).
 
 ``--check`` exits with status 1 when a kernel fails to compile, needs more shared memory than a Hopper block
 may have (227 KB; on a GPU that is an ``OutOfResources`` at launch), or, for the experts, when a 16-bit tile of
@@ -44,6 +42,7 @@ Static counts and sizes, not GPU timings. Run with ``TRITON_INTERPRET`` unset: t
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 import subprocess
 import sys
@@ -56,23 +55,20 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from moefuse import _runtime  # noqa: E402
-from moefuse.config import PRESETS  # noqa: E402
-from moefuse.experts import bf16 as experts_bf16  # noqa: E402
-from moefuse.experts import configs  # noqa: E402
-from moefuse.experts import persistent as experts_persistent  # noqa: E402
-from moefuse.experts.fp8 import kernels as experts_fp8  # noqa: E402
-from moefuse.experts.mxfp4 import kernels as experts_mxfp4  # noqa: E402
-from moefuse.experts.mxfp4 import w4a8 as experts_mxfp4_w4a8  # noqa: E402
-from moefuse.experts.mxfp4 import ws as experts_mxfp4_ws  # noqa: E402
-from moefuse.route import kernel as route_kernel  # noqa: E402
-from moefuse.route import linear as route_linear  # noqa: E402
+from moefuse import _runtime
+from moefuse.config import PRESETS
+from moefuse.experts import bf16 as experts_bf16
+from moefuse.experts import configs
+from moefuse.experts import persistent as experts_persistent
+from moefuse.experts.fp8 import kernels as experts_fp8
+from moefuse.experts.mxfp4 import kernels as experts_mxfp4
+from moefuse.experts.mxfp4 import w4a8 as experts_mxfp4_w4a8
+from moefuse.experts.mxfp4 import ws as experts_mxfp4_ws
+from moefuse.route import kernel as route_kernel
+from moefuse.route import linear as route_linear
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 SM90 = GPUTarget("cuda", 90, 32)
-H200_SMS = 132  # where a launch shape depends on the SM count (fp8_split_k)
 
 # name: (E, topk, fused shared, G, topk_group, scoring, bias, renormalize, scale on output)
 ROUTER_CONFIGS = {
@@ -198,11 +194,15 @@ def router(args: argparse.Namespace) -> list[str]:
     print(f"\n{'router linear, tensor cores (prefill)':34s} {'tile':>11s} {'regs':>4s} {'stack':>5s} {'smem':>6s} "
           f"{'HGMMA':>5s}")
     fn = route_linear._router_logits_mma_kernel
-    for c in route_linear.MMA_LAUNCHES:
+    # each launch the op picks, and the batch-invariant launch with K in the runs each preset's width takes
+    invariant = sorted({route_linear.invariant_runs(c.hidden_size) for c in PRESETS.values()} - {1})
+    launches = [(c, 1) for c in route_linear.MMA_LAUNCHES] + [(route_linear.INVARIANT_MMA, r) for r in invariant]
+    for c, split_k in launches:
         constexprs = {"stride_xk": 1, "stride_oe": 1, "UPCAST": False, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n,
-                      "BLOCK_K": c.block_k}
+                      "BLOCK_K": c.block_k, "SPLIT_K": split_k}
         signature = {"x_ptr": "*bf16", "parts_ptr": "*bf16", "out_ptr": "*fp32", "M": "i32", "E": "i32", "H": "i32",
-                     "stride_xm": "i32", "stride_om": "i32", **{name: "constexpr" for name in constexprs}}
+                     "stride_xm": "i32", "stride_om": "i32", "stride_os": "i32",
+                     **{name: "constexpr" for name in constexprs}}
         # H a multiple of 16, as every model's (and as Triton specializes it at launch): the loads pipeline
         attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
                  for name in ("x_ptr", "parts_ptr", "out_ptr", "E", "H", "stride_xm", "stride_om")}
@@ -211,7 +211,7 @@ def router(args: argparse.Namespace) -> list[str]:
                                   target=SM90, options={"num_warps": c.warps, "num_stages": c.stages})
         _, st = sass_stats(compiled.asm["cubin"])
         smem = compiled.metadata.shared
-        tile = f"{c.block_m}x{c.block_n}x{c.block_k}"
+        tile = f"{c.block_m}x{c.block_n}x{c.block_k}" + (f", {split_k} runs" if split_k > 1 else "")
         print(f"{'':34s} {tile:>11s} {st['regs']:4d} {st['stack']:5d} {smem:6d} {st['hgmma']:5d}", flush=True)
         if smem > configs.HOPPER_SMEM or st["stack"] or not st["hgmma"]:
             problems.append(f"router linear {tile}: {smem} bytes of shared memory, {st['stack']} of stack, "
@@ -376,44 +376,6 @@ def compile_persistent_gemm(gemm: int, has_limit: bool, dtype: str = "bf16", dyn
     return compile_gluon(p._persistent_kernel, types, constexprs, p.MAXNREG)
 
 
-def compile_fused_decode(split: int, num_warps: int, num_stages: int, maxnreg: Optional[int], prequant: bool,
-                         swap1: bool, prefetch: bool, block_m: int = 16):
-    """Issue 40's one-launch fp8 decode kernel (``scripts/fused_decode.py``) as ``fused_experts_fp8`` launches it
-    on sm_90 for the presets' widths (multiples of 128): TMA weight boxes of 128 x 128, bf16 activations and output,
-    GEMM2 on 128 output columns an item."""
-    import fused_decode
-
-    fn = fused_decode._fused_decode_kernel
-    constexprs = {"HAS_LIMIT": False, "EMULATE_RTNE": False, "OUT_RTNE": False, "BLOCK_M": block_m, "BLOCK_N2": 128,
-                  "SPLIT": split, "SWAP": block_m < experts_fp8.WGMMA_MIN_ROWS, "PREQUANT": prequant,
-                  "SWAP1": swap1, "PREFETCH": prefetch, "USE_PDL": True, "COMPILED": True,
-                  **{name: 1 for name in ("stride_hk", "stride_s1k", "stride_s2k", "stride_on")}}
-    box = "tensordesc<fp8e4nv[128, 128]>"
-    types = {"hidden_ptr": "*bf16", "out_ptr": "*bf16", "inter_ptr": "*fp8e4nv", "aq_ptr": "*fp8e4nv",
-             "w1_ptr": "*fp8e4nv", "w2_ptr": "*fp8e4nv",
-             "w1s_ptr": "*fp32", "w2s_ptr": "*fp32", "is_ptr": "*fp32", "as_ptr": "*fp32", "part_ptr": "*fp32",
-             "limit": "fp32", "w1_desc": box, "w2_desc": box}
-    signature = {name: types.get(name, "*i32" if name.endswith("_ptr") else "i32")
-                 for name in fn.arg_names if name not in constexprs}
-    return compile_sm90(fn, signature, constexprs, num_warps, num_stages, sizes=("I", "H"), maxnreg=maxnreg)
-
-
-def compile_ws_decode(block_m: int, stages: int, has_limit: bool, maxnreg: int):
-    """Issue 40's warp-specialized fp8 decode kernel (``scripts/ws_decode.py``, Gluon) as ``ws_experts_fp8``
-    launches it on sm_90: a consumer warp group and a producer warp, 128 x 128 e4m3 weight boxes, bf16 activations
-    and output, ``maxnreg`` registers a thread at launch."""
-    import ws_decode
-    from triton.experimental.gluon import language as gl
-
-    layout = gl.NVMMASharedLayout.get_default_for([ws_decode.BOX, ws_decode.BOX], gl.float8e4nv)
-    box = f"tensordesc<fp8e4nv[{ws_decode.BOX}, {ws_decode.BOX}],{layout!r}>"
-    types = {"w1_desc": box, "w2_desc": box, "hidden_ptr": "*bf16", "out_ptr": "*bf16", "inter_ptr": "*fp8e4nv",
-             "w1s_ptr": "*fp32", "w2s_ptr": "*fp32", "is_ptr": "*fp32", "part_ptr": "*fp32", "limit": "fp32"}
-    constexprs = {"HAS_LIMIT": has_limit, "BLOCK_M": block_m, "STAGES": stages, "CLAIMS": 2 * stages,
-                  "PRODUCER_REGS": ws_decode.PRODUCER_REGS}
-    return compile_gluon(ws_decode._ws_decode_kernel, types, constexprs, maxnreg)
-
-
 def compiled_stats(where: str, problems: list[str], build: Callable[[], Any]) -> Optional[tuple[str, dict, int]]:
     """``build()``'s kernel: its SASS, ``sass_stats`` and shared memory bytes, or None when it does not compile.
     A compile error, or more shared memory than a Hopper block may have, goes into ``problems``."""
@@ -430,55 +392,65 @@ def compiled_stats(where: str, problems: list[str], build: Callable[[], Any]) ->
     return text, stats, smem
 
 
+def targets() -> list[tuple[str, configs.Arch]]:
+    """What the presets' launches are picked for on sm_90: each tile table's GPU model (its table, then the heuristic
+    where it has no entry), and a bare sm_90 (the heuristic alone)."""
+    found: list[tuple[str, configs.Arch]] = []
+    for name, path in sorted(configs.TABLES.items()):
+        if path.exists():
+            head = configs.load_table(path)["gpu"]
+            gpu = _runtime.GPU(head["name"], tuple(head["capability"]), head["sms"], configs.HOPPER_SMEM)
+            found.append((name, gpu))
+    return found + [("sm_90", (9, 0))]
+
+
 def experts(args: argparse.Namespace) -> list[str]:
     problems = []
-    buckets = sorted({int(m) for entry in configs.load_table(configs.TABLES[(9, 0)])["entries"]
-                      for m in entry["buckets"]})
+    buckets = sorted({int(m) for path in configs.TABLES.values() if path.exists()
+                      for entry in configs.load_table(path)["entries"] for m in entry["buckets"]})
     dtypes = [dtype for dtype, ty in TYPE_NAMES.items() if ty in args.dtype]
     print(f"{'preset':18s} {'dtype':5s} {'M':>5s} {'GEMM':4s} {'BLOCK_M':>7s} {'N x K':>9s} {'group':>5s} "
           f"{'warps':>5s} {'stages':>6s} {'smem':>6s} {'regs':>4s} {'stack':>5s} {'HGMMA':>5s} {'HMMA':>5s} "
           f"{'loop/weight':>11s}")
     seen = set()
-    for name in args.preset:
+    for name, dtype, M, (target, arch) in itertools.product(args.preset, dtypes, buckets, targets()):
         c = PRESETS[name]
-        for dtype in dtypes:
-            for M in buckets:
-                fp8, mxfp4 = dtype == torch.float8_e4m3fn, dtype == torch.uint8
-                cfg = configs.pick(M, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, dtype, (9, 0))
-                gemms = [(1, cfg.gemm1, c.hidden_size), (2, cfg.gemm2, c.intermediate_size)]
-                split = configs.fp8_split_k(M * c.top_k, c.intermediate_size, H200_SMS) if fp8 else 1
-                if fp8:
-                    gemms = [(g, experts_fp8.fp8_tiles(t, cfg.block_m, g == 1, 2 if g == 1 else 1,
-                                                       split if g == 1 else 1), k) for g, t, k in gemms]
-                if mxfp4:
-                    gemms = [(g, experts_mxfp4.mxfp4_tiles(t), k) for g, t, k in gemms]
-                for gemm, tiles, k in gemms:
-                    has_limit = gemm == 1 and c.swiglu_limit is not None
-                    if (mxfp4 and cfg.block_m in experts_mxfp4_ws.LAUNCH  # the Gluon kernels run: `mxfp4-ws`
-                            and experts_mxfp4_ws.widths_fit(c.hidden_size, c.intermediate_size)):
-                        continue
-                    split_k = split if gemm == 1 else 1
-                    key = (gemm, dtype, cfg.block_m, tiles, k % tiles.block_k == 0, has_limit, split_k)
-                    if key in seen:  # N and K are run-time arguments: the same launch compiles the same
-                        continue
-                    seen.add(key)
-                    where = f"{name} {TYPE_NAMES[dtype]} M={M} GEMM{gemm}"
-                    result = compiled_stats(where, problems, lambda: (
-                        compile_fp8_gemm(gemm, cfg.block_m, tiles, has_limit, split_k) if fp8
-                        else compile_mxfp4_gemm(gemm, cfg.block_m, tiles, has_limit) if mxfp4
-                        else compile_gemm(gemm, dtype, cfg.block_m, tiles, k, has_limit)))
-                    if result is None:
-                        continue
-                    text, s, smem = result
-                    # Main-loop instructions of all threads per weight of one K step: the unpacking cost (MXFP4).
-                    weights = tiles.block_n * tiles.block_k * (2 if gemm == 1 else 1)
-                    per_weight = main_loop_instructions(text) * tiles.num_warps * 32 / weights
-                    print(f"{name:18s} {TYPE_NAMES[dtype]:5s} {M:5d} {gemm:4d} {cfg.block_m:7d} "
-                          f"{tiles.block_n:4d}x{tiles.block_k:<4d} {tiles.group_m:5d} {tiles.num_warps:5d} "
-                          f"{tiles.num_stages:6d} {smem:6d} {s['regs']:4d} {s['stack']:5d} {s['hgmma']:5d} "
-                          f"{s['hmma']:5d} {per_weight:11.2f}", flush=True)
-                    if dtype != torch.float32 and cfg.block_m >= 64 and s["hgmma"] == 0:
-                        problems.append(f"{where}: a {cfg.block_m}-row tile without wgmma (HGMMA)")
+        fp8, mxfp4 = dtype == torch.float8_e4m3fn, dtype == torch.uint8
+        cfg = configs.pick(M, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, dtype, arch)
+        gemms = [(1, cfg.gemm1, c.hidden_size), (2, cfg.gemm2, c.intermediate_size)]
+        split = configs.fp8_split_k(M * c.top_k, c.intermediate_size, configs.gpu_of(arch).sms) if fp8 else 1
+        if fp8:
+            gemms = [(g, experts_fp8.fp8_tiles(t, cfg.block_m, g == 1, 2 if g == 1 else 1,
+                                               split if g == 1 else 1), k) for g, t, k in gemms]
+        if mxfp4:
+            gemms = [(g, experts_mxfp4.mxfp4_tiles(t), k) for g, t, k in gemms]
+        for gemm, tiles, k in gemms:
+            has_limit = gemm == 1 and c.swiglu_limit is not None
+            if (mxfp4 and cfg.block_m in experts_mxfp4_ws.LAUNCH  # the Gluon kernels run: `mxfp4-ws`
+                    and experts_mxfp4_ws.widths_fit(c.hidden_size, c.intermediate_size)):
+                continue
+            split_k = split if gemm == 1 else 1
+            key = (gemm, dtype, cfg.block_m, tiles, k % tiles.block_k == 0, has_limit, split_k)
+            if key in seen:  # N and K are run-time arguments: the same launch compiles the same
+                continue
+            seen.add(key)
+            where = f"{name} {TYPE_NAMES[dtype]} M={M} GEMM{gemm} ({target})"
+            result = compiled_stats(where, problems, lambda: (
+                compile_fp8_gemm(gemm, cfg.block_m, tiles, has_limit, split_k) if fp8
+                else compile_mxfp4_gemm(gemm, cfg.block_m, tiles, has_limit) if mxfp4
+                else compile_gemm(gemm, dtype, cfg.block_m, tiles, k, has_limit)))
+            if result is None:
+                continue
+            text, s, smem = result
+            # Main-loop instructions of all threads per weight of one K step: the unpacking cost (MXFP4).
+            weights = tiles.block_n * tiles.block_k * (2 if gemm == 1 else 1)
+            per_weight = main_loop_instructions(text) * tiles.num_warps * 32 / weights
+            print(f"{name:18s} {TYPE_NAMES[dtype]:5s} {M:5d} {gemm:4d} {cfg.block_m:7d} "
+                  f"{tiles.block_n:4d}x{tiles.block_k:<4d} {tiles.group_m:5d} {tiles.num_warps:5d} "
+                  f"{tiles.num_stages:6d} {smem:6d} {s['regs']:4d} {s['stack']:5d} {s['hgmma']:5d} "
+                  f"{s['hmma']:5d} {per_weight:11.2f}", flush=True)
+            if dtype != torch.float32 and cfg.block_m >= 64 and s["hgmma"] == 0:
+                problems.append(f"{where}: a {cfg.block_m}-row tile without wgmma (HGMMA)")
     return problems
 
 
@@ -538,64 +510,7 @@ def persistent(args: argparse.Namespace) -> list[str]:
     return problems
 
 
-def fused(args: argparse.Namespace) -> list[str]:
-    """The fused decode kernel's builds that ``fp8_decode_probe.py --fused`` times, at the most stages it takes
-    (the most shared memory): per (warps, register cap), GEMM1's arithmetic (where the activations are quantized,
-    mma.sync or swapped wgmma) and whether the next item's lines are prefetched; at 14 runs of GEMM1's K (the run
-    count changes only integer arithmetic). Then ``l2_prefetch.py``'s kernel, with either eviction hint."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import fp8_decode_probe as probe
-    import l2_prefetch
-    import ws_decode
-
-    problems = []
-    print(f"{'warps':>5s} {'maxnreg':>7s} {'prequant':>8s} {'swap1':>5s} {'prefetch':>8s} {'stages':>6s} "
-          f"{'smem':>6s} {'regs':>4s} {'stack':>5s} {'HMMA':>5s} {'HGMMA':>5s} {'GEMM1 step':>10s}")
-    stages = max(probe.FUSED_STAGES)
-    for warps, maxnreg in probe.FUSED_BUILDS:
-        for prequant, swap1 in probe.FUSED_GEMM1:
-            for prefetch in probe.FUSED_PREFETCH:
-                where = (f"fused decode, {warps} warps, maxnreg {maxnreg}, prequant {prequant}, swap1 {swap1}, "
-                         f"prefetch {prefetch}")
-                result = compiled_stats(where, problems, lambda: compile_fused_decode(
-                    14, warps, stages, maxnreg, prequant, swap1, prefetch))
-                if result is None:
-                    continue
-                text, s, smem = result
-                # GEMM1's loop: the shortest backward branch's body with its MMA in it (mma.sync, or wgmma), a warp's
-                step = main_loop_instructions(text, shortest_with="GMMA" if swap1 else "HMMA")
-                print(f"{warps:5d} {str(maxnreg):>7s} {str(prequant):>8s} {str(swap1):>5s} {str(prefetch):>8s} "
-                      f"{stages:6d} {smem:6d} {s['regs']:4d} {s['stack']:5d} {s['hmma']:5d} {s['hgmma']:5d} "
-                      f"{step:10d}", flush=True)
-    print(f"\n{'tile rows':>9s} {'slots':>5s} {'maxnreg':>7s} {'programs/SM':>11s} {'clamp':>5s} {'smem':>6s} "
-          f"{'stack':>5s} {'HGMMA':>5s} {'GEMM2 step':>10s}")
-    block_m = ws_decode.BLOCK_M  # the only tile height it takes
-    for per_sm, stages, maxnreg in probe.WS_LAUNCHES:
-        for has_limit in (False, True):
-            where = (f"warp-specialized decode, {block_m}-row tiles, {stages} slots, maxnreg {maxnreg}, "
-                     f"clamp {has_limit}")
-            result = compiled_stats(where, problems, lambda: compile_ws_decode(block_m, stages, has_limit, maxnreg))
-            if result is None:
-                continue
-            text, s, smem = result
-            # the consumer's shortest loop with a wgmma: GEMM2's step (GEMM1's holds the quantization too)
-            step = main_loop_instructions(text, shortest_with="GMMA")
-            print(f"{block_m:9d} {stages:5d} {maxnreg:7d} {per_sm:11d} {str(has_limit):>5s} {smem:6d} "
-                  f"{s['stack']:5d} {s['hgmma']:5d} {step:10d}", flush=True)
-            # the launch's programs an SM must fit: shared memory, and registers (8 warps a CTA) in 64K
-            if s["stack"] or per_sm * smem > configs.HOPPER_SMEM or per_sm * 256 * maxnreg > 65536:
-                problems.append(f"{where}: {s['stack']} bytes of stack, {smem} bytes of shared memory, "
-                                f"{per_sm} programs an SM")
-    for evict_last in (False, True):
-        where = f"L2 prefetch kernel, evict_last {evict_last}"
-        fn = l2_prefetch._l2_prefetch_kernel
-        if compiled_stats(where, problems, lambda: compile_sm90(
-                fn, {"ptr": "*u8", "nbytes": "i64"}, {"LINES": 512, "EVICT_LAST": evict_last}, 4)) is not None:
-            print(f"{where}: compiles", flush=True)
-    return problems
-
-
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="kernel", required=True)
     p_router = sub.add_parser("router", help="the fused router kernel, per model config")
@@ -608,14 +523,13 @@ def main() -> int:
                                 "block-scale e4m3 weights with bf16 activations")
     p_ws = sub.add_parser("mxfp4-ws", help="the warp-specialized MXFP4 GEMMs (Gluon), per tile height")
     p_persistent = sub.add_parser("persistent", help="the persistent prefill GEMMs (Gluon), bf16, fp16 and fp8")
-    p_fused = sub.add_parser("fused", help="issue 40's one-launch fp8 decode kernel (scripts/fused_decode.py)")
-    for p in (p_router, p_experts, p_ws, p_persistent, p_fused):
+    for p in (p_router, p_experts, p_ws, p_persistent):
         p.add_argument("--check", action="store_true", help="exit 1 on a kernel that would fail on an H200")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if _runtime.interpreting():
         parser.error("TRITON_INTERPRET is set: the kernels must be compiled, not interpreted")
-    problems = {"router": router, "experts": experts, "mxfp4-ws": mxfp4_ws, "persistent": persistent,
-                "fused": fused}[args.kernel](args)
+    problems = {"router": router, "experts": experts, "mxfp4-ws": mxfp4_ws, "persistent": persistent}[args.kernel](
+        args)
     for problem in problems:
         print(f"PROBLEM: {problem}")
     return 1 if args.check and problems else 0

@@ -7,20 +7,18 @@ The data behind ``moefuse.finalize.kernel.finalize_tile``.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import argparse
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from moefuse.bench import report, timing  # noqa: E402
-from moefuse.finalize import kernel, moe_finalize_fuse_shared  # noqa: E402
+from moefuse.bench import report, timing
+from moefuse.finalize import kernel, moe_finalize_fuse_shared
 
 SHAPES = [(256, 1), (512, 1), (512, 2), (1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 8)]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     chosen = kernel.finalize_tile
     rows = []
     for hidden, top_k in ((7168, 8), (4096, 6), (2048, 8)):

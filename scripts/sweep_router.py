@@ -9,23 +9,19 @@ Prints one line per (config, M, rows, warps) and a table of the fastest shape ne
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from moefuse.bench import report, router, timing  # noqa: E402
-from moefuse.route import kernel, moe_fused_gate  # noqa: E402
+from moefuse.bench import report, router, timing
+from moefuse.route import kernel, moe_fused_gate
 
 SHAPES = [(1, 1), (2, 1), (4, 1), (8, 1)]  # one warp: the kernel spreads a row over the 32 lanes of a warp
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 512, 4096, 8192])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     chosen = kernel.launch_config
     rows = []
     for config in router.CONFIGS:

@@ -1,10 +1,15 @@
-"""Tune the experts' tile table on a GPU and write ``moefuse/configs/experts_<gpu>.json``.
+"""Tune the experts' 16-bit tile table on a GPU and write ``moefuse/configs/experts_<gpu>.json``.
 
-Usage, from the repository root:
+Usage:
 
     python scripts/tune_experts.py                                  # SPEC models, default token buckets
     python scripts/tune_experts.py --models deepseek-v3 --tokens 1 16 128 1024 4096 --quick
-    python scripts/tune_experts.py --seed                           # no GPU: write the untuned heuristic seed
+    python scripts/tune_experts.py --seed --gpu h200                # no GPU: write the untuned heuristic seed
+    python scripts/tune_experts.py --dense --timings results/tune_h100.json   # every format, a dense token grid
+
+The table written is the one of this GPU's model (``configs.TABLES``, ``--gpu``); a table serves only the GPU model
+its ``"gpu"`` header names (``configs.table_for``), so tuning on another model is refused. Entries of other formats
+(``"format"``) in the table are kept as they are.
 
 For each model shape and token count M (routing: random distinct top-K per token, bf16 weights ~ N(0, 0.02^2)):
 
@@ -16,6 +21,15 @@ For each model shape and token count M (routing: random distinct top-K per token
 
 The table is rewritten after every (model, M), merged with the entries already there, so an interrupted run
 keeps what it measured. Entries a run did not touch keep their status ("untuned seed" or an earlier tuning).
+
+``--dense`` tunes the plan's tile height (and, for 16-bit experts, the whole config) over :data:`DENSE_GRID` (every
+32 tokens up to 1,024, every 512 up to 8,192) for every format (``--formats``): at each M, the experts op (GEMM1 +
+GEMM2, as a layer runs them) on each candidate (``dense_candidates``: the heuristic's config for each tile height
+near the rows per expert, the table's current config, 128-row tiles grouped by 4, the persistent kernels) under
+CUDA-graph replay. Each bucket takes the candidate with the lowest median over it and its two neighbours, so one
+noisy time does not flip a choice. ``--jobs N`` compiles every candidate first in N processes (on small copies of
+the weights: the kernels depend on the shapes' widths, not on E), so the timing run loads them from Triton's cache.
+``--timings`` keeps the raw times (a JSON list) and ``--from-timings`` rebuilds the entries from such a file.
 """
 
 from __future__ import annotations
@@ -31,17 +45,17 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from moefuse.config import preset  # noqa: E402
-from moefuse.experts import configs  # noqa: E402
-from moefuse.experts.configs import GemmTiles, TileConfig  # noqa: E402
+from moefuse import _runtime
+from moefuse.config import preset
+from moefuse.experts import configs
+from moefuse.experts.configs import GemmTiles, TileConfig
 
 MODELS = ("deepseek-v3", "kimi-k2", "deepseek-v4-flash", "qwen3-30b-a3b", "glm-4.5-air")
 TOKENS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 SEED_STATUS = "untuned seed: configs.heuristic() for Hopper, written by scripts/tune_experts.py --seed"
 MAX_ACC_REGS = 128  # fp32 accumulator registers per thread beyond which the compiler spills
+DENSE_GRID = (1, 4, 16, *range(32, 1025, 32), *range(1536, 8193, 512))
+DENSE_FORMATS = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "mxfp4": torch.uint8}
 
 
 def _log(message: str) -> None:
@@ -133,20 +147,22 @@ def tune_model(name: str, tokens: list[int], quick: bool, table: dict[str, Any],
 
 
 def _entry(table: dict[str, Any], name: str, E: int, H: int, I: int, K: int) -> dict[str, Any]:
+    """The table's 16-bit entry of these shapes (entries without a ``"format"``), added if missing."""
     for entry in table["entries"]:
-        if (entry["E"], entry["H"], entry["I"], entry["K"]) == (E, H, I, K):
+        if entry.get("format", "bf16") == "bf16" and (entry["E"], entry["H"], entry["I"], entry["K"]) == (E, H, I, K):
             return entry
     entry = {"model": name, "E": E, "H": H, "I": I, "K": K, "status": SEED_STATUS, "buckets": {}}
     table["entries"].append(entry)
     return entry
 
 
-def seed_table(models: list[str], tokens: list[int]) -> dict[str, Any]:
-    """The untuned first-principles table: :func:`configs.heuristic` for each model and bucket."""
+def seed_table(models: list[str], tokens: list[int], gpu: str) -> dict[str, Any]:
+    """The untuned first-principles table of GPU model ``gpu`` (a key of ``configs.TABLES``; an sm_90 part of 132
+    SMs, as the H100 SXM and the H200 are): :func:`configs.heuristic` for each model and bucket."""
     table: dict[str, Any] = {
-        "what": "tile configs of moefuse's experts GEMMs on sm90 (H100/H200), bf16/fp16; "
+        "what": f"tile configs of moefuse's experts GEMMs, bf16/fp16, for the {gpu.upper()}; "
                 "buckets are token counts M, the nearest on a log scale is used",
-        "arch": [9, 0],
+        "gpu": {"name": gpu.upper(), "sms": _runtime.HOPPER.sms, "capability": list(_runtime.HOPPER.capability)},
         "entries": [],
     }
     for name in models:
@@ -176,29 +192,213 @@ def _write(table: dict[str, Any], path: Path) -> None:
     configs.load_table.cache_clear()
 
 
+def dense_candidates(M: int, name: str, fmt: str, table: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The launches ``--dense`` times at M tokens: name -> (tile height, config, persistent kernels)."""
+    cfg = preset(name)
+    E, H, I, K = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
+    per_expert = configs._next_pow2(-(-max(M * K, 1) // min(E, max(M * K, 1))))
+    low, high = min(64, max(16, per_expert // 2)), min(128, max(16, 4 * per_expert))
+    dtype = DENSE_FORMATS[fmt]
+    found: dict[str, Any] = {}
+    for block_m in (16, 32, 64, 128):
+        # fp8: 32-row tiles run mma.sync (slower than 64-row wgmma), 128-row tl tiles spill (the persistent ones run)
+        if low <= block_m <= high and not (fmt == "fp8" and block_m in (32, 128)):
+            found[f"h{block_m}"] = (block_m, configs.heuristic(M, E, H, I, K, dtype, block_m=block_m), False)
+    if fmt == "bf16":
+        entry = next((e for e in (table or {}).get("entries", []) if e.get("format", "bf16") == "bf16"
+                      and (e["E"], e["H"], e["I"], e["K"]) == (E, H, I, K)), None)
+        if entry is not None:
+            bucket = entry["buckets"][str(configs.nearest_bucket([int(m) for m in entry["buckets"]], M))]
+            current = TileConfig.from_dict(bucket)
+            found["table"] = (current.block_m, current, False)
+        if "h128" in found:
+            tall = found["h128"][1]
+            grouped = TileConfig(128, GemmTiles(**{**tall.gemm1.__dict__, "group_m": 4}),
+                                 GemmTiles(**{**tall.gemm2.__dict__, "group_m": 4}))
+            found["h128g4"] = (128, grouped, False)
+    if fmt == "fp8" and M >= 512:
+        found["persistent"] = (128, configs.heuristic(M, E, H, I, K, dtype, block_m=128), True)
+    return found
+
+
+def time_dense(models: list[str], formats: list[str], grid: list[int], table: dict[str, Any] | None,
+               compile_only: tuple[int, int] | None = None) -> list[dict[str, Any]]:
+    """Time (or, with ``compile_only`` = (k, n), compile the k-th of n shares of) every dense candidate."""
+    import dataclasses
+
+    from moefuse import _runtime as runtime
+    from moefuse.bench.sweep import _time_us
+    from moefuse.dispatch import moe_dispatch
+    from moefuse.experts import moe_experts
+    from moefuse.layer import MoELayer
+
+    rows: list[dict[str, Any]] = []
+    job = 0
+    for name in models:
+        cfg = preset(name)
+        small = dataclasses.replace(cfg, num_experts=2 * cfg.top_k, num_expert_group=1, topk_group=1)
+        for fmt in formats:
+            todo = []
+            for M in grid:
+                for cand, (block_m, tiles, persistent) in dense_candidates(M, name, fmt, table).items():
+                    if compile_only is not None:
+                        job += 1
+                        if job % compile_only[1] != compile_only[0]:
+                            continue
+                    todo.append((M, cand, block_m, tiles, persistent))
+            if not todo:
+                continue
+            layer_cfg = small if compile_only is not None else cfg
+            layer = MoELayer(layer_cfg, device="cuda", quant=None if fmt == "bf16" else fmt).init_random_(0)
+            w1, w2 = layer.experts.weights()
+            E = layer_cfg.num_experts
+            gen = torch.Generator("cuda").manual_seed(1)
+            for M, cand, block_m, tiles, persistent in todo:
+                ids = torch.rand(M, E, generator=gen, device="cuda").topk(cfg.top_k, dim=1).indices.int()
+                x = torch.randn(M, cfg.hidden_size, generator=gen, device="cuda", dtype=torch.bfloat16)
+                plan = moe_dispatch(ids, E, block_m)
+
+                def call(tiles: TileConfig = tiles, plan: Any = plan, x: torch.Tensor = x) -> torch.Tensor:
+                    with configs.override(tiles):
+                        return moe_experts(x, w1, w2, plan, swiglu_limit=cfg.swiglu_limit,
+                                           persistent="all" if persistent else "none")
+                try:
+                    with runtime.defaults():
+                        if compile_only is not None:
+                            call()
+                            torch.cuda.synchronize()
+                            continue
+                        us = _time_us(call)
+                except Exception as error:  # noqa: BLE001 - a launch the GPU refuses is skipped
+                    _log(f"{name} {fmt} M={M} {cand}: {type(error).__name__}: {str(error)[:120]}")
+                    continue
+                rows.append({"model": name, "format": fmt, "M": M, "cand": cand, "block_m": block_m,
+                             "config": tiles.to_dict(), "persist": persistent, "us": us})
+            _log(f"{'compiled' if compile_only else 'timed'} {name} {fmt}")
+            del layer, w1, w2
+            torch.cuda.empty_cache()
+    return rows
+
+
+def dense_entries(rows: list[dict[str, Any]], gpu_name: str, date: str) -> list[dict[str, Any]]:
+    """Table entries from dense timings: each bucket the candidate with the lowest median over it and its two
+    neighbouring token counts (its own time where a neighbour lacks it); 16-bit buckets hold the config, the others
+    the tile height. 16-bit's persistent kernels are not a table choice (they are opt-in)."""
+    import statistics
+
+    times: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
+    chosen: dict[tuple[str, str, int, str], dict[str, Any]] = {}
+    for row in rows:
+        times.setdefault((row["model"], row["format"]), {}).setdefault(row["M"], {})[row["cand"]] = row["us"]
+        chosen[(row["model"], row["format"], row["M"], row["cand"])] = row
+    entries = []
+    for (name, fmt), by_m in times.items():
+        cfg = preset(name)
+        sizes = sorted(by_m)
+        buckets = {}
+        for i, M in enumerate(sizes):
+            near = [sizes[j] for j in (i - 1, i, i + 1) if 0 <= j < len(sizes)]
+            score = {cand: statistics.median([by_m[n][cand] for n in near])
+                     if all(cand in by_m[n] for n in near) else us
+                     for cand, us in by_m[M].items() if not (fmt == "bf16" and chosen[(name, fmt, M, cand)]["persist"])}
+            best = chosen[(name, fmt, M, min(score, key=lambda cand: score[cand]))]
+            buckets[str(M)] = best["config"] if fmt == "bf16" else {"block_m": best["block_m"]}
+        entries.append({"model": name, "format": fmt, "E": cfg.num_experts, "H": cfg.hidden_size,
+                        "I": cfg.intermediate_size, "K": cfg.top_k,
+                        "status": f"tuned on {gpu_name}, {date}: scripts/tune_experts.py --dense (routed experts, "
+                                  "GEMM1 + GEMM2 under CUDA-graph replay, uniform random routing; each bucket the "
+                                  "candidate with the lowest median over it and its two neighbours)",
+                        "buckets": buckets})
+    return entries
+
+
+def merge_entries(table: dict[str, Any], entries: list[dict[str, Any]]) -> None:
+    """Replace the table's entries of the same format and shapes by ``entries`` (a 16-bit entry keeps its
+    ``shared_slot_max_tokens``), and add the rest."""
+    def key(e: dict[str, Any]) -> tuple:
+        return (e.get("format", "bf16"), e["E"], e["H"], e["I"], e["K"])
+
+    old = {key(e): e for e in table["entries"]}
+    for entry in entries:
+        previous = old.get(key(entry))
+        if previous is not None and "shared_slot_max_tokens" in previous:
+            entry["shared_slot_max_tokens"] = previous["shared_slot_max_tokens"]
+        old[key(entry)] = entry
+    table["entries"] = list(old.values())
+
+
+def run_dense(args: argparse.Namespace, table: dict[str, Any], out: Path) -> int:
+    """``--dense``: compile (in ``--jobs`` processes), time, and write the entries (and ``--timings``)."""
+    import subprocess
+
+    if args.from_timings:
+        rows = json.loads(Path(args.from_timings).read_text())
+    else:
+        grid = list(args.tokens) if args.tokens != list(TOKENS) else list(DENSE_GRID)
+        if args.jobs > 1:
+            _log(f"compiling every candidate in {args.jobs} processes")
+            common = [sys.executable, __file__, "--dense", "--compile-share", "", "--models", *args.models,
+                      "--formats", *args.formats, "--tokens", *map(str, grid)]
+            procs = [subprocess.Popen([*common[:4], f"{k}/{args.jobs}", *common[5:]]) for k in range(args.jobs)]
+            if any(proc.wait() for proc in procs):
+                _log("a compile process failed; its candidates compile while timed")
+        rows = time_dense(args.models, args.formats, grid, table)
+        if args.timings:
+            Path(args.timings).write_text(json.dumps(rows) + "\n")
+    here = torch.cuda.get_device_name() if torch.cuda.is_available() else f"an {table['gpu']['name']}"
+    merge_entries(table, dense_entries(rows, here, datetime.date.today().isoformat()))
+    _write(table, out)
+    _log(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     parser.add_argument("--quick", action="store_true", help="a smaller candidate space (minutes, not hours)")
     parser.add_argument("--seed", action="store_true", help="write the untuned heuristic table (no GPU needed)")
-    parser.add_argument("--out", type=Path, default=configs.TABLES[(9, 0)])
+    parser.add_argument("--gpu", choices=sorted(configs.TABLES),
+                        help="the GPU model whose table to write (default: this GPU's; h200 without a GPU)")
+    parser.add_argument("--out", type=Path, help="where to write it (default: the model's configs.TABLES path)")
+    parser.add_argument("--dense", action="store_true",
+                        help="tune tile heights of every format over a dense token grid (module docstring)")
+    parser.add_argument("--formats", nargs="+", default=list(DENSE_FORMATS), choices=list(DENSE_FORMATS),
+                        help="--dense: the formats")
+    parser.add_argument("--jobs", type=int, default=8, help="--dense: processes that compile the candidates first")
+    parser.add_argument("--timings", help="--dense: write the raw times to this JSON file")
+    parser.add_argument("--from-timings", help="--dense: build the entries from this file of raw times (no GPU)")
+    parser.add_argument("--compile-share", help=argparse.SUPPRESS)  # k/n: a compile process of --jobs
     args = parser.parse_args(argv)
-    if args.seed:
-        _write(seed_table(args.models, args.tokens), args.out)
-        _log(f"wrote the untuned seed to {args.out}")
+    if args.compile_share:
+        k, n = (int(v) for v in args.compile_share.split("/"))
+        time_dense(args.models, args.formats, list(args.tokens), None, compile_only=(k, n))
         return 0
-    if not torch.cuda.is_available():
+    here = _runtime.gpu(torch.device("cuda")) if torch.cuda.is_available() else None
+    gpu = args.gpu or next((name for name in sorted(configs.TABLES) if here and name.upper() in here.name), "h200")
+    out = args.out or configs.TABLES[gpu]
+    if args.seed:
+        _write(seed_table(args.models, args.tokens, gpu), out)
+        _log(f"wrote the untuned seed to {out}")
+        return 0
+    if args.dense and args.from_timings:
+        table = json.loads(json.dumps(configs.load_table(out)))
+        return run_dense(args, table, out)
+    if here is None:
         _log("tuning needs a CUDA GPU (use --seed to write the heuristic table)")
         return 2
-    if torch.cuda.get_device_capability() != (9, 0):
-        _log(f"warning: tuning on {torch.cuda.get_device_name()}, but the table is read for sm90 only")
-    table = configs.load_table(args.out) if args.out.exists() else seed_table([], [])
+    table = configs.load_table(out) if out.exists() else seed_table([], [], gpu)
+    head = table["gpu"]
+    if not (head["name"] in here.name and head["sms"] == here.sms and tuple(head["capability"]) == here.capability):
+        _log(f"this is a {here.name} ({here.sms} SMs), but {out} serves {head}: tuning it here would be wrong")
+        return 2
     table = json.loads(json.dumps(table))  # a private copy: load_table's result is cached and shared
+    if args.dense:
+        return run_dense(args, table, out)
     for name in args.models:
         _log(f"tuning {name} at M = {args.tokens}")
-        tune_model(name, args.tokens, args.quick, table, args.out)
-    _log(f"wrote {args.out}")
+        tune_model(name, args.tokens, args.quick, table, out)
+    _log(f"wrote {out}")
     return 0
 
 

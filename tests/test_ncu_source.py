@@ -1,17 +1,12 @@
 """``scripts/ncu_source.py``: the per-instruction stall summary of an Nsight Compute source export, on a small
 export written in ncu's column layout (quoted, thousands separators, the "(Not Issued)" copies of each reason)."""
 import csv
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from scripts_loader import script
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "ncu_source.py"
-spec = importlib.util.spec_from_file_location("ncu_source", SCRIPT)
-ncu_source = importlib.util.module_from_spec(spec)
-sys.modules["ncu_source"] = ncu_source  # its dataclass looks its module up there
-spec.loader.exec_module(ncu_source)
+ncu_source = script("ncu_source")
 
 HEAD = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
         "# Samples", "Instructions Executed", "stall_barrier", "stall_long_sb", "stall_barrier (Not Issued)",

@@ -45,10 +45,3 @@ def test_persistent_kernels_fit_sm90():
     none spills."""
     run_check("persistent")
 
-
-def test_fused_decode_probe_builds_fit_sm90():
-    """Issue 40's one-launch decode kernels (``scripts/fused_decode.py``, and the warp-specialized Gluon one of
-    ``scripts/ws_decode.py``): every build their probe times compiles for sm_90 within a block's shared memory, the
-    Gluon one without spills and with as many programs an SM as its launch puts there (a GPU session should spend
-    its time timing them, not finding this out)."""
-    run_check("fused")

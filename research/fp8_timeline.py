@@ -3,8 +3,8 @@ program starts (after its PDL wait), when its K loop ends, when it ends (a split
 reduction and the epilogue), and on which SM. What a kernel's time is made of: the slowest program's loop, the
 spread of loop times among programs reading the same bytes, and the epilogue.
 
-    git apply scripts/fp8_stamps.patch     # the stamps; never on main (see below)
-    python3 scripts/fp8_timeline.py --json out.json [--splits 1,2,4] [--presets deepseek-v3,glm-4.5-air]
+    git apply research/fp8_stamps.patch     # the stamps; never on main (see below)
+    python -m research.fp8_timeline --json out.json [--splits 1,2,4] [--presets deepseek-v3,glm-4.5-air]
     git checkout moefuse/experts/fp8/kernels.py
 
 ``fp8_stamps.patch`` (against ``experts/fp8/kernels.py`` as of d31e36c) adds a stamp buffer,
@@ -23,13 +23,10 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import fp8_decode_probe as probe  # noqa: E402
-
-from moefuse.config import preset  # noqa: E402
-from moefuse.experts import experts_workspace  # noqa: E402
-from moefuse.experts.fp8 import kernels  # noqa: E402
+from moefuse.config import preset
+from moefuse.experts import experts_workspace
+from moefuse.experts.fp8 import kernels
+from research import fp8_decode_probe as probe
 
 RUNS = 7
 GEMM1_ROWS = 2 * 128  # weight rows a GEMM1 program reads: its 128 columns' gate and up rows (one byte an element)
@@ -111,14 +108,14 @@ def measure(name: str, splits: Sequence[int], device: torch.device) -> list[dict
     return rows
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path)
     parser.add_argument("--splits", default="0", help="GEMM1's splits, comma-separated (0: the op's)")
     parser.add_argument("--presets", default="deepseek-v3,kimi-k2,deepseek-v4-flash,glm-4.5-air,qwen3-30b-a3b")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not hasattr(kernels, "stamps"):
-        raise SystemExit("the kernels carry no stamps: git apply scripts/fp8_stamps.patch first")
+        raise SystemExit("the kernels carry no stamps: git apply research/fp8_stamps.patch first")
     device = torch.device("cuda")
     torch.manual_seed(0)
     rows: list[dict[str, Any]] = []

@@ -1,9 +1,8 @@
-"""``scripts/fp8_timeline.py``: the K runs it charges each GEMM1 program with, and what it reads from stamps."""
+"""``research/fp8_timeline.py``: the K runs it charges each GEMM1 program with, and what it reads from stamps."""
 import pytest
 import torch
-from scripts_loader import script
 
-timeline = script("fp8_timeline")
+from research import fp8_timeline as timeline
 
 
 @pytest.mark.parametrize(("K", "split", "runs"), [

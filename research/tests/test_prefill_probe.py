@@ -1,16 +1,8 @@
-"""``scripts/prefill_probe.py``'s CPU parts: the controlled ragged routings and the fit of ``--ragged`` (issue 39)."""
-import importlib.util
-import sys
-from pathlib import Path
-
+"""``research/prefill_probe.py``'s CPU parts: the controlled ragged routings and the fit of ``--ragged``."""
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "prefill_probe.py"
-spec = importlib.util.spec_from_file_location("prefill_probe", SCRIPT)
-probe = importlib.util.module_from_spec(spec)
-sys.modules["prefill_probe"] = probe
-spec.loader.exec_module(probe)
+from research import prefill_probe as probe
 
 
 @pytest.mark.parametrize("routing", ["balanced", "pm1", "pm64"])

@@ -1,16 +1,17 @@
-"""Issue 39's probe: the persistent warp-specialized grouped GEMMs (``experts/persistent.py``) against the ``tl``
+"""The persistent warp-specialized grouped GEMMs (``experts/persistent.py``) against the ``tl``
 kernels (``experts/bf16.py``, the plan's 128-row tiles and the table's) and cuBLAS on the same work, on one GPU.
 
-    python scripts/prefill_probe.py [--check] [--time] [--fp8] [--ragged] [--ncu-kernel tl|persistent] [--json FILE]
+    python -m research.prefill_probe [--check] [--time] [--fp8] [--ragged] [--ncu-kernel tl|persistent] [--json FILE]
 
 ``--check``: the persistent kernels against the ``tl`` kernels and the float64 reference on DeepSeek-V3 shapes and
 on narrow, ragged, clamped and empty-expert cases (max relative error per case). ``--time``: µs under CUDA-graph
 replay, GEMMs only (the gather included for the persistent path), DeepSeek-V3 experts at 2,048 / 4,096 / 8,192 tokens
 with exactly balanced routing (every expert M·K/E rows), random uniform routing and Zipf 0.6 / 1.0 at 4,096, beside
 cuBLAS ``bmm`` on the same work as dense batches; each with items claimed from a counter (the default), every
-grid-th item a program, and one item a program (issue 39's experiments). ``--fp8``: the same for fp8 block-scale
-weights (``tl`` against persistent), and the persistent kernels' error against SPEC §5's float64 emulation.
-``--ragged``: where ragged routing's cost goes (issue 39, twenty-eighth session): the default experts (``tl`` bf16, the
+grid-th item a program, and one item a program (the schedules measured before the counter became the default).
+``--fp8``: the same for fp8 block-scale weights (``tl`` against persistent), and the persistent kernels' error
+against SPEC §5's float64 emulation.
+``--ragged``: where ragged routing's cost goes (measured on an H200, 2026-12-04): the default experts (``tl`` bf16, the
 persistent fp8 kernels) and torch's grouped GEMMs on the same row counts (``bench.prefill.grouped_calls``) at 4,096
 and 8,192 tokens, on balanced routing, on ``pmD`` (even experts D rows over the mean, odd ones D under: the same
 rows, more items) and on uniform and Zipf routing; then fp8's time fitted, by least squares over the 4,096-token
@@ -31,20 +32,18 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from moefuse.bench import timing  # noqa: E402
-from moefuse.bench.experts import _routing  # noqa: E402
-from moefuse.bench.prefill import cublas_dense_equivalent, grouped_calls, scaled_grouped_mm_calls  # noqa: E402
-from moefuse.dispatch import moe_dispatch  # noqa: E402
-from moefuse.experts import configs, moe_experts, persistent, plan_block_m  # noqa: E402
-from moefuse.experts.bf16 import gemm1_swiglu, gemm2  # noqa: E402
-from moefuse.experts.reference import moe_experts_fp8_torch, moe_experts_torch  # noqa: E402
-from moefuse.formats import BlockFP8  # noqa: E402
-from moefuse.testing import rel_error, rms_rel_error  # noqa: E402
+from moefuse.bench import timing
+from moefuse.bench.experts import _routing
+from moefuse.bench.prefill import cublas_dense_equivalent, grouped_calls, scaled_grouped_mm_calls
+from moefuse.dispatch import moe_dispatch
+from moefuse.experts import configs, moe_experts, persistent, plan_block_m
+from moefuse.experts.bf16 import gemm1_swiglu, gemm2
+from moefuse.experts.reference import moe_experts_fp8_torch, moe_experts_torch
+from moefuse.formats import BlockFP8
+from moefuse.testing import rel_error, rms_rel_error
 
 E, H, I, K = 256, 7168, 2048, 8  # DeepSeek-V3
-# Issue 39's experiments beside the default schedule (items claimed from a counter; keyword arguments of
+# The schedules measured beside the default one (items claimed from a counter; keyword arguments of
 # persistent.launch), timed for both operand types: every grid-th item a program (static); one item a program.
 SCHEDULES: dict[str, dict[str, Any]] = {
     "static": {"dynamic": False},
@@ -292,7 +291,7 @@ def ncu_launch(kernel: str, routing: str, device: torch.device, item_per_program
     torch.cuda.synchronize()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--time", action="store_true")
@@ -307,7 +306,7 @@ def main() -> int:
     parser.add_argument("--gemm2", action="store_true",
                         help="--ncu-kernel tl|persistent (bf16): GEMM2's launches, after one GEMM1 (--launch-skip 3)")
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device("cuda")
     if args.ncu_kernel:
         ncu_launch(args.ncu_kernel, args.routing, device, args.item_per_program, args.fp8,

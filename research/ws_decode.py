@@ -1,5 +1,5 @@
-"""Issue 40's second candidate: fp8 block-scale experts at decode as one persistent, warp-specialized Gluon kernel
-over both GEMMs (sm_90 only).
+"""fp8 block-scale experts at decode as one persistent, warp-specialized Gluon kernel over both GEMMs (sm_90 only;
+a candidate, measured and dropped).
 
 ``fused_decode.py`` runs both GEMMs in one launch of ``tl`` programs that take small items from a counter. A ``tl``
 program issues an item's first weight loads only once the item before has ended, so every item boundary costs a
@@ -23,9 +23,10 @@ fp8 mma.sync). Here the same items, in the same order (``fused_decode._item_at``
 Each step's product is one fresh accumulator promoted into fp32 times the rows' activation scales and the box's
 weight-block scale (SPEC §5). GEMM2 is the op's own numerics at decode tiles (its 16-row tiles already swap their
 operands); GEMM1 on wgmma sums fp8 products as the 64-row tiles do, not in fp32 as the op's 16-row mma.sync does:
-the ``swap1`` numerics of ``fused_decode.py`` (twenty-fifth session: 4.6-8.4e-3 from float64 at one token, against
-2.7-3.1e-3). A probe, not a library kernel: ``fp8_decode_probe.py --ws`` times it against the op (``--fused``
-times the ``tl`` kernel the same way), and it joins the library only if it wins there.
+the ``swap1`` numerics of ``fused_decode.py`` (H200, 2026-12-04: 4.6-8.4e-3 from float64 at one token, against
+2.7-3.1e-3). A probe, not a library kernel: ``fp8_decode_probe --ws`` times it against the op (``--fused`` times
+the ``tl`` kernel the same way); on an H200 (2026-12-05) its best launch took 1.03-1.44x the op's time on every
+preset (``research/README.md``).
 """
 from __future__ import annotations
 
@@ -34,12 +35,12 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from fused_decode import MAX_TRIES, _item_at
 
 from moefuse import _runtime
 from moefuse.dispatch import DispatchPlan
 from moefuse.experts.fp8.quantize import quantized_rows
 from moefuse.formats import BLOCK, BlockFP8
+from research.fused_decode import MAX_TRIES, _item_at
 
 try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
@@ -53,8 +54,12 @@ try:  # Gluon ships with Triton >= 3.5
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from moefuse.experts.mxfp4.w4a8 import _e4m3, _full_448, _max_keeping_nan, _row_inverse, _scale_of
-    from moefuse.experts.mxfp4.ws import _swiglu
+    from moefuse.experts.gluon_common import e4m3 as _e4m3
+    from moefuse.experts.gluon_common import full_448 as _full_448
+    from moefuse.experts.gluon_common import max_keeping_nan as _max_keeping_nan
+    from moefuse.experts.gluon_common import row_inverse as _row_inverse
+    from moefuse.experts.gluon_common import scale_of as _scale_of
+    from moefuse.experts.gluon_common import swiglu as _swiglu
     from moefuse.experts.persistent import _claimed, _end_claim  # the claims protocol of the persistent kernels
 except ImportError:  # pragma: no cover - every supported Triton has it
     gluon = None

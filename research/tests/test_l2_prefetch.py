@@ -1,15 +1,13 @@
-"""``scripts/l2_prefetch.py`` (issue 40's layer-level candidate: the shared expert's weights asked of the L2 while
-the router chain runs). The prefetch is inline PTX, which the interpreter cannot run: on a GPU the layer keeps its
+"""``research/l2_prefetch.py`` (a layer-level candidate for fp8 decode: the shared expert's weights asked of the L2
+while the router chain runs). The prefetch is inline PTX, which the interpreter cannot run: on a GPU the layer keeps its
 bits with it, at every launch the probe times; everywhere, arguments are checked before a launch."""
 import pytest
 import torch
-from conftest import DEVICE
-from scripts_loader import script
 
 from moefuse import MoELayer
 from moefuse.config import preset
-
-l2_prefetch = script("l2_prefetch")
+from research import l2_prefetch
+from research.tests.cases import DEVICE
 
 
 def test_a_strided_tensor_is_refused_before_a_launch():

@@ -1,15 +1,14 @@
-"""Issue 40's layer-level candidate: the shared expert's weights asked of the L2 while the router chain runs.
+"""A layer-level candidate for fp8 decode: the shared expert's weights asked of the L2 while the router chain runs.
 
 At one token the fp8 layer runs the shared expert as one more slot of the grouped GEMMs (``shared_slot_max_tokens``),
 so its weights stream only once dispatch has run: the router linear, the gate and dispatch (6-11 µs, PERF-NOTES,
-twenty-fifth session) leave DRAM idle. The shared expert's weights do not depend on the routing. Here a small
+2026-12-04) leave DRAM idle. The shared expert's weights do not depend on the routing. Here a small
 kernel on a side stream, forked as the layer starts, asks the L2 for them (``prefetch.global.L2``, no data into
 the SMs, a few CTAs so that the router's kernels keep theirs); the grouped GEMMs then find the slot's weights
-there. The twelfth session forked the shared expert's whole computation before the router and lost (its GEMMs
-took the SMs the router linear needed); a prefetch holds no SM for long.
+there. Forking the shared expert's whole computation before the router was measured on 2026-12-02 and lost (its
+GEMMs took the SMs the router linear needed); a prefetch holds no SM for long.
 
-A probe: ``fp8_decode_probe.py --layer-prefetch`` times the layer with and without it; it joins the layer only if
-it wins there.
+A probe: ``fp8_decode_probe --layer-prefetch`` times the layer with and without it.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 40's candidate: fp8 block-scale experts at decode as one persistent kernel over both GEMMs.
+"""fp8 block-scale experts at decode as one persistent kernel over both GEMMs (a candidate, measured and dropped).
 
 ``experts_fp8`` launches GEMM1 (split along K at a token or two) and then GEMM2: at one token each GEMM is
 one wave of programs that each stream a large piece of the weights, so each has its own ramp and its own tail
@@ -21,8 +21,9 @@ items taken before it, whose programs are running, so the order cannot deadlock 
 takes its next item as it starts one, so the counter's latency overlaps the work.
 
 Numerics are ``experts_fp8``'s with ``split_k=SPLIT`` (SPEC §5): the same steps, promotions, run order and
-roundings, so the outputs are the same bits on the same tiles. A probe, not a library kernel: it is timed by
-``fp8_decode_probe.py --fused`` against the op, and joins the library only if it wins there.
+roundings, so the outputs are the same bits on the same tiles. A probe, not a library kernel:
+``fp8_decode_probe --fused`` times it against the op; on an H200 (2026-12-05) its best launch took 1.03-1.56x the
+op's time on every preset at 1, 2 and 16 tokens (``research/README.md``).
 """
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from l2_prefetch import _prefetch_l2
 
 from moefuse import _runtime
 from moefuse.dispatch import DispatchPlan
@@ -39,6 +39,7 @@ from moefuse.experts.common import _round, _swiglu, _tile_span, weight_descripto
 from moefuse.experts.fp8.kernels import WGMMA_MIN_ROWS, _add_scaled, _split_range
 from moefuse.experts.fp8.quantize import _quantize, quantized_rows
 from moefuse.formats import BLOCK, BlockFP8
+from research.l2_prefetch import _prefetch_l2
 
 
 @triton.jit
@@ -146,7 +147,7 @@ def _gemm1_item(tile, sub, hidden_ptr, aq_ptr, as_ptr, quantized_ptr, gave_up_pt
     """Column block ``sub // SPLIT`` of ``tile``, run ``sub % SPLIT`` of its 128-deep steps along H. ``PREQUANT``:
     the run's activations come quantized by a ``_quantize_item`` (waited for), else they are quantized here.
     ``SWAP1``: each step on wgmma with the weights as its M (as GEMM2 under 64 rows), whose fp8 sums keep fewer bits
-    than mma.sync's fp32 ones: not SPEC §5's numerics, measured against them (twenty-fifth session: DeepSeek-V3's
+    than mma.sync's fp32 ones: not SPEC §5's numerics, measured against them (H200, 2026-12-04: DeepSeek-V3's
     GEMM1 1.7 µs faster split, the error 4.6-8.4e-3 against 2.7-3.1e-3)."""
     expert = tl.load(tile_expert_ptr + tile)
     if expert >= 0:

@@ -1,25 +1,22 @@
-"""``scripts/ws_decode.py`` (issue 40's warp-specialized fp8 decode kernel, Gluon for sm_90): its item table is
+"""``research/ws_decode.py`` (the warp-specialized fp8 decode candidate, Gluon for sm_90): its item table is
 ``fused_decode``'s order, its runs are the op's split, its arguments are checked before any launch; and on an
 sm_90 GPU its output is within the wgmma tiles' fp8 tolerance of the float64 spec emulation, with no row written
 past the plan and no wait given up, over shapes that make its programs wait, wrap their rings and split unevenly.
 
 The interpreter cannot run Gluon, so on the CPU only the host side runs here; ``tests/test_sm90.py`` compiles the
-kernel for sm_90 (``scripts/sass.py fused``).
+kernel for sm_90 (``research/sass_decode.py``, run by ``test_sm90_decode.py``).
 """
 import pytest
 import torch
 import triton
 import triton.language as tl
-from conftest import DEVICE
-from scripts_loader import fp8_case, fused_order, script
-from tolerances import experts_tolerance
 
 from moefuse import _runtime
 from moefuse.experts.fp8.kernels import _split_range
 from moefuse.experts.reference import moe_experts_fp8_torch
 from moefuse.testing import assert_rel_close, rel_error, rms_rel_error
-
-ws = script("ws_decode")  # it takes its order from fused_decode
+from research import ws_decode as ws
+from research.tests.cases import DEVICE, fp8_case, fp8_tolerance, fused_order
 
 ON_SM90 = DEVICE.type == "cuda" and _runtime.capability(DEVICE) == (9, 0)
 
@@ -135,7 +132,7 @@ CASES = [
 def test_within_the_wgmma_tolerance_of_the_spec(E, H, I, M, K, split, lag, programs, stages, dtype, dropped, limit,
                                                gen):
     """GEMM1 on wgmma sums fp8 products as the 64-row tiles do, so the output is held to their tolerance
-    (``experts_tolerance("fp8", 64)``, measured in results/errors.md); rows past the plan keep their NaN."""
+    (``fp8_tolerance(64)``, measured in results/errors.md); rows past the plan keep their NaN."""
     x, w1, w2, plan = _case(E, H, I, M, K, gen, dtype, dropped)
     n = int(plan.expert_offsets[-1])
     got = torch.full((plan.num_rows, H), float("nan"), dtype=dtype, device=DEVICE)
@@ -145,7 +142,7 @@ def test_within_the_wgmma_tolerance_of_the_spec(E, H, I, M, K, split, lag, progr
     assert got[n:].isnan().all(), "a row past the plan's valid ones was written"
     ref = moe_experts_fp8_torch(x, w1, w2, plan, swiglu_limit=limit, dtype=torch.float64,
                                 out=torch.zeros(plan.num_rows, H, dtype=torch.float64, device=DEVICE))[:n]
-    max_err, rms_err = experts_tolerance("fp8", 64, n)
+    max_err, rms_err = fp8_tolerance(64, n)
     assert rel_error(got[:n], ref) < max_err and rms_rel_error(got[:n], ref) < rms_err
 
 
@@ -180,7 +177,7 @@ def test_nan_stays_in_its_token_and_strided_rows(gen):
     ref = moe_experts_fp8_torch(x, w1, w2, plan, swiglu_limit=1.5, dtype=torch.float64,
                                 out=torch.zeros(plan.num_rows, 384, dtype=torch.float64, device=DEVICE))[:n]
     finite = ref.isfinite().all(dim=1)
-    max_err, rms_err = experts_tolerance("fp8", 64, int(finite.sum()))
+    max_err, rms_err = fp8_tolerance(64, int(finite.sum()))
     assert_rel_close(got[:n], ref, max_err, "ws decode")
     assert not finite.all() and rms_rel_error(got[:n][finite], ref[finite]) < rms_err
     assert got[n:].isnan().all()

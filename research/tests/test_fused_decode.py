@@ -1,4 +1,4 @@
-"""``scripts/fused_decode.py`` (issue 40's candidate: both fp8 GEMMs at decode in one persistent launch): the same
+"""``research/fused_decode.py`` (a candidate for fp8 decode: both fp8 GEMMs in one persistent launch): the same
 bits as ``experts_fp8`` split the same way, within the fp8 tolerance of the float64 spec emulation, and its
 arguments checked before any launch.
 
@@ -11,19 +11,15 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import DEVICE
-from scripts_loader import fp8_case as _case
-from scripts_loader import fused_order, script
-from tolerances import experts_tolerance
 
 from moefuse.experts import configs
 from moefuse.experts.fp8.kernels import experts_fp8
 from moefuse.experts.reference import moe_experts_fp8_torch
 from moefuse.formats import tile_dtype
 from moefuse.testing import rel_error, rms_rel_error
-
-fused = script("fused_decode")
-
+from research import fused_decode as fused
+from research.tests.cases import DEVICE, fp8_tolerance, fused_order
+from research.tests.cases import fp8_case as _case
 
 # (E, H, I, M, K, split, lag, block_n2, programs, dtype, -1 slots, clamp, prequant): one token and a few; splits
 # whose runs are uneven or empty (H = 384: 3 steps in 2 or 4 runs); GEMM2 after each tile or after all of GEMM1;
@@ -61,14 +57,14 @@ def test_same_bits_as_the_split_op(E, H, I, M, K, split, lag, block_n2, programs
     assert got[n:].isnan().all(), "a row past the plan's valid ones was written"
     ref = moe_experts_fp8_torch(x, w1, w2, plan, swiglu_limit=limit, dtype=torch.float64,
                                 out=torch.zeros(plan.num_rows, H, dtype=torch.float64, device=DEVICE))[:n]
-    max_err, rms_err = experts_tolerance("fp8", plan.block_m, n)
+    max_err, rms_err = fp8_tolerance(plan.block_m, n)
     assert rel_error(got[:n], ref) < max_err and rms_rel_error(got[:n], ref) < rms_err
 
 
 @pytest.mark.parametrize("prequant", [False, True])
 def test_swapped_gemm1_within_the_wgmma_tolerance(prequant, gen):
     """``swap1``: GEMM1 on wgmma with the weights as its M sums fp8 products as the taller tiles' wgmmas do, so it is
-    held to their tolerance (``experts_tolerance("fp8", 64)``), not to the split op's bits."""
+    held to their tolerance (``fp8_tolerance(64)``), not to the split op's bits."""
     x, w1, w2, plan = _case(5, 384, 256, 2, 3, gen, dropped=1)
     n = int(plan.expert_offsets[-1])
     got = torch.full((plan.num_rows, 384), float("nan"), dtype=torch.bfloat16, device=DEVICE)
@@ -78,7 +74,7 @@ def test_swapped_gemm1_within_the_wgmma_tolerance(prequant, gen):
     assert got[n:].isnan().all()
     ref = moe_experts_fp8_torch(x, w1, w2, plan, dtype=torch.float64,
                                 out=torch.zeros(plan.num_rows, 384, dtype=torch.float64, device=DEVICE))[:n]
-    max_err, rms_err = experts_tolerance("fp8", 64)
+    max_err, rms_err = fp8_tolerance(64)
     assert rel_error(got[:n], ref) < max_err and rms_rel_error(got[:n], ref) < rms_err
 
 

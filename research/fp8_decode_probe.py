@@ -1,7 +1,7 @@
-"""Issue 40's probe: fp8 block-scale experts at decode (1, 2 and 16 tokens) with GEMM1 split along K, on one GPU.
+"""fp8 block-scale experts at decode (1, 2 and 16 tokens) with GEMM1 split along K, on one GPU.
 
-    python scripts/fp8_decode_probe.py [--json FILE] [--layer] [--read | --fused [--quick] | --ws |
-                                       --gemm2-launch | --layer-prefetch | --ncu-target P]
+    python -m research.fp8_decode_probe [--json FILE] [--layer] [--read | --fused [--quick] | --ws |
+                                         --gemm2-launch | --layer-prefetch | --ncu-target P]
 
 At one token GEMM1 has one program per tile and 128 intermediate columns: 8 · 16 = 128 programs for DeepSeek-V3,
 96 for DeepSeek-V4-Flash, 88 for GLM-4.5-Air, 48 for Qwen3-30B-A3B, against 132 SMs; 144, 112 and 99 with the
@@ -72,22 +72,19 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import ws_decode  # noqa: E402
-from fused_decode import fused_experts_fp8  # noqa: E402
-from l2_prefetch import with_shared_prefetch  # noqa: E402
-
-from moefuse.bench import timing  # noqa: E402
-from moefuse.bench.experts import _routing  # noqa: E402
-from moefuse.config import preset  # noqa: E402
-from moefuse.dispatch import moe_dispatch  # noqa: E402
-from moefuse.experts import configs, experts_workspace, moe_experts, plan_block_m  # noqa: E402
-from moefuse.experts.fp8.kernels import default_split_k, experts_fp8, fp8_tiles  # noqa: E402
-from moefuse.experts.reference import moe_experts_fp8_torch  # noqa: E402
-from moefuse.formats import BLOCK, BlockFP8, tile_dtype  # noqa: E402
-from moefuse.layer import MoELayer  # noqa: E402
-from moefuse.testing import rel_error, rms_rel_error  # noqa: E402
+from moefuse.bench import timing
+from moefuse.bench.experts import _routing
+from moefuse.config import preset
+from moefuse.dispatch import moe_dispatch
+from moefuse.experts import configs, experts_workspace, moe_experts, plan_block_m
+from moefuse.experts.fp8.kernels import default_split_k, experts_fp8, fp8_tiles
+from moefuse.experts.reference import moe_experts_fp8_torch
+from moefuse.formats import BLOCK, BlockFP8, tile_dtype
+from moefuse.layer import MoELayer
+from moefuse.testing import rel_error, rms_rel_error
+from research import ws_decode
+from research.fused_decode import fused_experts_fp8
+from research.l2_prefetch import with_shared_prefetch
 
 PRESETS = ("deepseek-v3", "kimi-k2", "deepseek-v4-flash", "glm-4.5-air", "qwen3-30b-a3b")
 SPLITS = (1, 2, 3, 4)
@@ -673,7 +670,7 @@ def ncu_target(device: torch.device, name: str, fused: dict[str, Any] | None, ws
         torch.cuda.nvtx.range_pop()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path)
     parser.add_argument("--layer", action="store_true", help="the fp8 layers' one-token timelines too")
@@ -690,7 +687,7 @@ def main() -> int:
                         "this configuration (JSON, the keys of a --ws row)")
     parser.add_argument("--fused-config", type=json.loads, help="with --ncu-target: the fused kernel too, this "
                         "configuration (JSON, the keys of a --fused row)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device("cuda")
 
     def write(**results: Any) -> None:

@@ -13,6 +13,7 @@ Stages (each a public op with a PyTorch reference beside its Triton kernel; SPEC
 ``moefuse.hf`` plugs them into transformers; ``warmup`` compiles every kernel variant before serving.
 """
 
+from moefuse._runtime import set_defaults
 from moefuse.config import PRESETS, MoEConfig, preset
 from moefuse.dispatch import DispatchPlan, moe_dispatch, moe_dispatch_torch
 from moefuse.experts import moe_experts, moe_experts_torch
@@ -25,11 +26,12 @@ from moefuse.finalize import (
     moe_finalize_fuse_shared_torch,
 )
 from moefuse.hf import from_hf, patch, register_experts_implementation, unpatch
-from moefuse.layer import MoELayer, moe_layer_torch
+from moefuse.layer import MoELayer
+from moefuse.reference import moe_layer_torch
 from moefuse.route import moe_fused_gate, moe_fused_gate_torch, router_logits, router_logits_torch
 from moefuse.warmup import WarmupReport, warmup
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"
 
 __all__ = [
     "PRESETS",
@@ -53,6 +55,7 @@ __all__ = [
     "patch",
     "preset",
     "register_experts_implementation",
+    "set_defaults",
     "router_logits",
     "router_logits_torch",
     "unpatch",

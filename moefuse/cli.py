@@ -17,9 +17,11 @@ from typing import Any
 import torch
 
 from moefuse import formats
-from moefuse._runtime import env_override
+from moefuse._runtime import defaults
 from moefuse.bench.report import format_table
 from moefuse.bench.run import STAGES as BENCH_STAGES
+from moefuse.bench.sweep import FORMATS as SWEEP_FORMATS
+from moefuse.bench.sweep import MODELS as SWEEP_MODELS
 from moefuse.config import PRESETS, preset
 from moefuse.formats import LAYER_FORMATS, resolve_activation_quant
 from moefuse.testing import rel_error, rms_rel_error
@@ -70,7 +72,8 @@ def run_layer(args: argparse.Namespace) -> int:
     from moefuse.dispatch import moe_dispatch
     from moefuse.experts import moe_experts, plan_block_m
     from moefuse.finalize import moe_finalize_fuse_shared
-    from moefuse.layer import MoELayer, moe_layer_torch
+    from moefuse.layer import MoELayer
+    from moefuse.reference import moe_layer_torch
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     config = preset(args.preset)
@@ -82,7 +85,8 @@ def run_layer(args: argparse.Namespace) -> int:
              f"E={config.num_experts}, top-{config.top_k}, {str(dtype).removeprefix('torch.')}, backend={backend})")
     try:
         layer = MoELayer(config, dtype=dtype, device=device, backend=backend, quant=args.quant,
-                         activation_quant=ACTIVATION_QUANTS[args.activation_quant]).init_random_(args.seed)
+                         activation_quant=ACTIVATION_QUANTS[args.activation_quant],
+                         batch_invariant=args.batch_invariant or None).init_random_(args.seed)
     except ValueError as error:  # a combination without kernels (e.g. --activation-quant none --quant fp8)
         print(f"moefuse: {error}", file=sys.stderr)
         return 2
@@ -93,7 +97,7 @@ def run_layer(args: argparse.Namespace) -> int:
     progress(f"running {args.tokens} tokens")
     with torch.no_grad():
         out = layer(x)
-        with env_override("MOEFUSE_ENABLE_DEFERRED_FINALIZE", "0"):
+        with defaults(deferred_finalize=False):
             out_plain = layer(x)
         progress("float64 reference")
         ref = moe_layer_torch(layer, x, route_dtype=torch.float32)
@@ -104,21 +108,23 @@ def run_layer(args: argparse.Namespace) -> int:
             c = config
             weights, ids = layer.gate(x)
             gate_up, down = layer.experts.weights()
-            block_m = plan_block_m(x.shape[0], gate_up, c.top_k, dtype, aq)
+            invariant = args.batch_invariant or None
+            block_m = plan_block_m(x.shape[0], gate_up, c.top_k, dtype, aq, batch_invariant=invariant)
             plan = moe_dispatch(ids, c.num_experts, block_m, backend=backend)
             gemm2_out = moe_experts(x, gate_up, down, plan, swiglu_limit=c.swiglu_limit, activation_quant=aq,
-                                    backend=backend)
+                                    backend=backend, batch_invariant=invariant)
             shared = layer._shared(x) if layer.shared_experts is not None else None
 
             def plain_layer() -> torch.Tensor:
-                with env_override("MOEFUSE_ENABLE_DEFERRED_FINALIZE", "0"):
+                with defaults(deferred_finalize=False):
                     return layer(x)
 
             stages: dict[str, Callable[[], object]] = {
                 "router (linear + fused gate)": lambda: layer.gate(x),
                 "dispatch": lambda: moe_dispatch(ids, c.num_experts, plan.block_m, backend=backend),
                 "experts (GEMM1 + SwiGLU + GEMM2)": lambda: moe_experts(
-                    x, gate_up, down, plan, swiglu_limit=c.swiglu_limit, activation_quant=aq, backend=backend),
+                    x, gate_up, down, plan, swiglu_limit=c.swiglu_limit, activation_quant=aq, backend=backend,
+                    batch_invariant=invariant),
                 "finalize + shared add": lambda: moe_finalize_fuse_shared(
                     gemm2_out, plan.expanded_to_permuted, weights, shared, c.top_k, backend=backend),
                 "layer, deferred finalize": lambda: layer(x),
@@ -146,6 +152,14 @@ def run_layer(args: argparse.Namespace) -> int:
         {"what": "layer vs float64 reference (RMS)", "error": rms_rel_error(out, ref), "tolerance": tol},
         {"what": "deferred vs non-deferred", "error": rel_error(out, out_plain), "tolerance": tol},
     ]
+    if args.batch_invariant and layer.backend != "reference" and args.tokens > 1:
+        # The promise itself: the middle token run alone gives the bits it got inside the batch.
+        with torch.no_grad():
+            at = args.tokens // 2
+            alone = layer(x[at:at + 1])[0]
+        checks.append({"what": f"token {at} alone vs in the batch (bitwise)", "error": float(
+            (alone.float() - out[at].float()).abs().max()) if not torch.equal(alone, out[at]) else 0.0,
+            "tolerance": 0.0})
     ok = all(row["error"] <= row["tolerance"] for row in checks)
     for row in checks:
         row["ok"] = "yes" if row["error"] <= row["tolerance"] else "NO"
@@ -178,7 +192,52 @@ def run_warmup(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     from moefuse.bench.run import main as bench_main
 
+    if "sweep" in args.stages:
+        if args.stages != ["sweep"]:
+            print("moefuse bench: run sweep on its own (moefuse bench sweep)", file=sys.stderr)
+            return 2
+        return run_sweep(args)
     return bench_main(stages=args.stages, quick=args.quick, results_dir=args.results_dir)
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    """``moefuse bench sweep``: the layer over a dense token grid per preset and format, to results/sweep_<gpu>.json
+    and .png, and the cliffs found."""
+    from pathlib import Path
+
+    from moefuse.bench import sweep, timing
+
+    if not torch.cuda.is_available():
+        print("moefuse bench sweep needs a CUDA GPU", file=sys.stderr)
+        return 2
+    progress("measuring ceilings")
+    ceilings = timing.measure_ceilings()
+    env = timing.environment()
+    gpu = env["gpu"].removeprefix("NVIDIA ").split()[0].lower()
+    name = f"sweep_{gpu}" + ("_invariant" if args.batch_invariant else "")
+    out = Path(args.results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tags = {**env, "batch_invariant": args.batch_invariant}
+    rows = sweep.run(ceilings, quick=args.quick, models=args.models, formats=args.formats, progress=progress,
+                     batch_invariant=args.batch_invariant,
+                     checkpoint=lambda done: sweep.write(done, out / f"{name}.json", tags))
+    sweep.write(rows, out / f"{name}.json", tags)
+    data = sweep.load(out / f"{name}.json")
+    try:
+        sweep.plot(data, out / f"{name}.png")
+    except ImportError:
+        progress("matplotlib missing: no plot (pip install moefuse[bench])")
+    print(format_table(sweep.summary(rows), sweep.SUMMARY_COLUMNS, f"{sweep.TITLE}: {env['gpu']}"))
+    cliffs = data["cliffs"]
+    print()
+    print(format_table(cliffs, sweep.CLIFF_COLUMNS, f"cliffs (a size more than {sweep.TOLERANCE:.0%} faster than a "
+                                                    "smaller one)") if cliffs else "no cliffs")
+    losses = data["slower_than_transformers"]
+    if losses:
+        print()
+        print(format_table(losses, sweep.COLUMNS, "sizes where transformers' grouped_mm block was faster"))
+    progress(f"wrote {out / name}.json")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--full-size", action="store_true", help="on CPU, use the real widths too (slow)")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--no-timing", action="store_true", help="skip the per-stage timing")
+        p.add_argument("--batch-invariant", action="store_true",
+                       help="batch-invariant kernels (a token's output the same bits in any batch), and check it")
     warm = sub.add_parser("warmup", help="compile every kernel variant of a preset layer up to a token count (GPU)")
     warm.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
     warm.add_argument("--max-tokens", type=_positive_int, default=4096, help="largest batch to prepare for")
@@ -209,7 +270,13 @@ def main(argv: list[str] | None = None) -> int:
                       help=ACTIVATION_QUANT_HELP)
     bench = sub.add_parser("bench", help="GPU benchmarks: tables, results file and plot")
     bench.add_argument("stages", nargs="*", default=list(BENCH_STAGES),
-                       help=f"any of {', '.join(BENCH_STAGES)} (default: all)")
+                       help=f"any of {', '.join(BENCH_STAGES)} (default: all); or sweep alone: the layer over a "
+                            "dense grid of token counts per preset and format, and the cliffs found")
+    bench.add_argument("--models", nargs="+", default=list(SWEEP_MODELS), choices=sorted(PRESETS),
+                       help="sweep: the presets")
+    bench.add_argument("--formats", nargs="+", default=list(SWEEP_FORMATS), choices=list(SWEEP_FORMATS),
+                       help="sweep: the expert weight formats")
+    bench.add_argument("--batch-invariant", action="store_true", help="sweep: the batch-invariant layer")
     bench.add_argument("--quick", action="store_true", help="fewer sizes")
     bench.add_argument("--results-dir", default="results", help="where <stage>.json, RESULTS.md and the plot go")
     args = parser.parse_args(argv)

@@ -5,14 +5,15 @@ Kimi-K2, GLM-4.5-FP8 and Qwen3-FP8 checkpoints ship their experts in: e4m3 value
 128 x 128, ``w[e, n, k] = values[e, n, k] * scales[e, n // 128, k // 128]`` (SPEC §5 has the numerics of the
 experts on it). :class:`MXFP4` is DeepSeek-V4's: e2m1 values two per byte and one power-of-two scale per 32
 consecutive K values of a row (SPEC §6). Each stage keeps what it does with a format in one place
-(``experts/fp8/``, ``experts/mxfp4/``).
+(``experts/fp8/``, ``experts/mxfp4/``), and which of transformers' modules a format takes is in
+:mod:`moefuse.hf_formats`: the formats here never name transformers.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Optional, cast
+from typing import TYPE_CHECKING, ClassVar, Literal, Optional, cast
 
 import torch
 from typing_extensions import Self
@@ -307,17 +308,6 @@ class LayerFormat:
         """A checkpoint's ``*_scale_inv`` of ``values`` as the layer keeps it (shared where it can be)."""
         raise ValueError(f"{self.name!r} weights have no scales")
 
-    def experts_reason(self, experts: Any) -> Optional[str]:
-        """Why a transformers experts module whose values this format stores cannot run as it, or None."""
-        return None
-
-    def shared_reason(self, projs: list[Any]) -> Optional[str]:
-        """Why a transformers shared expert (its gate, up and down modules) whose values this format stores cannot
-        run as it, or None. The plain format takes any ``nn.Linear`` s: the layer calls them."""
-        if self.shared_width_step is None:
-            return f"a shared expert in {self.name} (no checkpoint ships one)"
-        return None
-
 
 class BlockFP8Format(LayerFormat):
     """:class:`BlockFP8` (SPEC §5): e4m3 values and fp32 scales per 128 x 128 block, activations bf16 or fp16."""
@@ -339,25 +329,6 @@ class BlockFP8Format(LayerFormat):
 
     def weight(self, *tensors: torch.Tensor) -> ExpertWeight:
         return BlockFP8(*tensors)
-
-    def experts_reason(self, experts: Any) -> Optional[str]:
-        name = type(experts).__name__
-        return (_block_reason(f"fp8 experts {name}", [experts])
-                or (None if hasattr(experts, "gate_up_proj_scale_inv") else
-                    f"fp8 experts {name} without gate_up_proj_scale_inv"))
-
-    def shared_reason(self, projs: list[Any]) -> Optional[str]:
-        name = f"fp8 shared expert {type(projs[0]).__name__}"
-        if any(getattr(proj, "bias", None) is not None for proj in projs):  # the fp8 GEMMs add none
-            return f"{name} with biases"
-        reason = _block_reason(name, projs)
-        if reason is None and not all(hasattr(proj, "weight_scale_inv") for proj in projs):
-            reason = f"{name} without weight_scale_inv"
-        width = projs[0].weight.shape[0]
-        if reason is None and width % BLOCK:
-            reason = (f"{name} whose width {width} is not a multiple of {BLOCK} (its gate and up blocks are "
-                      "separate in a checkpoint)")
-        return reason
 
     def checkpoint_scales(self, values: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
         """fp32 scales (ue8m0 ones converted: a small new tensor; fp32 ones shared). transformers allocates at least
@@ -395,29 +366,9 @@ class MXFP4Format(LayerFormat):
         values, scales = tensors
         MXFP4(values, scales.view(torch.uint8))  # the exponents' range (reads the scales back to the host)
 
-    def experts_reason(self, experts: Any) -> Optional[str]:
-        name = type(experts).__name__
-        for proj in ("gate_up_proj", "down_proj"):
-            values, scales = getattr(experts, proj), getattr(experts, f"{proj}_scale_inv", None)
-            if scales is None or tuple(scales.shape) != (*values.shape[:2], 2 * values.shape[2] // MX_GROUP):
-                return f"FP4 experts {name} whose {proj} has no scale per {MX_GROUP} K values of a row"
-            if scales.dtype not in (torch.float8_e8m0fnu, torch.uint8, torch.float32):
-                return f"FP4 experts {name} with {scales.dtype} scales"
-        return None
-
     def checkpoint_scales(self, values: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
         """ue8m0 scales as the layer keeps them: a view of ue8m0 ones, fp32 powers of two converted once."""
         return ue8m0_of(scale_inv).view(torch.float8_e8m0fnu)
-
-
-def _block_reason(name: str, modules: list[Any]) -> Optional[str]:
-    """Why transformers' fp8 ``modules`` are not 128 x 128 block-scale with dynamic activation scales, or None."""
-    block_size = getattr(modules[0], "block_size", None)
-    if block_size is None or tuple(block_size) != (BLOCK, BLOCK):
-        return f"{name} with block size {block_size} (only {BLOCK} x {BLOCK} block scales)"
-    if any(getattr(module, "activation_scheme", "dynamic") != "dynamic" for module in modules):
-        return f"{name} with static activation scales (only dynamic)"
-    return None
 
 
 # What ``quant`` and ``shared_quant`` may say (the keys of :data:`LAYER_FORMATS`, spelled out for type checkers): a
@@ -460,34 +411,3 @@ def resolve_activation_quant(weight: ExpertWeight, activation_quant: object) -> 
         raise ValueError(f"activation_quant={activation_quant!r} is not available for {name} weights; they take "
                          f"{takes}")
     return cast(Optional[str], activation_quant)
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token, per-128-column e4m3 quantization of activations (SPEC §5), in fp32.
-
-    For each row and each group g of 128 columns (the last group covers what is left of the width):
-    ``amax = max |x|``; ``scale = amax / 448`` and ``inv = 448 / amax`` (each one fp32 division, rounded to
-    nearest); ``q = e4m3(clamp(x * inv, -448, 448))`` rounded to nearest even. An all-zero group has scale 0 and
-    quantizes to zeros. NaN propagates (its group's scale is NaN). Returns ``(q [M, W] float8_e4m3fn, scales
-    [M, ceil(W / 128)] fp32)``; ``q * scale`` per group approximates ``x``.
-    """
-    M, W = x.shape
-    groups = math.ceil(W / BLOCK)
-    padded = torch.zeros(M, groups * BLOCK, dtype=torch.float32, device=x.device)
-    padded[:, :W] = x.float()
-    blocks = padded.view(M, groups, BLOCK)
-    amax = blocks.abs().amax(dim=2)
-    # Tensor divisors both ways: on CUDA torch computes ``tensor / 448.0`` as a multiply by the reciprocal and
-    # ``448.0 / tensor`` as a reciprocal times 448, each rounding twice (a quarter of the quotients off by an ulp,
-    # enough to flip the e4m3 rounding of near-ties that bf16 inputs make common).
-    scale = amax / torch.full_like(amax, FP8_MAX)
-    inv = torch.where(amax > 0, torch.full_like(amax, FP8_MAX) / amax, 0.0)
-    inv = torch.where(amax.isnan(), amax, inv)
-    q = (blocks * inv[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(M, groups * BLOCK)[:, :W], scale
-
-
-def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``q * scale`` per row and group of 128 columns: the inverse of :func:`quantize_rows`, in ``dtype``."""
-    W = q.shape[1]
-    return q.to(dtype) * scales.to(dtype).repeat_interleave(BLOCK, 1)[:, :W]

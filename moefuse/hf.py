@@ -24,6 +24,7 @@ from torch import nn
 from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
 from moefuse.formats import LayerFormat, format_of_stored, layer_format
+from moefuse.hf_formats import experts_reason, shared_reason
 from moefuse.layer import MoELayer, Quant, SharedQuant, Workspace, routed_experts, stack_gate_up
 
 # Block class name -> scoring function of its router ("config" = read the router's activation).
@@ -70,17 +71,18 @@ def shared_quant_of(block: HFModule) -> SharedQuant:
 
 
 def _experts_reason(experts: HFModule) -> str | None:
-    """Why a block's routed experts cannot run here, or None: their format (read off the values' dtype) says."""
+    """Why a block's routed experts cannot run here, or None: their format, read off the values' dtype, says
+    (:func:`moefuse.hf_formats.experts_reason`)."""
     weight = experts.gate_up_proj
     fmt = format_of_stored(weight.dtype)
     if weight.element_size() == 1 and not fmt.quantized:
         return f"quantized experts {type(experts).__name__} in {weight.dtype}"
-    return fmt.experts_reason(experts)
+    return experts_reason(fmt, experts)
 
 
 def _shared_reason(block: HFModule) -> str | None:
     """Why a block's shared expert cannot run here, or None: three projections of one format (plain ``nn.Linear`` s
-    run as they are), which its format takes (:meth:`moefuse.formats.LayerFormat.shared_reason`)."""
+    run as they are), which its format takes (:func:`moefuse.hf_formats.shared_reason`)."""
     shared = getattr(block, "shared_experts", None)
     if shared is None:
         return None
@@ -92,7 +94,7 @@ def _shared_reason(block: HFModule) -> str | None:
     fmt = format_of_stored(dtype)
     if dtype.itemsize == 1 and not fmt.quantized:
         return f"quantized shared expert {type(projs[0]).__name__} in {dtype}"
-    return fmt.shared_reason(projs)
+    return shared_reason(fmt, projs)
 
 
 def config_from_hf(block: HFModule) -> MoEConfig:
@@ -123,7 +125,8 @@ def config_from_hf(block: HFModule) -> MoEConfig:
 
 
 def from_hf(block: HFModule, *, backend: Backend = "auto", activation_dtype: torch.dtype | None = None,
-                  activation_quant: str | None = "default") -> MoELayer:
+            activation_quant: str | None = "default", batch_invariant: bool | None = None,
+            persistent: str | None = None, deferred_finalize: bool | None = None) -> MoELayer:
     """A MoELayer computing ``block``'s function with ``block``'s own tensors (shared, not copied).
 
     The routed and the shared expert's formats are read off the block's own modules (:func:`quant_of`,
@@ -138,7 +141,8 @@ def from_hf(block: HFModule, *, backend: Backend = "auto", activation_dtype: tor
     ``activation_dtype``: of the hidden states, with quantized routed experts; None: the shared expert's dtype
     where it is unquantized (it must match), else bf16. With unquantized routed experts it is theirs.
     ``activation_quant``: the routed experts' activations (``MoELayer``'s argument: ``"fp8"`` runs FP4 experts
-    W4A8; ``"default"`` runs each format as it defaults).
+    W4A8; ``"default"`` runs each format as it defaults). ``batch_invariant``, ``persistent`` and
+    ``deferred_finalize``: ``MoELayer``'s switches (None: the process defaults).
     """
     config = config_from_hf(block)
     shared = getattr(block, "shared_experts", None)
@@ -149,7 +153,8 @@ def from_hf(block: HFModule, *, backend: Backend = "auto", activation_dtype: tor
     vocab = None if table is None else table.shape[0]
     dtype = block.experts.gate_up_proj.dtype if quant is None else _activation_dtype(shared, activation_dtype)
     layer = MoELayer(config, dtype=dtype, device="meta", backend=backend, quant=quant, shared_quant=shared_quant,
-                     activation_quant=activation_quant, hash_vocab_size=vocab)
+                     activation_quant=activation_quant, hash_vocab_size=vocab, batch_invariant=batch_invariant,
+                     persistent=persistent, deferred_finalize=deferred_finalize)
     layer.gate.tid2eid = table
     layer.gate.weight = block.gate.weight
     layer.gate.e_score_correction_bias = getattr(block.gate, "e_score_correction_bias", None)
@@ -204,7 +209,8 @@ def _looks_like_moe(module: nn.Module) -> bool:
 
 
 def patch(model: nn.Module, *, backend: Backend = "auto", warmup_tokens: int | None = None,
-          activation_quant: str | None = "default") -> PatchReport:
+          activation_quant: str | None = "default", batch_invariant: bool | None = None,
+          persistent: str | None = None, deferred_finalize: bool | None = None) -> PatchReport:
     """Replace every supported sparse-MoE block of ``model`` by a MoELayer sharing its tensors; returns a report.
 
     Unsupported blocks are left alone and listed in ``report.skipped``. Patching twice is harmless (patched
@@ -214,6 +220,8 @@ def patch(model: nn.Module, *, backend: Backend = "auto", warmup_tokens: int | N
     unquantized experts, None on fp8 ones) is a ValueError naming the block, raised before anything is replaced.
     With ``warmup_tokens``, :func:`moefuse.warmup` then compiles every kernel variant up to that many tokens (and
     captures the decode graphs), so no request waits for a compile; its report is ``report.warmup``.
+    ``batch_invariant``, ``persistent`` and ``deferred_finalize`` go to every layer (``MoELayer``'s switches; None:
+    the process defaults).
     """
     report = PatchReport()
     layers: dict[str, MoELayer] = {}
@@ -225,7 +233,9 @@ def patch(model: nn.Module, *, backend: Backend = "auto", warmup_tokens: int | N
             report.skipped[name] = reason
             continue
         try:
-            layers[name] = from_hf(module, backend=backend, activation_quant=activation_quant)
+            layers[name] = from_hf(module, backend=backend, activation_quant=activation_quant,
+                                   batch_invariant=batch_invariant, persistent=persistent,
+                                   deferred_finalize=deferred_finalize)
         except ValueError as error:
             raise ValueError(f"{name}: {error}") from error
     for name, layer in layers.items():  # all built: a refusal above leaves the model as it was

@@ -16,23 +16,16 @@ import sys
 from typing import Any, Literal, Optional, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from moefuse import _runtime
 from moefuse._checks import check_int
 from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
 from moefuse.dispatch import moe_dispatch
-from moefuse.experts import (
-    check_experts_shapes,
-    configs,
-    cublas_mlp,
-    experts_workspace,
-    mlp_on_cublas,
-    moe_experts,
-    plan_block_m,
-)
-from moefuse.experts.reference import expert_mlp_torch, swiglu_torch
+from moefuse.experts import configs, experts_workspace, moe_experts, plan_block_m, rows_linear
+from moefuse.experts.op import check_experts_shapes, cublas_mlp, mlp_on_cublas, persistent_arg
+from moefuse.experts.reference import swiglu_torch
 from moefuse.finalize import (
     DeferredFinalizeOutput,
     deferred_finalize_allowed,
@@ -52,7 +45,8 @@ from moefuse.formats import (
     tile_dtype,
 )
 from moefuse.graphs import DecodeGraphs, state_key
-from moefuse.route import moe_fused_gate, moe_fused_gate_torch, router_logits
+from moefuse.route import moe_fused_gate, router_logits
+from moefuse.route.linear import bf16_split
 from moefuse.route.reference import hash_gate_torch
 
 GRAPH_MAX_TOKENS = 16  # default of MoELayer.graph_max_tokens: eager decode batches replay a captured graph
@@ -79,10 +73,24 @@ class MoERouter(nn.Module):
             table = torch.zeros(check_int("hash_vocab_size", hash_vocab_size, low=1), config.top_k,
                                 dtype=torch.int64, device=device)
         self.register_buffer("tid2eid", table)
+        self.batch_invariant: bool | None = None  # None: the process default (moefuse.set_defaults)
+        self._parts: tuple[tuple[int, int, torch.device], torch.Tensor] | None = None
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """[M, H] -> fp32 logits [M, E] (:func:`moefuse.route.router_logits`)."""
-        return router_logits(x, self.weight, backend=self.backend)
+        invariant = _runtime.batch_invariant(self.batch_invariant)
+        parts = self._weight_parts() if invariant and x.dtype == torch.bfloat16 and x.is_cuda else None
+        return router_logits(x, self.weight, backend=self.backend, batch_invariant=invariant, weight_parts=parts)
+
+    def _weight_parts(self) -> torch.Tensor | None:
+        """The router weight's exact bf16 split for the batch-invariant logits, made once per weight version (the
+        weight is a parameter a checkpoint loads in place, which bumps its version); None while compiling."""
+        if torch.compiler.is_compiling():
+            return None
+        key = (self.weight.data_ptr(), self.weight._version, self.weight.device)
+        if self._parts is None or self._parts[0] != key:
+            self._parts = (key, bf16_split(self.weight.detach().float()))
+        return self._parts[1]
 
     def forward(self, x: torch.Tensor, num_token_non_padded: int | torch.Tensor | None = None,
                 num_fused_shared_experts: int = 0, input_ids: torch.Tensor | None = None
@@ -109,6 +117,7 @@ class MoERouter(nn.Module):
             routed_scaling_factor=c.routed_scaling_factor, apply_routed_scaling_factor_on_output=True,
             num_expert_group=c.num_expert_group, topk_group=c.topk_group, moe_softcapping=c.moe_softcapping,
             num_token_non_padded=num_token_non_padded, backend=self.backend,
+            batch_invariant=_runtime.batch_invariant(self.batch_invariant),
         )
 
 
@@ -122,17 +131,21 @@ ActivationQuant = Optional[str]
 def routed_experts(x: torch.Tensor, gate_up_proj: ExpertWeight, down_proj: ExpertWeight, weights: torch.Tensor,
                    ids: torch.Tensor, *, swiglu_limit: float | None = None, defer: bool = False,
                    activation_quant: ActivationQuant = "default", backend: Backend = "auto",
-                   workspace: torch.Tensor | None = None) -> torch.Tensor | DeferredFinalizeOutput:
+                   workspace: torch.Tensor | None = None, batch_invariant: bool | None = None,
+                   persistent: str | None = None) -> torch.Tensor | DeferredFinalizeOutput:
     """Dispatch + grouped GEMM1/SwiGLU/GEMM2 for tokens ``x`` [M, H] routed by ``ids`` int32 [M, K] with ``weights``
     [M, K] (fp32 or bf16); then the combine into [M, H], or with ``defer`` the pieces for a fused finalize.
-    ``activation_quant`` and ``workspace`` as :func:`moefuse.moe_experts` takes them (the plan's tile height follows
-    ``activation_quant``)."""
+    ``activation_quant``, ``workspace``, ``batch_invariant`` and ``persistent`` as :func:`moefuse.moe_experts` takes
+    them (the plan's tile height follows them)."""
     num_experts = gate_up_proj.shape[0]
     top_k = ids.shape[1]
-    block_m = plan_block_m(x.shape[0], gate_up_proj, top_k, x.dtype, activation_quant)
+    invariant = _runtime.batch_invariant(batch_invariant)
+    block_m = plan_block_m(x.shape[0], gate_up_proj, top_k, x.dtype, activation_quant, batch_invariant=invariant,
+                           persistent=persistent)
     plan = moe_dispatch(ids, num_experts, block_m, backend=backend)
     gemm2_out = moe_experts(x, gate_up_proj, down_proj, plan, swiglu_limit=swiglu_limit,
-                            activation_quant=activation_quant, backend=backend, workspace=workspace)
+                            activation_quant=activation_quant, backend=backend, workspace=workspace,
+                            batch_invariant=invariant, persistent=persistent)
     deferred = DeferredFinalizeOutput(gemm2_out, weights, plan.expanded_to_permuted, top_k)
     return deferred if defer else finalize_deferred_output(deferred, None, backend=backend)
 
@@ -183,6 +196,8 @@ class MoEExperts(nn.Module):
         if backend != "reference":  # what the kernels take on any device; the op checks the device at the call
             check_experts_shapes(self.weights()[0], self.activation_quant)
         self.workspace = Workspace()  # the routed experts' calls run one after another on one stream
+        self.batch_invariant: bool | None = None  # None: the process defaults (moefuse.set_defaults)
+        self.persistent: str | None = None
 
     def weights(self) -> tuple[ExpertWeight, ExpertWeight]:
         """``(gate_up_proj, down_proj)`` as the experts op takes them: tensors, :class:`BlockFP8` s or
@@ -199,7 +214,8 @@ class MoEExperts(nn.Module):
             defer = deferred_finalize_enabled()
         return routed_experts(x, *self.weights(), weights, ids, swiglu_limit=self.config.swiglu_limit, defer=defer,
                               activation_quant=self.activation_quant, backend=self.backend,
-                              workspace=self.workspace.on(x.device))
+                              workspace=self.workspace.on(x.device), batch_invariant=self.batch_invariant,
+                              persistent=self.persistent)
 
 
 def expert_weights(module: Any, fmt: LayerFormat) -> tuple[ExpertWeight, ExpertWeight]:
@@ -262,6 +278,8 @@ class SharedExpert(nn.Module):
         self.format = layer_format(quant, "shared_quant")
         self.backend = backend
         self.workspace = Workspace()  # its own: it runs on a side stream, beside the routed experts
+        self.batch_invariant: bool | None = None  # None: the process defaults (moefuse.set_defaults)
+        self.persistent: str | None = None
         if self.format.quantized:  # [gate; up] as one tensor (and scales): the grouped GEMMs read them as one expert
             gate_up = self.format.params(1, 2 * intermediate_size, hidden_size, dtype, device)
             down = self.format.params(1, hidden_size, intermediate_size, dtype, device)
@@ -275,15 +293,21 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        invariant = _runtime.batch_invariant(self.batch_invariant)
         if not self.format.quantized:
+            if invariant and self.backend != "reference":  # cuBLAS picks its kernel (and sum order) by M
+                project = lambda rows, proj: rows_linear(rows, proj.weight, backend=self.backend)  # noqa: E731
+                return project(swiglu_torch(project(x, self.gate_proj), project(x, self.up_proj), self.limit),
+                               self.down_proj)
             return self.down_proj(swiglu_torch(self.gate_proj(x), self.up_proj(x), self.limit))
         gate_up, down = self.stacked_weights()
-        if self.runs_on_cublas(x.shape[0], x.dtype, x.device):
+        if not invariant and self.runs_on_cublas(x.shape[0], x.dtype, x.device):
             return cublas_mlp(x, gate_up, down, self.limit)
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
         ids = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device)
         out = routed_experts(x, gate_up, down, ones, ids, swiglu_limit=self.limit, backend=self.backend,
-                             workspace=self.workspace.on(x.device))
+                             workspace=self.workspace.on(x.device), batch_invariant=invariant,
+                             persistent=self.persistent)
         assert isinstance(out, torch.Tensor)
         return out
 
@@ -447,6 +471,16 @@ class MoELayer(nn.Module):
             graph the layer captured of itself on the first call with that token count (``moefuse.graphs``: when
             it re-captures, the memory it holds). An eager decode step then costs the host a copy in, one replay
             and a copy out instead of a dozen launches. 0 turns it off; the reference backend never uses it.
+        batch_invariant: None (the process default: ``moefuse.set_defaults``, ``MOEFUSE_BATCH_INVARIANT=1``) or a
+            bool. True: a token's output is the same bits whatever the batch it runs in (its size, its position, the
+            other tokens), on the Triton backend: every stage sums in one order at every batch size (the router
+            linear on one launch, the grouped GEMMs on wgmma tiles of 64 rows or more with no split along K, the
+            shared expert on the side stream through the same kernels, never a slot of the grouped GEMMs nor
+            cuBLAS). What it guarantees and costs: docs/USAGE.md.
+        deferred_finalize: None (the process default, on unless ``MOEFUSE_ENABLE_DEFERRED_FINALIZE=0``) or a bool:
+            combine the routed rows and add the shared expert in one kernel.
+        persistent: None (the process default, ``MOEFUSE_PERSISTENT``) or "auto" / "all" / "none": which persistent
+            prefill GEMMs run where they apply (:func:`moefuse.moe_experts`).
 
     ``forward`` takes hidden states [..., H] in ``dtype`` and returns the same shape. A fixed-size decode step
     does no host synchronisation and can be captured in a CUDA graph. With one shared expert as wide as a routed
@@ -460,7 +494,8 @@ class MoELayer(nn.Module):
                  shared_slot_max_tokens: int | None = None, graph_max_tokens: int = GRAPH_MAX_TOKENS,
                  quant: Quant = None, hash_vocab_size: int | None = None,
                  shared_quant: SharedQuant | Literal["default"] = "default",
-                 activation_quant: ActivationQuant = "default"):
+                 activation_quant: ActivationQuant = "default", batch_invariant: bool | None = None,
+                 deferred_finalize: bool | None = None, persistent: str | None = None):
         super().__init__()
         routed = layer_format(quant)
         if shared_quant == "default":
@@ -491,6 +526,45 @@ class MoELayer(nn.Module):
             check_int("shared_slot_max_tokens", shared_slot_max_tokens, low=0)
         self.shared_slot_max_tokens = shared_slot_max_tokens
         self.graphs = DecodeGraphs(check_int("graph_max_tokens", graph_max_tokens, low=0))
+        self.batch_invariant = batch_invariant
+        self.persistent = persistent
+        if deferred_finalize is not None and not isinstance(deferred_finalize, bool):
+            raise TypeError(f"deferred_finalize must be None or a bool, got {type(deferred_finalize).__name__}")
+        self.deferred_finalize = deferred_finalize
+
+    @property
+    def batch_invariant(self) -> bool | None:
+        """The layer's ``batch_invariant`` argument (None: the process default); setting it sets every stage's."""
+        return self.gate.batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, value: bool | None) -> None:
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"batch_invariant must be None or a bool, got {type(value).__name__}")
+        for module in (self.gate, self.experts, self.shared_experts):
+            if module is not None:
+                module.batch_invariant = value
+
+    @property
+    def persistent(self) -> str | None:
+        """The layer's ``persistent`` argument (None: the process default); setting it sets its experts'."""
+        return self.experts.persistent
+
+    @persistent.setter
+    def persistent(self, value: str | None) -> None:
+        value = persistent_arg(value)
+        for module in (self.experts, self.shared_experts):
+            if module is not None:
+                module.persistent = value
+
+    @classmethod
+    def from_hf(cls, block: nn.Module, **kwargs: Any) -> MoELayer:
+        """Deprecated since 1.0, removed in 1.1: warns, then returns :func:`moefuse.from_hf` ``(block, **kwargs)``."""
+        # moefuse.hf imports this module: the new name is looked up by its dotted name at the call.
+        from moefuse._deprecation import resolve, warn_deprecated
+
+        warn_deprecated("MoELayer.from_hf", "moefuse.from_hf", removed_in="1.1")
+        return cast(MoELayer, resolve("moefuse.from_hf")(block, **kwargs))
 
     def _stack_shared_behind_routed(self, dtype: torch.dtype, device: torch.device | str | None) -> None:
         E, I, H = self.config.num_experts, self.config.intermediate_size, self.config.hidden_size
@@ -550,8 +624,8 @@ class MoELayer(nn.Module):
         c = self.config
         if (self.shared_experts is None or self.shared_quant != self.quant or not c.renormalize
                 or num_token_non_padded is not None or self.gate.tid2eid is not None
-                or torch.compiler.is_compiling()):
-            return None
+                or torch.compiler.is_compiling() or _runtime.batch_invariant(self.batch_invariant)):
+            return None  # batch-invariant: the shared expert runs one way at every size (the slot is size-dependent)
         limit = self.shared_slot_max_tokens
         if limit is None and self.experts.format.quantized:  # the grouped GEMMs, unless cuBLAS takes it (prefill)
             limit = 0 if self.shared_experts.runs_on_cublas(num_tokens, self.activation_dtype, device) else sys.maxsize
@@ -650,8 +724,9 @@ class MoELayer(nn.Module):
 
     @property
     def supports_deferred_finalize(self) -> bool:
-        """Every backend can defer; ``MOEFUSE_ENABLE_DEFERRED_FINALIZE=0`` turns deferral off."""
-        return deferred_finalize_allowed()
+        """Whether the layer defers its combine: its ``deferred_finalize`` argument, or (None) the process default
+        (``MOEFUSE_ENABLE_DEFERRED_FINALIZE=0`` turns it off). Every backend can defer."""
+        return deferred_finalize_allowed() if self.deferred_finalize is None else self.deferred_finalize
 
     def forward_deferred_finalize(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                                   ) -> DeferredFinalizeOutput:
@@ -694,7 +769,9 @@ class MoELayer(nn.Module):
             return self._forward_tokens(x, num_token_non_padded, input_ids).reshape(shape)
         if num_token_non_padded is None and self.backend != "reference" and self.graphs.applies(x):
             key = (state_key(self), x.device, self.backend, self.shared_slot_max_tokens, self.activation_quant,
-                   self.supports_deferred_finalize, torch.is_inference_mode_enabled())
+                   self.supports_deferred_finalize, torch.is_inference_mode_enabled(),
+                   _runtime.batch_invariant(self.batch_invariant), _runtime.persistent_enabled(True, self.persistent),
+                   _runtime.persistent_enabled(False, self.persistent))
             return self.graphs.run(self._forward_tokens, x, key).reshape(shape)
         return self._forward_tokens(x, num_token_non_padded).reshape(shape)
 
@@ -729,50 +806,13 @@ class MoELayer(nn.Module):
         return routed if shared is None else routed + shared
 
 
-@torch.no_grad()
-def moe_layer_torch(layer: MoELayer, hidden_states: torch.Tensor, num_token_non_padded: int | None = None, *,
-                    dtype: torch.dtype = torch.float64, route_dtype: torch.dtype | None = None,
-                    input_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """The block computed plainly in ``dtype`` (float64 by default) from ``layer``'s weights: the test oracle.
+def __getattr__(name: str) -> Any:
+    """Deprecated since 1.0, removed in 1.1: ``moefuse.layer.moe_layer_torch`` warns, then returns
+    :func:`moefuse.reference.moe_layer_torch`."""
+    if name == "moe_layer_torch":
+        # moefuse.reference imports this module: the new name is looked up by its dotted name at the call.
+        from moefuse._deprecation import resolve, warn_deprecated
 
-    Routes with the router reference in ``route_dtype`` (default ``dtype``), then runs each touched expert
-    densely on its tokens: no dispatch, no grouped GEMM, no finalize kernel. Returns [..., H] in ``dtype``.
-    Pass ``route_dtype=torch.float32`` to judge a bf16 layer on the experts' arithmetic alone: a token whose
-    k-th and (k+1)-th keys differ by less than fp32 rounding may otherwise pick another expert.
-    """
-    c = layer.config
-    x = hidden_states.reshape(-1, c.hidden_size).to(dtype)
-    rdtype = dtype if route_dtype is None else route_dtype
-    logits = F.linear(x.to(rdtype), layer.gate.weight.to(rdtype))
-    bias = layer.gate.e_score_correction_bias
-    if layer.gate.tid2eid is not None:
-        if input_ids is None:
-            raise ValueError("a hash-routed layer needs input_ids (the token ids of hidden_states)")
-        weights, ids = hash_gate_torch(logits, layer.gate.tid2eid[input_ids.reshape(-1)], c.scoring_func,
-                                       renormalize=c.renormalize, routed_scaling_factor=c.routed_scaling_factor,
-                                       num_token_non_padded=num_token_non_padded, dtype=rdtype)
-    else:
-        weights, ids = moe_fused_gate_torch(
-            logits, bias, c.top_k, c.scoring_func, renormalize=c.renormalize,
-            routed_scaling_factor=c.routed_scaling_factor, apply_routed_scaling_factor_on_output=True,
-            num_expert_group=c.num_expert_group, topk_group=c.topk_group, moe_softcapping=c.moe_softcapping,
-            num_token_non_padded=num_token_non_padded, dtype=rdtype,
-        )
-    out = torch.zeros_like(x)
-    gate_up, down = layer.experts.weights()
-    for expert in ids.unique().tolist():
-        if not 0 <= expert < c.num_experts:
-            continue
-        token, slot = (ids == expert).nonzero(as_tuple=True)
-        y = expert_mlp_torch(x[token], gate_up[expert], down[expert], c.swiglu_limit, layer.activation_dtype, dtype,
-                        layer.activation_quant)
-        out.index_add_(0, token, y * weights[token, slot].to(dtype)[:, None])
-    if layer.shared_experts is not None:
-        if layer.shared_format.quantized:
-            gate_up_s, down_s = layer.shared_weights()
-            out += expert_mlp_torch(x, gate_up_s[0], down_s[0], c.swiglu_limit, layer.activation_dtype, dtype)
-        else:
-            s = layer.shared_experts
-            gate_up_t = torch.cat([s.gate_proj.weight, s.up_proj.weight])
-            out += expert_mlp_torch(x, gate_up_t, s.down_proj.weight, c.swiglu_limit, layer.activation_dtype, dtype)
-    return out.reshape(*hidden_states.shape[:-1], c.hidden_size)
+        warn_deprecated("moefuse.layer.moe_layer_torch", "moefuse.reference.moe_layer_torch", removed_in="1.1")
+        return resolve("moefuse.reference.moe_layer_torch")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

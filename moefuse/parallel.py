@@ -7,9 +7,10 @@ ranks, E experts, H the model width and 2-byte activations (``docs/PARALLEL.md``
 pick which):
 
 - ``"ep"``, expert parallel, tokens replicated (attention tensor-parallel): rank r owns experts
-  ``[r·E/W, (r+1)·E/W)``. Every rank routes the same tokens; slots of experts elsewhere become -1 (dispatch
-  skips them); one fused finalize adds this rank's weighted rows and its part of the shared expert; one
-  all-reduce (``scatter_output=True``: a reduce-scatter, each rank keeping ``M/W`` rows).
+  ``[r·E/W, (r+1)·E/W)``. Every rank routes the same tokens; slots (a token's routed choices, ``ids[t, k]``) of
+  experts elsewhere become -1 (dispatch skips them); one fused finalize adds this rank's weighted rows and its
+  part of the shared expert; one all-reduce (``scatter_output=True``: a reduce-scatter, each rank keeping ``M/W``
+  rows).
 - ``"tp"``, expert tensor parallel, tokens replicated: every rank holds columns ``[r·I/W, (r+1)·I/W)`` of every
   expert's intermediate (gate and up rows, down columns); the same finalize and one all-reduce.
 - ``"ep-a2a"``, expert parallel, tokens sharded (attention data-parallel): each rank routes its own tokens and
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moefuse._runtime import Backend, checks_enabled
+from moefuse._runtime import Backend, batch_invariant, checks_enabled
 from moefuse.config import MoEConfig
 from moefuse.finalize import DeferredFinalizeOutput, finalize_deferred_output
 from moefuse.formats import ExpertWeight, QuantizedWeight, layer_format, resolve_activation_quant
@@ -78,7 +79,7 @@ class ShardedMoELayer(nn.Module):
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
                  backend: Backend = "auto", quant: Quant = None,
                  shared_quant: SharedQuant | Literal["default"] = "default",
-                 activation_quant: ActivationQuant = "default"):
+                 activation_quant: ActivationQuant = "default", batch_invariant: bool | None = None):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -130,6 +131,12 @@ class ShardedMoELayer(nn.Module):
         self.shared_experts = (SharedExpert(config.hidden_size, shared_width, config.swiglu_limit, dtype=dtype,
                                             device=device, quant=shared_quant, backend=backend)
                                if runs_shared else None)
+        if batch_invariant is not None and not isinstance(batch_invariant, bool):
+            raise TypeError(f"batch_invariant must be None or a bool, got {type(batch_invariant).__name__}")
+        self.batch_invariant = batch_invariant  # None: the process default (moefuse.set_defaults)
+        for module in (self.gate, self.shared_experts):
+            if module is not None:
+                module.batch_invariant = batch_invariant
 
     def init_random_(self, seed: int = 0, std: float = 0.02) -> ShardedMoELayer:
         """Random weights for this shard (benchmarks; not the full layer's values: use :meth:`from_layer`)."""
@@ -146,6 +153,7 @@ class ShardedMoELayer(nn.Module):
         device = layer.experts.gate_up_proj.device if device is None else device
         kwargs.setdefault("backend", layer.backend)
         kwargs.setdefault("activation_quant", layer.activation_quant)
+        kwargs.setdefault("batch_invariant", layer.batch_invariant)
         sharded = cls(layer.config, mode, group, dtype=layer.activation_dtype, device=device, quant=layer.quant,
                       shared_quant=layer.shared_quant, **kwargs)
         c, r, W = layer.config, sharded.rank, sharded.world
@@ -246,6 +254,17 @@ class ShardedMoELayer(nn.Module):
             return finalize_deferred_output(routed, shared, backend=self.backend)
         assert exchange.routed is not None  # set by compute()
         out = finalize_deferred_output(exchange.routed, shared, backend=self.backend)
+        if batch_invariant(self.batch_invariant):
+            # A collective's sum order depends on the message size (NCCL picks its algorithm by it): gather every
+            # rank's partial output and add them in rank order here, the same additions at every batch size.
+            parts = [torch.empty_like(out) for _ in range(self.world)]
+            dist.all_gather(parts, out.contiguous(), group=self.group)
+            total = parts[0].float()
+            for part in parts[1:]:
+                total += part.float()
+            out = total.to(out.dtype)
+            rows = out.shape[0] // self.world
+            return out[self.rank * rows:(self.rank + 1) * rows].clone() if self.scatter_output else out
         if self.scatter_output:
             return _reduce_scatter(out, self.group)
         dist.all_reduce(out, group=self.group)
@@ -260,7 +279,7 @@ class ShardedMoELayer(nn.Module):
         out = routed_experts(x, *expert_weights(self.experts, self.format), weights, ids,
                              swiglu_limit=self.config.swiglu_limit, defer=True,
                              activation_quant=self.activation_quant, backend=self.backend,
-                             workspace=self.workspace.on(x.device))
+                             workspace=self.workspace.on(x.device), batch_invariant=self.batch_invariant)
         assert isinstance(out, DeferredFinalizeOutput)
         return out
 

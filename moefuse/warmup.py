@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from moefuse import _runtime
 from moefuse.dispatch.kernel import launch_shape as dispatch_shape
-from moefuse.experts import configs, launch_variant, plan_block_m
+from moefuse.experts import configs, plan_block_m
+from moefuse.experts.op import INVARIANT_MIN_ROWS, launch_variant
 from moefuse.finalize.kernel import finalize_tile
 from moefuse.formats import tile_dtype
 from moefuse.layer import MoELayer
@@ -65,28 +67,39 @@ def launch_signature(layer: MoELayer, num_tokens: int) -> tuple:
     experts_dtype = tile_dtype(gate_up, dtype)
     # The plan's tile height as the layer's routed_experts picks it (MXFP4 with fp8 activations: the W4A8
     # kernels' 128 rows at every size), and the tiles the experts op then picks for it.
-    block_m = plan_block_m(num_tokens, gate_up, c.top_k, dtype, layer.activation_quant, arch)
+    invariant = _runtime.batch_invariant(layer.batch_invariant)
+    block_m = plan_block_m(num_tokens, gate_up, c.top_k, dtype, layer.activation_quant, arch,
+                           batch_invariant=invariant, persistent=layer.persistent)
     tiles = configs.pick(num_tokens, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, experts_dtype, arch,
                          block_m=block_m)
     # What else the experts op keys its kernels on (its weights' format decides: experts.launch_variant).
-    variant = launch_variant(gate_up, num_tokens * top_k, layer.activation_quant)
-    shared: object = None  # a quantized shared expert off the slot: cuBLAS, or a one-expert grouped GEMM (an
-    # unquantized one runs on cuBLAS through nn.Linear: primed by _prime_cublas)
+    variant = launch_variant(gate_up, num_tokens * top_k, layer.activation_quant, invariant)
+    # A quantized shared expert not run as one more slot of the routed GEMMs (MoELayer.uses_shared_slot): cuBLAS,
+    # or a one-expert grouped GEMM (an unquantized one runs on cuBLAS through nn.Linear: primed by _prime_cublas).
+    shared: object = None
+    S = c.shared_intermediate_size
     if layer.shared_format.quantized and layer.shared_experts is not None and not slot:
-        if layer.shared_experts.runs_on_cublas(num_tokens, dtype, device):
+        if not invariant and layer.shared_experts.runs_on_cublas(num_tokens, dtype, device):
             shared = "cublas"
         else:
             shared_up = layer.shared_weights()[0]
-            shared_tiles = configs.pick(num_tokens, 1, c.hidden_size, c.shared_intermediate_size, 1,
-                                        tile_dtype(shared_up, dtype), arch)
+            shared_dtype = tile_dtype(shared_up, dtype)
+            shared_m = plan_block_m(num_tokens, shared_up, 1, dtype, "default", arch, batch_invariant=invariant,
+                                    persistent=layer.persistent)
+            shared_tiles = configs.pick(num_tokens, 1, c.hidden_size, S, 1, shared_dtype, arch, block_m=shared_m)
             shared = (shared_tiles, dispatch_shape(num_tokens, 1, shared_tiles.block_m),
-                      launch_variant(shared_up, num_tokens, "default"))
+                      launch_variant(shared_up, num_tokens, "default", invariant))
+    elif invariant and layer.shared_experts is not None:  # rows_linear: GEMM2 tiles of the two projection shapes
+        height = 32 if dtype == torch.float32 else INVARIANT_MIN_ROWS
+        shared = tuple(configs.heuristic(num_tokens, 1, n, k, 1, dtype, block_m=height, gpu=configs.gpu_of(arch)).gemm2
+                       for n, k in ((S, c.hidden_size), (c.hidden_size, S)))
     return (
         num_tokens if num_tokens <= layer.graphs.max_tokens else None,
         slot,
         layer.supports_deferred_finalize,
-        linear.launch_key(num_tokens, c.num_experts, c.hidden_size, dtype, layer.gate.weight.dtype, device),
-        gate_kernel.launch_config(num_tokens, c.num_experts, c.num_expert_group),
+        "invariant" if invariant else linear.launch_key(num_tokens, c.num_experts, c.hidden_size, dtype,
+                                                        layer.gate.weight.dtype, device),
+        (1, 1) if invariant else gate_kernel.launch_config(num_tokens, c.num_experts, c.num_expert_group),
         dispatch_shape(num_tokens * top_k, c.num_experts + slot, tiles.block_m),
         tiles,
         variant,

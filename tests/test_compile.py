@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moefuse import MoEConfig, MoELayer
+from moefuse import MoEConfig, MoELayer, _runtime
 from moefuse.testing import assert_rel_close
 
 CONFIG = MoEConfig(hidden_size=32, intermediate_size=16, num_experts=8, top_k=2, num_shared_experts=1,
                    num_expert_group=2, topk_group=1, routed_scaling_factor=2.5)
 
 
-@pytest.mark.parametrize("deferred", ["1", "0"], ids=["deferred", "not-deferred"])
+@pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "not-deferred"])
 def test_layer_compiles_without_graph_breaks(deferred, gen, monkeypatch):
-    monkeypatch.setenv("MOEFUSE_ENABLE_DEFERRED_FINALIZE", deferred)
+    monkeypatch.setattr(_runtime.DEFAULTS, "deferred_finalize", deferred)
     torch._dynamo.reset()
     layer = MoELayer(CONFIG, dtype=torch.float32, backend="reference").init_random_(7, std=0.1)
     x = torch.randn(5, CONFIG.hidden_size, generator=gen)
@@ -67,4 +67,4 @@ def test_dispatch_and_experts_ops_pass_opcheck(gen):
     torch.library.opcheck(torch.ops.moefuse.experts.default, (
         hidden, w13, w2, plan.expert_offsets, plan.permuted_to_expanded, plan.expanded_to_permuted,
         plan.tile_expert, plan.tile_row_start, K, block_m, None,
-        _tiles_to_list(config.gemm1) + _tiles_to_list(config.gemm2), False, "reference", out))
+        _tiles_to_list(config.gemm1) + _tiles_to_list(config.gemm2), False, "reference", [0, 0], out))

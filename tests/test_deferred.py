@@ -114,11 +114,16 @@ async def _read_flag():
 
 
 @pytest.mark.parametrize(("value", "allowed"), [(None, True), ("1", True), ("0", False), (" 0 ", False), ("", True)])
-def test_environment_switch(monkeypatch, value, allowed):
-    if value is None:
-        monkeypatch.delenv("MOEFUSE_ENABLE_DEFERRED_FINALIZE", raising=False)
-    else:
-        monkeypatch.setenv("MOEFUSE_ENABLE_DEFERRED_FINALIZE", value)
+def test_environment_sets_the_default_once(monkeypatch, value, allowed):
+    """``MOEFUSE_ENABLE_DEFERRED_FINALIZE`` is the process default, read at import (``_runtime.read_environment``);
+    changing the environment later changes nothing, ``set_defaults`` does."""
+    environ = {} if value is None else {"MOEFUSE_ENABLE_DEFERRED_FINALIZE": value}
+    monkeypatch.setattr(_runtime, "DEFAULTS", _runtime.read_environment(environ))
+    assert deferred_finalize_allowed() is allowed
+    monkeypatch.setenv("MOEFUSE_ENABLE_DEFERRED_FINALIZE", "1" if not allowed else "0")
+    assert deferred_finalize_allowed() is allowed
+    with _runtime.defaults(deferred_finalize=not allowed):
+        assert deferred_finalize_allowed() is (not allowed)
     assert deferred_finalize_allowed() is allowed
 
 

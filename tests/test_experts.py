@@ -6,6 +6,7 @@ import pytest
 import torch
 from scripts_loader import script
 
+from moefuse._runtime import GPU
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts, moe_experts_torch, pick, pick_block_m
 from moefuse.testing import assert_rel_close
@@ -174,30 +175,83 @@ def test_dispatch_and_experts_compile_fullgraph(gen, device):
 
 # --- tile configs ---------------------------------------------------------------------------------------
 
-def test_pick_reads_the_table_for_hopper():
-    table = configs.load_table(configs.TABLES[(9, 0)])
-    entry = next(e for e in table["entries"] if (e["E"], e["H"], e["I"], e["K"]) == (256, 7168, 2048, 8))
-    for M in (1, 16, 128, 1024, 4096):
-        bucket = configs.nearest_bucket([int(m) for m in entry["buckets"]], M)
-        expected = TileConfig.from_dict(entry["buckets"][str(bucket)])
-        assert pick(M, 256, 7168, 2048, 8, torch.bfloat16, (9, 0)) == expected
-        assert pick_block_m(M, 256, 7168, 2048, 8, torch.bfloat16, (9, 0)) == expected.block_m
+H100 = GPU("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448)
+H200 = GPU("NVIDIA H200", (9, 0), 132, 232448)
+H100_PCIE = GPU("NVIDIA H100 PCIe", (9, 0), 114, 232448)  # no tuned table: its SM count differs
+A100 = GPU("NVIDIA A100-SXM4-80GB", (8, 0), 108, 166912)
+L40S = GPU("NVIDIA L40S", (8, 9), 142, 101376)
+B200 = GPU("NVIDIA B200", (10, 0), 148, 232448)
+SHAPES = {(256, 7168, 2048, 8), (384, 7168, 2048, 8), (256, 4096, 2048, 6), (128, 2048, 768, 8),
+          (128, 4096, 1408, 8)}  # the five SPEC models' (E, H, I, K)
+TILE_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "mxfp4": torch.uint8}
 
 
-def test_table_entries_are_valid():
-    """Every shipped config parses, is not ruled out by Hopper's shared memory, and covers the five SPEC models.
+@pytest.mark.parametrize("gpu, name", [(H100, "h100"), (H200, "h200"), (H100_PCIE, None), (A100, None),
+                                       (B200, None), ((9, 0), None), (None, None)])
+def test_each_gpu_model_reads_its_own_table(gpu, name):
+    """A table serves the GPU model it was tuned on (its name in the device's and the same SM count); any other GPU,
+    a bare capability and no GPU get the heuristic."""
+    assert configs.table_for(gpu) == name
+
+
+@pytest.mark.parametrize("name, gpu", [("h100", H100), ("h200", H200)])
+def test_pick_reads_the_table(name, gpu):
+    table = configs.load_table(configs.TABLES[name])
+    for entry in table["entries"]:
+        fmt = entry.get("format", "bf16")
+        dtype = TILE_DTYPES[fmt]
+        shape = (entry["E"], entry["H"], entry["I"], entry["K"])
+        buckets = [int(m) for m in entry["buckets"]]
+        for M in (1, 2, 16, 100, 640, 768, 1024, 3000, 4096, 10000):
+            data = entry["buckets"][str(configs.nearest_bucket(buckets, M))]
+            got = pick(M, *shape, dtype, gpu)
+            if fmt == "bf16":
+                assert got == TileConfig.from_dict(data), (name, shape, M)
+            else:  # a tile height; the rest as the heuristic launches it
+                assert got == configs.heuristic(M, *shape, dtype, block_m=data["block_m"], gpu=gpu), (name, shape, M)
+            assert pick_block_m(M, *shape, dtype, gpu) == got.block_m
+
+
+def test_tables_are_valid():
+    """Every shipped config parses and is not ruled out by Hopper's shared memory; the H100 table covers the five SPEC
+    models in every format, densely (every 32 tokens up to 1,024), the H200 table their 16-bit experts.
 
     (``test_sm90.py`` compiles each for sm_90 and checks the shared memory the compiler allocates.)"""
-    table = configs.load_table(configs.TABLES[(9, 0)])
-    shapes = {(e["E"], e["H"], e["I"], e["K"]) for e in table["entries"]}
-    assert {(256, 7168, 2048, 8), (384, 7168, 2048, 8), (256, 4096, 2048, 6), (128, 2048, 768, 8),
-            (128, 4096, 1408, 8)} <= shapes
-    for entry in table["entries"]:
-        for bucket, data in entry["buckets"].items():
-            cfg = TileConfig.from_dict(data)
-            assert int(bucket) >= 1
-            assert configs.weight_buffer_bytes(cfg.gemm1, 2, 2) <= configs.HOPPER_SMEM
-            assert configs.weight_buffer_bytes(cfg.gemm2, 1, 2) <= configs.HOPPER_SMEM
+    for name, path in configs.TABLES.items():
+        table = configs.load_table(path)
+        assert set(table["gpu"]) == {"name", "sms", "capability"}
+        formats = {(e.get("format", "bf16"), e["E"], e["H"], e["I"], e["K"]) for e in table["entries"]}
+        wanted = {("bf16", *shape) for shape in SHAPES}
+        if name == "h100":
+            wanted |= {(fmt, *shape) for shape in SHAPES for fmt in ("fp8", "mxfp4")}
+        assert wanted <= formats, name
+        for entry in table["entries"]:
+            fmt = entry.get("format", "bf16")
+            if name == "h100":
+                assert {32 * i for i in range(1, 33)} <= {int(m) for m in entry["buckets"]}, entry["model"]
+            for bucket, data in entry["buckets"].items():
+                assert int(bucket) >= 1
+                if fmt != "bf16":
+                    assert data["block_m"] in (16, 32, 64, 128) and (fmt != "fp8" or data["block_m"] != 32)
+                    continue
+                cfg = TileConfig.from_dict(data)
+                assert configs.weight_buffer_bytes(cfg.gemm1, 2, 2) <= configs.HOPPER_SMEM
+                assert configs.weight_buffer_bytes(cfg.gemm2, 1, 2) <= configs.HOPPER_SMEM
+
+
+@pytest.mark.parametrize("gpu", [A100, L40S, B200, H100_PCIE], ids=lambda g: g.name)
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+def test_untuned_gpus_get_tiles_that_fit_them(gpu, fmt):
+    """A GPU without a table gets the heuristic, sized to its shared memory and SM count: the operand buffers the
+    model counts fit under its opt-in limit, and the decode tiles spread over its SMs."""
+    dtype = TILE_DTYPES[fmt]
+    for shape in SHAPES:
+        for M in (1, 16, 128, 1024, 4096):
+            cfg = pick(M, *shape, dtype, gpu)
+            assert cfg == configs.heuristic(M, *shape, dtype, gpu=gpu)
+            element = 1 if fmt != "bf16" else 2
+            for tiles, operands in ((cfg.gemm1, 2), (cfg.gemm2, 1)):
+                assert configs.smem_bytes(cfg.block_m, tiles, operands, element) <= gpu.smem, (shape, M, tiles)
 
 
 def test_heuristic_without_arch_and_forced_block_m():

@@ -10,6 +10,7 @@ import pytest
 import torch
 from tolerances import experts_tolerance
 
+from moefuse import _runtime
 from moefuse.config import PRESETS
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import (
@@ -23,8 +24,8 @@ from moefuse.experts import (
     plan_block_m,
 )
 from moefuse.experts.fp8.kernels import experts_fp8
-from moefuse.experts.reference import moe_experts_fp8_torch
-from moefuse.formats import BlockFP8, dequantize_rows, quantize_rows, tile_dtype, ue8m0_to_float
+from moefuse.experts.reference import dequantize_rows, moe_experts_fp8_torch, quantize_rows
+from moefuse.formats import BlockFP8, tile_dtype, ue8m0_to_float
 from moefuse.testing import assert_rel_close, rms_rel_error
 
 
@@ -407,9 +408,9 @@ def test_groups_per_program_fills_the_pass():
 
 
 def test_plan_block_m_gives_the_persistent_kernels_their_plans(monkeypatch):
-    """fp8 experts get the persistent kernels' 128-row plans on Hopper from ``persistent.FP8_MIN_TOKENS`` tokens
-    (where they measured faster), if their widths are whole items, unless ``MOEFUSE_PERSISTENT=0``; the tile table's
-    height everywhere else."""
+    """fp8 experts on a Hopper GPU without a tuned table get the persistent kernels' 128-row plans from
+    ``persistent.FP8_MIN_TOKENS`` tokens, if their widths are whole items, unless ``persistent="none"`` (argument or
+    process default); the heuristic's height everywhere else."""
     E, H, I, K = 4, 256, 128, 2
     w1 = BlockFP8.quantize(torch.randn(E, 2 * I, H))
     narrow = BlockFP8.quantize(torch.randn(E, 2 * 192, H))  # I = 192: not whole 128-column items
@@ -419,11 +420,13 @@ def test_plan_block_m_gives_the_persistent_kernels_their_plans(monkeypatch):
         return pick_block_m(M, E, H, width, K, tile_dtype(w1, torch.bfloat16), arch)
 
     assert table(many, (9, 0)) != persistent.BLOCK_M  # else the switch would not show here
-    monkeypatch.setenv("MOEFUSE_PERSISTENT", "0")
+    monkeypatch.setattr(_runtime.DEFAULTS, "persistent", "none")
     assert plan_block_m(many, w1, K, torch.bfloat16, arch=(9, 0)) == table(many, (9, 0))
-    for value in ("", "1"):  # the default and the 16-bit opt-in
-        monkeypatch.setenv("MOEFUSE_PERSISTENT", value)
+    assert plan_block_m(many, w1, K, torch.bfloat16, arch=(9, 0), persistent="auto") == persistent.BLOCK_M
+    for value in ("auto", "all"):  # the default and the 16-bit opt-in
+        monkeypatch.setattr(_runtime.DEFAULTS, "persistent", value)
         assert plan_block_m(many, w1, K, torch.bfloat16, arch=(9, 0)) == persistent.BLOCK_M
+        assert plan_block_m(many, w1, K, torch.bfloat16, arch=(9, 0), persistent="none") == table(many, (9, 0))
     assert plan_block_m(many - 1, w1, K, torch.bfloat16, arch=(9, 0)) == table(many - 1, (9, 0))
     assert plan_block_m(many, w1, K, torch.bfloat16, arch=(10, 0)) == table(many, (10, 0))
     assert plan_block_m(many, w1, K, torch.bfloat16, arch=None) == table(many, None)

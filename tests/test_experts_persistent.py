@@ -86,17 +86,19 @@ def test_nan_stays_in_its_token(gen):
 
 
 def test_op_runs_them_when_asked(gen, monkeypatch):
-    """``MOEFUSE_PERSISTENT=1``: ``moe_experts`` on a 128-row plan takes the persistent path (same bits)."""
+    """``persistent="all"`` (argument, or the process default ``MOEFUSE_PERSISTENT=1``): ``moe_experts`` on a 128-row
+    plan takes the persistent path (same bits)."""
     x, w1, w2, ids = _inputs(9, 256, 128, 2, 300, "uniform", torch.bfloat16, gen)
     plan = moe_dispatch(ids, 9, persistent.BLOCK_M)
     calls = []
     real = persistent.experts_persistent
     monkeypatch.setattr(persistent, "experts_persistent", lambda *a: calls.append(1) or real(*a))
     expected = moe_experts(x, w1, w2, plan)
-    monkeypatch.setenv("MOEFUSE_PERSISTENT", "1")
-    got = moe_experts(x, w1, w2, plan)
+    got = moe_experts(x, w1, w2, plan, persistent="all")
     n = int(plan.expert_offsets[-1])
-    assert calls and torch.equal(got[:n], expected[:n])
+    assert len(calls) == 1 and torch.equal(got[:n], expected[:n])
+    monkeypatch.setattr(_runtime.DEFAULTS, "persistent", "all")
+    assert torch.equal(moe_experts(x, w1, w2, plan)[:n], expected[:n]) and len(calls) == 2
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])

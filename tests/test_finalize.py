@@ -367,7 +367,7 @@ ERRORS = {
 @pytest.mark.parametrize("case", ERRORS.values(), ids=ERRORS.keys())
 def test_errors_name_the_argument(gen, device, case, backend, monkeypatch):
     changes, error, name = case
-    monkeypatch.setenv("MOEFUSE_CHECK", "1")
+    monkeypatch.setattr(_runtime.DEFAULTS, "check", True)
     inputs = {**make_inputs(gen, device, num_tokens=3, top_k=2, hidden=8, pad_cols=2), "backend": backend}
     for key, change in changes.items():
         inputs[key] = change(inputs) if callable(change) else change

@@ -65,7 +65,7 @@ from hypothesis import strategies as st
 from tolerances import experts_tolerance
 
 from moefuse import MoEConfig, MoELayer, moe_layer_torch
-from moefuse._runtime import env_override
+from moefuse._runtime import defaults
 from moefuse.config import SCORING_FUNCS
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import experts_workspace, moe_experts, pick_block_m
@@ -333,7 +333,7 @@ def check_experts(c: dict) -> None:
     split = c.get("split_k")  # the op has no split_k argument: its default is replaced for the call
     splitting = (mock.patch.object(fp8_kernels, "default_split_k", lambda *_: split) if split
                  else contextlib.nullcontext())
-    with env_override("MOEFUSE_PERSISTENT", "1" if c.get("persistent") else "0"), splitting:
+    with defaults(persistent="all" if c.get("persistent") else "none"), splitting:
         got = moe_experts(x, w1, w2, plan, out=out, **kwargs)
     assert got.shape == (M * K, H) and got.dtype == dtype and got.device == x.device, c
     assert out is None or got is out, c

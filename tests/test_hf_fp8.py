@@ -9,7 +9,8 @@ from hf_blocks import load_dequantized_
 
 import moefuse
 from moefuse import moe_layer_torch, register_experts_implementation
-from moefuse.formats import BlockFP8, dequantize_rows, quantize_rows
+from moefuse.experts.reference import dequantize_rows, quantize_rows
+from moefuse.formats import BlockFP8
 from moefuse.testing import assert_rel_close, rel_error
 
 fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")

@@ -7,7 +7,7 @@ import torch
 from hf_blocks import BLOCKS, block, randomize_
 
 import moefuse
-from moefuse import MoEConfig, MoELayer, moe_layer_torch
+from moefuse import MoEConfig, MoELayer, _runtime, moe_layer_torch
 from moefuse.finalize import deferred_finalize_context
 from moefuse.testing import assert_rel_close
 
@@ -75,7 +75,7 @@ def test_deferred_equals_eager(backend, gen, monkeypatch, device):
     x = torch.randn(8, SMALL.hidden_size, generator=gen).to(device)
     with torch.no_grad():
         deferred = layer(x)
-        monkeypatch.setenv("MOEFUSE_ENABLE_DEFERRED_FINALIZE", "0")
+        monkeypatch.setattr(_runtime.DEFAULTS, "deferred_finalize", False)
         assert not layer.supports_deferred_finalize
         eager = layer(x)
     # the same up to the one extra rounding of the separate add

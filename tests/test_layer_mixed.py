@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moefuse import MoEConfig, MoELayer, moe_layer_torch
-from moefuse._runtime import env_override
+from moefuse._runtime import defaults
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts.reference import expert_mlp_torch, moe_experts_w4a8_torch
 from moefuse.formats import MXFP4, BlockFP8
@@ -49,7 +49,7 @@ def test_every_mix_matches_float64(routed, shared, gen, device):
     x = torch.randn(5, layer.config.hidden_size, generator=gen).bfloat16().to(device)
     with torch.no_grad():
         got = layer(x)
-        with env_override("MOEFUSE_ENABLE_DEFERRED_FINALIZE", "0"):
+        with defaults(deferred_finalize=False):
             plain = layer(x)
         want = moe_layer_torch(layer, x, route_dtype=torch.float32)
     assert_rel_close(got.double(), want, 1e-2, f"routed {routed}, shared {shared}")

@@ -319,9 +319,10 @@ def test_custom_op_opcheck(gen, device):
     """moefuse::fused_gate passes torch.library.opcheck (schema, fake impl, mutation declarations)."""
     scores, bias = _inputs(gen, 5, 64, device=device)
     weights, ids = torch.empty(5, 6, device=device), torch.empty(5, 6, dtype=torch.int32, device=device)
-    args = (scores, bias, weights, ids, "sigmoid", 1, True, 2.5, False, 4, 2, 0.0, None, 5, "triton")
-    torch.library.opcheck(torch.ops.moefuse.fused_gate.default, args,
-                          test_utils=("test_schema", "test_faketensor"))
+    for invariant in (False, True):
+        args = (scores, bias, weights, ids, "sigmoid", 1, True, 2.5, False, 4, 2, 0.0, None, 5, invariant, "triton")
+        torch.library.opcheck(torch.ops.moefuse.fused_gate.default, args,
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 # ---- properties ------------------------------------------------------------------------------------------------

@@ -120,8 +120,10 @@ def test_empty_shapes(M, E, H, device):
 def test_custom_op_opcheck(gen, device):
     x = torch.randn(3, 48, generator=gen).bfloat16().to(device)
     w = torch.randn(10, 48, generator=gen).to(device)
-    torch.library.opcheck(torch.ops.moefuse.router_logits.default, (x, w, "triton", torch.empty(3, 10, device=device)),
-                          test_utils=("test_schema", "test_faketensor"))
+    for invariant in (False, True):
+        torch.library.opcheck(torch.ops.moefuse.router_logits.default,
+                              (x, w, "triton", invariant, None, torch.empty(3, 10, device=device)),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 ERRORS = {

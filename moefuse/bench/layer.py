@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from moefuse._runtime import env_override
+from moefuse._runtime import defaults
 from moefuse.bench import report, timing
 from moefuse.config import preset
-from moefuse.layer import MoELayer, moe_layer_torch
+from moefuse.layer import MoELayer
+from moefuse.reference import moe_layer_torch
 from moefuse.testing import rel_error
 
 MODELS = ("deepseek-v3", "kimi-k2", "deepseek-v4-flash")
@@ -36,7 +37,7 @@ TITLE = "MoE layer end to end (bf16, CUDA-graph replay)"
 
 
 def _deferral(enabled: bool):
-    return env_override("MOEFUSE_ENABLE_DEFERRED_FINALIZE", "1" if enabled else "0")
+    return defaults(deferred_finalize=enabled)
 
 
 def _floors(layer: MoELayer, x: torch.Tensor, ceilings: timing.Ceilings) -> dict[str, float]:

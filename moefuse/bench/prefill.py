@@ -35,7 +35,6 @@ from moefuse.config import preset
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import moe_experts, plan_block_m
 from moefuse.experts.persistent import BLOCK_M as PERSISTENT_BLOCK_M
-from moefuse.experts.persistent import takes_fp8_plan
 from moefuse.finalize import moe_finalize_fuse_shared
 from moefuse.formats import BlockFP8
 
@@ -143,8 +142,8 @@ def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict[str, Any]]:
                     moe_finalize_fuse_shared(y, plan.expanded_to_permuted, weights, None, K)
 
                 us = timing.time_or_none([whole])
-                persistent = name == " fp8" and takes_fp8_plan(M, H, I, _runtime.capability(device))
-                with _runtime.env_override("MOEFUSE_PERSISTENT", "0" if persistent else "1"):
+                persistent = name == " fp8" and block_m == PERSISTENT_BLOCK_M
+                with _runtime.defaults(persistent="none" if persistent else "all"):
                     other_block_m = plan_block_m(M, gate_up, K, torch.bfloat16) if persistent else PERSISTENT_BLOCK_M
                     other_us = timing.time_or_none([lambda: whole(other_block_m)])
                 mem_floor = touched * 3 * H * I * width / (ceilings.read_tbps * 1e12) * 1e6

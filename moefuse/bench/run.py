@@ -21,7 +21,7 @@ from typing import Any
 
 from moefuse.bench import report, timing
 
-STAGES = ("router", "finalize", "experts", "prefill", "layer", "quant", "host")
+STAGES = ("router", "finalize", "experts", "prefill", "layer", "quant", "host", "invariance")
 # x axis, series to draw and the key that splits a stage's rows into panels.
 PLOTS: dict[str, dict[str, Any]] = {
     "router": {"x": "M", "group": "config",
@@ -37,6 +37,9 @@ PLOTS: dict[str, dict[str, Any]] = {
     "quant": {"x": "M", "group": "model",
               "series": {"us": "moefuse", "read_floor_us": "read floor", "routed_us": "moefuse + dispatch + combine",
                          "peer_us": "vLLM fp8 (+ dispatch + combine)", "bf16_us": "bf16"}},
+    "invariance": {"x": "M", "group": "format",
+                   "series": {"layer_us": "layer", "layer_inv_us": "layer, batch-invariant",
+                              "experts_us": "experts", "experts_inv_us": "experts, batch-invariant"}},
     "layer": {"x": "M", "group": "model",
               "series": {"us": "moefuse", "plain_us": "no deferral", "mem_floor_us": "memory floor",
                          "hf_grouped_mm_us": "transformers"}},
@@ -80,6 +83,9 @@ SUMMARY: list[dict[str, Any]] = [
     {"label": "layer, bf16", "stage": "layer", "where": {"model": "deepseek-v3"}, "us": "us",
      "floor": ("mem_floor_us", "compute_floor_us"), "peer": "hf_grouped_mm_us",
      "peer_name": "transformers grouped_mm block", "kind": "layer", "fmt": "bf16"},
+    {"label": "layer, bf16, batch-invariant", "stage": "invariance",
+     "where": {"model": "deepseek-v3", "format": "bf16"}, "us": "layer_inv_us", "floor": ("layer_floor_us",),
+     "peer": "layer_us", "peer_name": "the default layer, same run", "kind": "layer", "fmt": "bf16", "dash": ":"},
     {"label": "layer, fp8", "stage": "quant", "where": {"format": "fp8", "model": "deepseek-v3"}, "us": "layer_us",
      "floor": ("layer_floor_us",), "kind": "layer", "fmt": "fp8"},
     {"label": "layer, MXFP4 (V4-Flash)", "stage": "quant", "where": {"format": "mxfp4", "model": "deepseek-v4-flash"},

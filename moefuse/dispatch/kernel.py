@@ -1,4 +1,5 @@
-"""Triton dispatch: sort (token, slot) pairs by expert and build the GEMM tile schedule, with no host sync.
+"""Triton dispatch: sort (token, slot) pairs by expert and build the GEMM tile schedule, with no host sync (a
+token's slot k is its k-th routed choice, ``topk_ids[t, k]``).
 
 Contract (same results as :func:`moefuse.dispatch.reference.moe_dispatch_torch`, bit for bit):
 

@@ -13,7 +13,8 @@ MAX_BLOCK_M = 256
 
 
 def moe_dispatch(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, backend: str = "auto") -> DispatchPlan:
-    """Sort the (token, slot) pairs of ``topk_ids`` by expert and schedule the experts' GEMM tiles.
+    """Sort the (token, slot) pairs of ``topk_ids`` by expert (slot k of token t: ``topk_ids[t, k]``, its k-th
+    routed choice) and schedule the experts' GEMM tiles.
 
     Args:
         topk_ids: [M, K] int32 or int64 expert ids from the router (M may be 0). Ids outside

@@ -1,4 +1,5 @@
-"""Readable PyTorch version of the dispatch stage: the plan that sorts (token, slot) pairs by expert.
+"""Readable PyTorch version of the dispatch stage: the plan that sorts (token, slot) pairs by expert (a token's
+slot k is its k-th routed choice, ``topk_ids[t, k]``).
 
 The experts stage runs one grouped GEMM over rows sorted by expert. Dispatch turns the router's ids [M, K]
 into that order and into the GEMM's tile schedule, on the device and without a host sync, so a CUDA graph

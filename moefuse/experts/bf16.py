@@ -23,15 +23,14 @@ Each program: rows ``[row_start, min(row_start + BLOCK_M, expert_end))`` of its 
 - an expert's last tile, when 1 to 64 rows follow it, takes them as a second, 64-row piece on the same
   weight tiles, and the tile of those rows exits: each weight tile goes from L2 to the SM once for up to 192
   rows instead of twice. The prefill GEMMs are bound by L2 -> SM traffic (Nsight Compute, M = 4096: L2 93-97%
-  busy, DRAM 78-83%), so a second program re-reading a 64-row tail's weights cost almost as much as a full tile.
+  busy, DRAM 78-83%), so a second program re-reading a 64-row tail's weights costs almost as much as a full tile:
+  DeepSeek-V3's GEMM1 + GEMM2 at 4096 tokens of random routing take 6,727-6,767 µs with the tails taken by the
+  previous tile (padded rows masked out of the loads), against 7,418-7,549 with the tails run as their own
+  half-height tiles (H200, 2026-12-01; outputs bit-identical).
 
-One H200, DeepSeek-V3, GEMM1 + GEMM2 at 4096 tokens of random routing: 7,418-7,549 µs with the tails run as
-their own half-height tiles, 6,727-6,767 with them taken by the previous tile and padded rows masked out of the
-loads (outputs bit-identical; exactly 128 rows per expert, which has no tails: 6,011-6,093 against 6,003-5,994).
-
-Weights are read through TMA descriptors (``common.weight_descriptor``) on sm90+ when their layout allows,
-else by pointer loads; TMA frees the registers and instructions of the weight addresses, which lets the
-prefill tiles pipeline 4 stages deep.
+Weights are read through TMA descriptors (``common.weight_descriptor``: each load copies one *box*, a block of the
+weight's rows and columns, into shared memory) on sm90+ when their layout allows, else by pointer loads; TMA frees
+the registers and instructions of the weight addresses, which lets the prefill tiles pipeline 4 stages deep.
 
 - GEMM1 gathers its activation rows straight from ``hidden`` through ``permuted_to_expanded`` (no permuted
   copy of the activations), accumulates the gate and the up tile of the same BLOCK_N columns in fp32
@@ -39,9 +38,8 @@ prefill tiles pipeline 4 stages deep.
   [-limit, limit]) and ``SiLU(gate) * up``, rounding once to the activation dtype. On wgmma tiles the gate and
   up tiles come in one TMA copy as one [2·BLOCK_N, BLOCK_K] operand of one MMA (``gate_up_descriptor``:
   wgmma 64x256 instead of two 64x128, the activation tile read from shared memory once per step, one barrier
-  wait instead of two; outputs bit-identical). One H200, DeepSeek-V3, GEMM1 + GEMM2, two samples each: 4096
-  tokens 6,770-7,014 µs against 6,936-6,987 (uniform), 7,959-7,980 against 8,137-8,632 (Zipf 0.6), 5,083-5,104
-  against 5,286-5,326 (Zipf 3.0); 8192 tokens 11,692-11,788 against 12,524-12,852.
+  wait instead of two; outputs bit-identical), as fast or faster: DeepSeek-V3's GEMM1 + GEMM2 at 8192 tokens take
+  11,692-11,788 µs against 12,524-12,852 with two MMAs (H200, 2026-12-01).
 - GEMM2 reads the contiguous intermediate rows of its tile and multiplies by ``down_proj[e]^T``.
 
 Reductions run in fp32 (``tl.dot`` accumulators); fp32 operands use IEEE products, not TF32. Under

@@ -6,12 +6,14 @@ SwiGLU, TMA descriptors.
   fp8 and MXFP4 ``tl`` kernels all start with it.
 - ``_tile_span``: a program's rows and columns as the fp8 and MXFP4 kernels use them.
 - ``_round`` (fp32 to the output dtype, to nearest even also under the interpreter) and ``_swiglu`` (SiLU(gate) * up
-  after DeepSeek-V4's clamp): the epilogues of the ``tl`` kernels and of the fp8 shared expert's SwiGLU pass (the
-  Gluon kernels of ``mxfp4/`` compute the same in Gluon).
+  after DeepSeek-V4's clamp): the epilogues of the ``tl`` kernels and of the fp8 shared expert's SwiGLU kernel
+  (``gluon_common.swiglu`` computes the same for the Gluon kernels).
 - ``weight_descriptor`` / ``rows_descriptor``: TMA descriptors of stacked expert weights and of a tile's contiguous
-  rows, or None where TMA cannot read them (``_tma_readable``).
+  rows, or None where TMA cannot read them (``_tma_readable``). A TMA load copies one *box* of the tensor (a block
+  of rows and columns) into shared memory.
+- ``gather_rows``: the plan's rows of ``hidden`` in plan order, for the Gluon kernels (TMA reads contiguous rows).
 
-A piece one format alone uses stays in that format's file.
+A piece one format alone uses stays in that format's file; what the Gluon kernels share is in ``gluon_common.py``.
 """
 
 from __future__ import annotations

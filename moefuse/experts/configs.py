@@ -1,17 +1,22 @@
-"""Tile shapes of the experts' grouped GEMMs: tuned tables as data, a first-principles fallback, overrides.
+"""Tile shapes of the experts' grouped GEMMs: tuned tables per GPU model as data, a first-principles fallback,
+overrides.
 
-:func:`pick` is the one source of tile shapes. Its ``block_m`` is the plan's tile height as well, so
-callers build the plan with ``moe_dispatch(ids, E, pick_block_m(M, E, H, I, K, dtype))`` and
+:func:`pick` is the one source of tile shapes. Its ``block_m`` is the plan's tile height as well, so callers build
+the plan with ``moe_dispatch(ids, E, pick_block_m(M, E, H, I, K, dtype))`` and
 :func:`moefuse.experts.moe_experts` re-picks the rest of the config for the plan's ``block_m``.
 
 Order of precedence:
 
-1. :func:`override` (a scoped context manager over a ``ContextVar``: thread- and task-safe): tests force
-   small tiles with it.
-2. For bf16/fp16 on a GPU with a table (``moefuse/configs/experts_h200.json`` for sm90): the entry of
-   (E, H, I, K) and its token-count bucket nearest to M on a log scale. ``scripts/tune_experts.py`` writes
-   the table; entries marked ``"untuned seed"`` are :func:`heuristic`'s choices written down.
-3. :func:`heuristic`, from first principles (see its docstring).
+1. :func:`override` (a scoped context manager over a ``ContextVar``: thread- and task-safe): tests force small
+   tiles with it.
+2. The tile table of the GPU model (``moefuse/configs/experts_<gpu>.json``, :data:`TABLES`; a table names the GPU
+   it was tuned on and its SM count, and serves only a GPU of that name and SM count): the entry of the format and
+   (E, H, I, K), at its token-count bucket nearest to M on a log scale. 16-bit entries hold whole configs; fp8 and
+   MXFP4 entries hold the plan's tile height, the rest coming from :func:`heuristic` for that height.
+   ``scripts/tune_experts.py`` writes the tables, over a dense grid of token counts (every 32 up to 1,024) so that
+   a switch of tile height lands where it measured faster, not at a bucket's edge.
+3. :func:`heuristic`, from first principles and the GPU's SM count and shared memory (any GPU gets a valid, if
+   untuned, config; without a GPU, the interpreter's, an H100's properties).
 
 A table entry may also carry ``shared_slot_max_tokens`` (:func:`shared_slot_max_tokens`): a layer-level choice
 measured per shape, kept here because it is a per-shape, per-GPU measurement like the tiles.
@@ -32,39 +37,40 @@ from typing import Any, Literal, Optional, Union
 import torch
 
 from .. import _runtime
+from .._runtime import GPU, HOPPER
 
-Arch = Optional[tuple[int, int]]
-TABLES: dict[Arch, Path] = {(9, 0): Path(__file__).resolve().parent.parent / "configs" / "experts_h200.json"}
-NUM_SMS = 132  # H100/H200; the heuristic's target for how many programs keep the GPU busy
-HOPPER_SMEM = 227 * 1024  # the most shared memory one block may opt in to on sm_90
-SMEM_BUDGET = 212 * 1024  # the heuristic's limit on smem_bytes (an upper model; see there)
+# What a launch choice is made for: a GPU (its name and SM count pick the table), a bare compute capability (no
+# table: the heuristic on an H100's resources), or None (no GPU: the interpreter; the heuristic likewise).
+Arch = Union[GPU, tuple[int, int], None]
+_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+TABLES: dict[str, Path] = {name: _CONFIGS / f"experts_{name}.json" for name in ("h100", "h200")}
+HOPPER_SMEM = HOPPER.smem  # the most shared memory one block may opt in to on sm_90 (227 KB)
+SMEM_SLACK = 15 * 1024  # the heuristic keeps its upper model of the operand buffers this far under the GPU's limit
+SMEM_BUDGET = HOPPER_SMEM - SMEM_SLACK  # on an H100: 212 KB
 
-TABLE_DTYPES = (torch.bfloat16, torch.float16)  # the tile tables' activations; other dtypes take the heuristic
+# The tile tables' formats: the dtype that keys a tile choice (``formats.tile_dtype``) -> the name of its entries.
+TABLE_FORMATS: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "bf16",
+                                         torch.float8_e4m3fn: "fp8", torch.uint8: "mxfp4"}
+TABLE_DTYPES = (torch.bfloat16, torch.float16)  # whose entries hold whole configs (the others: a tile height)
 # fp8 (``experts/fp8/``): at most this many plan rows (M·K, a token to a few), GEMM1 runs 8 warps, and 5 pipeline
-# stages where it is one wave of programs; 4 warps and 4 stages from 64 rows. One H100, the experts on quantized
-# rows, 8 warps against 4: as fast or faster at one token on every preset (Kimi-K2 with the shared expert's slot
-# 153.4 against 163.2 µs, GLM-4.5-Air 60.2 against 65.3), within 0.9 µs at two tokens (docs/PERF-NOTES.md,
-# thirty-sixth session).
+# stages where it is one wave of programs; 4 warps and 4 stages from 64 rows (faster at one token on every preset,
+# H100, 2026-12-05; docs/PERF-NOTES.md, fp8 decode).
 FP8_FEW_ROWS = 63
 # fp8 at decode: GEMM1 split along K into runs of steps, each its own program, where one program per tile and column
 # block would leave SMs idle or a short second wave (fp8_split_k), each on at most this many pipeline stages so that
-# two share an SM (5 stages of the 8-warp 16-row tile take 115 KB of shared memory). One H200, one token (µs,
-# experts): DeepSeek-V3 106.6 -> 103.9 with two runs; with the shared expert's slot (144 programs unsplit) GEMM1
-# alone 104.0 -> 82.1 with three (scripts/fp8_decode_probe.py; docs/PERF-NOTES.md, twenty-fourth and twenty-fifth
-# sessions).
+# two share an SM.
 FP8_SPLIT_STAGES = 3
-# fp8 short tiles (below 64 rows: decode) take steps of two K-adjacent 128-deep boxes, on this many pipeline stages
-# (two where GEMM1 is split, so that two split programs share an SM; under Triton 3.6 GEMM1 buffers one step fewer
-# than its stages, 139 KB at 3). A box's rows are 128 bytes of fp8; two boxes a step read like one 256-byte-wide
-# box: DeepSeek-V3's GEMM1 boxes, read with no arithmetic at its one-token launch, 89.9 µs box by box against 82.6 in
-# pairs, 76.6 at the floor (one H100; docs/PERF-NOTES.md, thirty-ninth session). A fourth stage and four-box steps
-# were no faster (fortieth session).
+# fp8 short tiles (below 64 rows: decode) take steps of two K-adjacent 128-deep boxes (a box: the 128 x 128 block of
+# weights one scale covers, copied by one TMA load), on this many pipeline stages (two where GEMM1 is split, so that
+# two split programs share an SM; Triton 3.6 buffers one step fewer than its stages in GEMM1, 139 KB at 3). Two
+# boxes a step read like one box of 256-byte rows: DeepSeek-V3's GEMM1 boxes, read with no arithmetic, 89.9 µs box
+# by box against 82.6 in pairs, 76.6 at the floor (H100, 2026-12-05).
 FP8_PAIR_STAGES = 3
 FP8_SPLIT_PAIR_STAGES = 2
-FP8_SPLIT_MAX = 4  # the most runs fp8_split_k splits GEMM1's K into (1-4 measured; 5, 6, 8 no faster, fortieth session)
+FP8_SPLIT_MAX = 4  # the most runs fp8_split_k splits GEMM1's K into (5, 6 and 8 measured no faster)
 MXFP4_FEW_ROWS = 16  # at most this many routed rows: MXFP4's deeper decode tiles (heuristic, item 7)
 # MXFP4's tile heights and the most rows per touched expert each takes before the next is faster (heuristic, item 7);
-# more rows take 128-row tiles. (The limits were measured when 128-row tiles ran W4A8; W4A16 now, unless asked.)
+# more rows take 128-row tiles.
 MXFP4_HEIGHTS = ((16, 13), (32, 32), (64, 58))
 
 
@@ -126,20 +132,27 @@ def override(config: TileConfig) -> Iterator[TileConfig]:
         _OVERRIDE.reset(token)
 
 
-def arch_of(device: torch.device) -> Arch:
-    """Compute capability of a CUDA device; None on CPU or under Triton's interpreter."""
+def arch_of(device: torch.device) -> Optional[GPU]:
+    """The GPU a CUDA device is (:func:`moefuse._runtime.gpu`); None on CPU or under Triton's interpreter."""
     if device.type != "cuda" or _runtime.interpreting():
         return None
-    return _runtime.capability(device)
+    return _runtime.gpu(device)
 
 
 def resolve_arch(arch: Union[Arch, Literal["auto"]]) -> Arch:
-    """``arch`` itself, or for "auto" the current CUDA device's capability (None without one)."""
+    """``arch`` itself, or for "auto" the current CUDA device (None without one)."""
     if arch != "auto":
         return arch
     if not torch.cuda.is_available():
         return None
     return arch_of(torch.device("cuda", torch.cuda.current_device()))
+
+
+def gpu_of(arch: Arch) -> GPU:
+    """The resources a choice for ``arch`` plans with: the GPU's own, else an H100's with ``arch``'s capability."""
+    if isinstance(arch, GPU):
+        return arch
+    return HOPPER if arch is None else replace(HOPPER, name="", capability=(arch[0], arch[1]))
 
 
 def pick(
@@ -148,10 +161,11 @@ def pick(
 ) -> TileConfig:
     """Tile config for M tokens, E experts of width I over model width H, top-K, activations of ``dtype``.
 
-    A pure function of its arguments (and of an active :func:`override`, in eager mode; under
-    ``torch.compile`` it is traced, so each token count M compiles its own graph). ``arch`` is a compute capability
-    such as (9, 0), None for no GPU (the interpreter), or "auto" for the current CUDA device. ``block_m``
-    forces the tile height (the plan's): a table entry with another height is then replaced by the heuristic.
+    A pure function of its arguments (and of an active :func:`override`, in eager mode; under ``torch.compile`` it
+    is traced, so each token count M compiles its own graph). ``arch`` is a :class:`moefuse._runtime.GPU` (its table,
+    if one was tuned on its model), a compute capability such as (9, 0) (the heuristic), None for no GPU (the
+    interpreter), or "auto" for the current CUDA device. ``block_m`` forces the tile height (the plan's): a table
+    entry with another height is then replaced by the heuristic.
     """
     M = int(M)  # under torch.compile with dynamic shapes: specialize on the token count (a guard per M)
     if torch.compiler.is_compiling():  # traced: no ContextVar, no cache
@@ -164,9 +178,9 @@ def pick(
 
 def _choose(M: int, E: int, H: int, I: int, K: int, dtype: torch.dtype, arch: Arch,
             block_m: Optional[int]) -> TileConfig:
-    config = _from_table(M, E, H, I, K, dtype, arch)
+    config = from_table(M, E, H, I, K, dtype, arch)
     if config is None or (block_m is not None and config.block_m != block_m):
-        config = heuristic(M, E, H, I, K, dtype, block_m=block_m)
+        config = heuristic(M, E, H, I, K, dtype, block_m=block_m, gpu=gpu_of(arch))
     return config
 
 
@@ -192,45 +206,67 @@ def nearest_bucket(buckets: Iterable[int], M: int) -> int:
     return best
 
 
-def _from_table(M: int, E: int, H: int, I: int, K: int, dtype: torch.dtype, arch: Arch) -> Optional[TileConfig]:
-    if dtype not in TABLE_DTYPES:
-        return None  # fp32 moves twice the bytes per tile: the tables' tiles would not fit; use the heuristic
-    buckets = _INDEX.get(arch, {}).get((E, H, I, K))
-    return None if buckets is None else buckets[nearest_bucket(list(buckets), M)]
-
-
 @functools.cache
 def load_table(path: Path) -> dict[str, Any]:
-    """A tile table: ``{"entries": [{"E", "H", "I", "K", "status", "buckets": {"<M>": config}}], ...}``.
-
-    One table serves bf16 and fp16 alike (same bytes per element, same tensor-core rate).
-    """
+    """A tile table: ``{"gpu": {"name", "sms", "capability"}, "entries": [{"format", "E", "H", "I", "K", "status",
+    "buckets": {"<M>": config or {"block_m": b}}}], ...}``. One table serves bf16 and fp16 alike (same bytes per
+    element, same tensor-core rate); entries without a ``format`` are 16-bit."""
     return json.loads(Path(path).read_text())
 
 
-def _index_table(path: Path) -> dict[tuple[int, int, int, int], dict[int, TileConfig]]:
-    """(E, H, I, K) -> {bucket M: config} of a table file; {} when the file is missing."""
+def table_for(arch: Arch) -> Optional[str]:
+    """The name of the table (:data:`TABLES`) tuned on ``arch``'s GPU model: the first whose GPU name is part of the
+    device's name and whose SM count and capability are the device's; None (the heuristic) for any other GPU, a bare
+    capability or no GPU."""
+    if not isinstance(arch, GPU):
+        return None
+    for name, gpu in _GPUS.items():
+        if gpu["name"] in arch.name and gpu["sms"] == arch.sms and tuple(gpu["capability"]) == arch.capability:
+            return name
+    return None
+
+
+def from_table(M: int, E: int, H: int, I: int, K: int, dtype: torch.dtype, arch: Arch) -> Optional[TileConfig]:
+    """The table's config for these shapes on ``arch`` (:func:`table_for`), or None where it has no entry."""
+    fmt = TABLE_FORMATS.get(dtype)
+    name = table_for(arch)
+    if fmt is None or name is None:
+        return None  # fp32 moves twice the bytes per tile: the tables' tiles would not fit; use the heuristic
+    buckets = _INDEX[name].get((fmt, E, H, I, K))
+    if buckets is None:
+        return None
+    bucket = buckets[nearest_bucket(list(buckets), M)]
+    if isinstance(bucket, int):  # a tile height: the rest as the heuristic launches that height
+        return heuristic(M, E, H, I, K, dtype, block_m=bucket, gpu=gpu_of(arch))
+    return bucket
+
+
+def _index_table(path: Path) -> dict[tuple[str, int, int, int, int], dict[int, Union[TileConfig, int]]]:
+    """(format, E, H, I, K) -> {bucket M: config, or a tile height} of a table file; {} when the file is missing."""
     if not path.exists():
         return {}
-    return {
-        (entry["E"], entry["H"], entry["I"], entry["K"]): {
-            int(m): TileConfig.from_dict(config) for m, config in entry["buckets"].items()
+    index: dict[tuple[str, int, int, int, int], dict[int, Union[TileConfig, int]]] = {}
+    for entry in load_table(path)["entries"]:
+        fmt = entry.get("format", "bf16")
+        index[(fmt, entry["E"], entry["H"], entry["I"], entry["K"])] = {
+            int(m): TileConfig.from_dict(config) if fmt == "bf16" else int(config["block_m"])
+            for m, config in entry["buckets"].items()
         }
-        for entry in load_table(path)["entries"]
-    }
+    return index
 
 
 def _index_shared_slot(path: Path) -> dict[tuple[int, int, int, int], int]:
-    """(E, H, I, K) -> an entry's ``shared_slot_max_tokens`` (absent: 0) of a table file."""
+    """(E, H, I, K) -> a 16-bit entry's ``shared_slot_max_tokens`` (absent: 0) of a table file."""
     if not path.exists():
         return {}
     return {(e["E"], e["H"], e["I"], e["K"]): int(e.get("shared_slot_max_tokens", 0))
-            for e in load_table(path)["entries"]}
+            for e in load_table(path)["entries"] if e.get("format", "bf16") == "bf16"}
 
 
 # Parsed once at import, so that tracing pick() (torch.compile) reads no files.
-_INDEX = {arch: _index_table(path) for arch, path in TABLES.items()}
-_SHARED_SLOT = {arch: _index_shared_slot(path) for arch, path in TABLES.items()}
+_GPUS = {name: load_table(path)["gpu"] for name, path in TABLES.items() if path.exists()}
+_INDEX = {name: _index_table(path) for name, path in TABLES.items()}
+_SHARED_SLOT = {name: _index_shared_slot(path) for name, path in TABLES.items()}
 
 
 def shared_slot_max_tokens(E: int, H: int, I: int, K: int, arch: Arch) -> int:
@@ -239,7 +275,8 @@ def shared_slot_max_tokens(E: int, H: int, I: int, K: int, arch: Arch) -> int:
     A measured, per-shape choice kept in the tile table (``"shared_slot_max_tokens"`` of an entry; 0 when absent,
     and with no table for ``arch``): ``moefuse bench layer`` times both ways at decode sizes.
     """
-    return _SHARED_SLOT.get(arch, {}).get((E, H, I, K), 0)
+    name = table_for(arch)
+    return 0 if name is None else _SHARED_SLOT[name].get((E, H, I, K), 0)
 
 
 def smem_bytes(block_m: int, tiles: GemmTiles, operands: int, element_size: int) -> int:
@@ -263,17 +300,18 @@ def weight_buffer_bytes(tiles: GemmTiles, operands: int, element_size: int) -> i
 
 def _fit(
     block_m: int, n: int, k: int, operands: int, element_size: int, num_tiles: int, *,
-    block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int, spread: bool,
+    block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int, spread: bool, gpu: GPU = HOPPER,
 ) -> GemmTiles:
-    """Shrink a wish-list launch to the problem: dims, SM coverage (``spread``), shared memory."""
+    """Shrink a wish-list launch to the problem: dims, SM coverage (``spread``), the GPU's shared memory."""
     block_n = min(block_n, max(16, _next_pow2(n)))
     block_k = min(block_k, max(16, _next_pow2(k)))
     # Memory-bound GEMMs need a program per SM in flight (deep pipelines keep each one streaming).
-    while spread and block_n > 64 and num_tiles * -(-n // block_n) < NUM_SMS:
+    while spread and block_n > 64 and num_tiles * -(-n // block_n) < gpu.sms:
         block_n //= 2
     # Give up pipeline depth beyond 3 first, then long reduction steps, then the last stage, then width.
+    budget = gpu.smem - SMEM_SLACK
     while smem_bytes(block_m, GemmTiles(block_n, block_k, group_m, num_warps, num_stages), operands,
-                     element_size) > SMEM_BUDGET:
+                     element_size) > budget:
         if num_stages > 3:
             num_stages -= 1
         elif block_k > 64:
@@ -292,68 +330,40 @@ def _next_pow2(x: int) -> int:
 
 
 def heuristic(
-    M: int, E: int, H: int, I: int, K: int, dtype: torch.dtype, *, block_m: Optional[int] = None
+    M: int, E: int, H: int, I: int, K: int, dtype: torch.dtype, *, block_m: Optional[int] = None,
+    gpu: GPU = HOPPER,
 ) -> TileConfig:
-    """First-principles tiles for a Hopper-class GPU (any GPU gets a valid, if untuned, config).
+    """First-principles tiles for a Hopper-class GPU of ``gpu``'s SM count and shared memory (any GPU gets a valid,
+    if untuned, config). The measurements behind each rule are in docs/PERF-NOTES.md.
 
-    1. Tile height: the average rows per touched expert, ``M*K / min(E, M*K)``, rounded up to a power of
-       two in [16, 128] ([16, 32] in fp32, item 4). Each tile reads its expert's whole weight slab, so a tile
-       much taller than an expert's rows wastes tensor-core work, and a much shorter one re-reads the weights.
-    2. Short tiles (<= 32 rows: decode and small batches) are bound by reading the weights once: long
-       reduction steps (BLOCK_K 128) and BLOCK_N 128, halved (down to 64) until there is a program per SM;
-       GEMM1 8 warps and 3 stages (two weight operands), GEMM2 4 warps and 4 stages. Tuning DeepSeek-V3,
-       Kimi-K2 and DeepSeek-V4 at M = 1 and 16 on an H200 picked BLOCK_N 128 for 4 of the 6 GEMM1s (64 for
-       DeepSeek-V4) and all 6 GEMM2s, and BLOCK_K 128 for 8 of the 12 (64 for the rest); the earlier seed
-       (BLOCK_N 32-64, two programs per SM) cost Kimi-K2's layer 20 µs at M = 1.
-    3. Tall tiles (prefill) are bound by tensor-core throughput: 8 warps, BLOCK_N 128 (GEMM1 keeps gate and
-       up accumulators) or 256 (GEMM2, one accumulator, when 128 rows tall), BLOCK_K 64, 4 stages (TMA
-       weight loads leave room for them: 224 KB compiled with the 64-row tail piece of 128-row tiles, see
-       ``bf16.py``; ``smem_bytes`` models one tile height), and each expert's tiles one group sharing a column block
-       (GROUP_M 0), so its weight tiles are read from L2 by all its tiles however skewed the routing (DeepSeek-V3
-       on an H200, against groups of 4: within noise to 3% faster at 4096 tokens, uniform and skewed, 5% at 8192).
+    1. Tile height: the average rows per touched expert, ``M*K / min(E, M*K)``, rounded up to a power of two in
+       [16, 128] ([16, 32] in fp32, item 4). Each tile reads its expert's whole weight slab, so a tile much taller
+       than an expert's rows wastes tensor-core work, and a much shorter one re-reads the weights.
+    2. Short tiles (<= 32 rows: decode and small batches) are bound by reading the weights once: long reduction
+       steps (BLOCK_K 128) and BLOCK_N 128, halved (down to 64) until there is a program per SM; GEMM1 8 warps and 3
+       stages (two weight operands), GEMM2 4 warps and 4 stages.
+    3. Tall tiles (prefill) are bound by tensor-core throughput: 8 warps, BLOCK_N 128 (GEMM1 keeps gate and up
+       accumulators) or 256 (GEMM2, one accumulator, when 128 rows tall), BLOCK_K 64, 4 stages, and each expert's
+       tiles one group sharing a column block (GROUP_M 0), so its weight tiles are read from L2 by all its tiles
+       however skewed the routing.
     4. fp32 operands take IEEE products on the FMA units, not the tensor cores, so the operand tiles live in
-       registers: tiles of at most 32 rows, BLOCK_N 64, BLOCK_K 32, 8 warps. Compiled for sm_90, those are
-       the largest that do not spill (``scripts/sass.py experts``; the 16-bit tiles above spilled up to 23 KB
-       per thread in fp32).
-    5. Every block is capped by its dimension (next power of two, at least 16: the smallest ``tl.dot``);
-       stages and BLOCK_K shrink until the operand buffers fit in shared memory.
-    6. fp8 block-scale weights (``dtype`` float8_e4m3fn, ``experts/fp8/kernels.py``): BLOCK_K 128 (one scale step) and
-       GEMM1's BLOCK_N 128 (one intermediate scale group); tiles of 16 rows up to 16 rows per expert, else 64.
-       16-row tiles step through K two K-adjacent 128-deep boxes at a time (BLOCK_K 256), 3 pipeline stages in
-       both GEMMs (``FP8_PAIR_STAGES``; 2 in a split GEMM1): each box still promoted on its own, so the same sums.
-       One H100, the op against one-box steps in interleaved fresh processes (thirty-ninth session, µs at 1 / 16 /
-       128 tokens): DeepSeek-V3 135.6 -> 130.4 / 1,552.5 -> 1,486.7 / 3,826.7 -> 3,655.6; Kimi-K2 136.0 -> 131.9 /
-       1,716.0 -> 1,645.3 / 5,428.2 -> 5,187.7; GLM-4.5-Air 60.4 -> 59.8 / 540.7 -> 524.6 / 785.4 -> 760.2;
-       Qwen3-30B-A3B 24.0 -> 23.8 / 157.8 -> 153.7 / 225.8 -> 219.3; DeepSeek-V4-Flash 0.9% slower at one token
-       (66.5 -> 67.1, within its spread between processes), 719.1 -> 686.5 at 16 and 2,138.4 -> 2,047.0 at 128.
-       The rest of this item was measured on one-box steps (its stage counts now hold for 64-row tiles only):
-       GEMM1 8 warps where it quantizes its own activations or the tiles are tall, else 4 (swept on an H200: 4 warps
-       and 4 stages saved 2% at 16 and 128 tokens); GEMM1 5 stages where it quantizes its own activations and its
-       programs fit one wave on the SMs (a token or a few: one program per SM streams its weight tiles, and more of
-       them in flight paid; DeepSeek-V3 experts at M = 1, 128 programs: 107–108 against 132–133 µs for 4 stages,
-       three fresh processes each), else 4 (the DeepSeek-V3 layer at M = 1 runs its shared expert as a ninth slot,
-       144 programs: 149 µs against 183 for 5 stages); GEMM2 4 warps (at 64 rows, DeepSeek-V3: 1,854 against 1,971 µs at
-       4096 tokens, 750 against 939 at 1024); tall tiles grouped per expert (GROUP_M 0: an expert's tiles share its
-       weight tiles through L2 however many it has; 5,605 against 5,665 µs for groups of 4). Each 128-deep step adds
-       a fresh fp32 product tile into the accumulator, so a program holds twice the accumulators of the bf16 kernel:
-       64 rows keep GEMM1's gate and up tiles in registers, 128 rows spilled (sm_90 compile). 32 rows run on
-       mma.sync, not wgmma: on one H200 (DeepSeek-V3, M = 1024, 32 rows per expert) 64-row tiles took 3,483 µs
-       against 4,480 for 32 rows; at M = 4096, 7,749 against 13,784.
-    7. MXFP4 weights (``dtype`` uint8, ``experts/mxfp4/kernels.py``): short tiles [128, 128] on 8 warps, 3 stages, for
-       both GEMMs; for a few tokens (at most 16 rows: few programs, each streaming long rows) [64, 256] on 4 warps,
-       4 stages. Swept on one H200 (DeepSeek-V4-Flash, 2026-12-01, µs at M = 1 / 16 / 128 / 1024): [128, 128] w8 s3
-       73 (s5) / 461 / 1,391 / 1,864; [64, 256] w4 s4 64 / 552 / - / -; [64, 128] w4 s3 - / 475 / 1,439 / 1,983;
-       [64, 64] w4 s3 - / 499 / 1,529 / 2,020; [128, 256] and [256, 128] w8 s3 slower (635 / 1,929 / 2,372 and
-       644 / 2,005 / 2,355). Tall tiles as for bf16 with 3 stages (M = 4096: 4,365 µs, against 4,775 for 4 stages
-       with tiles grouped per expert, 4,917 for [64, 64] and 5,083 for [128, 64]). On sm_90, models whose H and I
-       are multiples of 128 run the warp-specialized kernels of ``mxfp4/ws.py`` instead (their launch shape is
-       per tile height, ``ws.LAUNCH``); the tiles here serve the rest. Tile heights by the rows per
-       touched expert (``MXFP4_HEIGHTS``), not item 1's power of two: 16 rows up to 13, 32 up to 32, 64 up to 58,
-       then 128 (W4A8's). A tile's unpacking is paid per tile, so an expert with a second tile costs nearly twice
-       as much, and with uniform routing a share of the experts has more rows than the mean; the limits are where
-       the next height measured faster, DeepSeek-V4-Flash experts on one H200 (2026-12-02, µs, rows per expert:
-       shorter / taller tile): 12: 1,409 / 1,555; 15: 1,708 / 1,597; 30: 2,040 / 2,280; 36: 2,602 / 2,301;
-       57: 2,606 / 2,761 (W4A8); 60: 2,877 / 2,768; 63: 3,182 / 2,747.
+       registers: tiles of at most 32 rows, BLOCK_N 64, BLOCK_K 32, 8 warps (the largest that do not spill on
+       sm_90: ``scripts/sass.py experts``).
+    5. Every block is capped by its dimension (next power of two, at least 16: the smallest ``tl.dot``); stages and
+       BLOCK_K shrink until the operand buffers fit in the GPU's shared memory.
+    6. fp8 block-scale weights (``dtype`` float8_e4m3fn, ``experts/fp8/kernels.py``): BLOCK_K 128 (one scale step)
+       and GEMM1's BLOCK_N 128 (one intermediate scale group); tiles of 16 rows up to 16 rows per expert, else 64.
+       16-row tiles step through K two K-adjacent boxes at a time (BLOCK_K 256), on ``FP8_PAIR_STAGES`` in both
+       GEMMs (each box still promoted on its own: the same sums). 64-row tiles: GEMM1 8 warps where the plan has a
+       few rows (``FP8_FEW_ROWS``) or the tiles are tall, else 4; GEMM1 5 stages where it is one wave of programs
+       on the SMs, else 4; GEMM2 4 warps and 4 stages; tall tiles grouped per expert. 32-row fp8 tiles would run
+       on mma.sync, slower than 64-row wgmma tiles at every size measured, so they are never chosen.
+    7. MXFP4 weights (``dtype`` uint8, ``experts/mxfp4/kernels.py``): short tiles [128, 128] on 8 warps, 3 stages;
+       for a few tokens (at most ``MXFP4_FEW_ROWS`` rows) [64, 256] on 4 warps, 4 stages; tall tiles as for bf16
+       with 3 stages. Tile heights by the rows per touched expert (``MXFP4_HEIGHTS``), not item 1's power of two:
+       a tile's unpacking is paid per tile, so an expert with a second tile costs nearly twice as much. On sm_90,
+       models whose H and I are multiples of 128 run the warp-specialized kernels of ``mxfp4/ws.py`` (their launch
+       shape is per tile height, ``ws.LAUNCH``); the tiles here serve the rest.
     """
     M = int(M)
     rows = max(M * K, 1)
@@ -372,42 +382,42 @@ def heuristic(
     size = dtype.itemsize  # MXFP4 (uint8): bf16 activation tiles, but packed weight tiles of 5/8 byte per weight
     if fp32:
         gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=64, block_k=32, group_m=1, num_warps=8,
-                     num_stages=3, spread=False)
+                     num_stages=3, spread=False, gpu=gpu)
         gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=64, block_k=32, group_m=1, num_warps=8,
-                     num_stages=3, spread=False)
+                     num_stages=3, spread=False, gpu=gpu)
     elif mxfp4 and block_m <= 32:
         few = rows <= MXFP4_FEW_ROWS
         block_n, block_k, warps, stages = (64, 256, 4, 4) if few else (128, 128, 8, 3)
         gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=block_n, block_k=block_k, group_m=1,
-                     num_warps=warps, num_stages=stages, spread=False)
+                     num_warps=warps, num_stages=stages, spread=False, gpu=gpu)
         gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=block_n, block_k=block_k, group_m=1,
-                     num_warps=warps, num_stages=stages, spread=False)
+                     num_warps=warps, num_stages=stages, spread=False, gpu=gpu)
     elif mxfp4:
         gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=128, group_m=4, num_warps=8,
-                     num_stages=3, spread=False)
+                     num_stages=3, spread=False, gpu=gpu)
         gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=256 if block_m >= 128 else 128, block_k=64,
-                     group_m=4, num_warps=8, num_stages=3, spread=False)
+                     group_m=4, num_warps=8, num_stages=3, spread=False, gpu=gpu)
     elif fp8:
         tall = block_m >= 64
         few = rows <= FP8_FEW_ROWS
-        deep = few and num_tiles * -(-I // 128) <= NUM_SMS  # 5 stages only where GEMM1 is one wave of programs
+        deep = few and num_tiles * -(-I // 128) <= gpu.sms  # 5 stages only where GEMM1 is one wave of programs
         # short tiles step through K two 128-deep boxes at a time (BLOCK_K 256: fp8.kernels' BOXES)
         block_k = 128 if tall else 256
         gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=block_k, group_m=0 if tall else 1,
                      num_warps=8 if tall or few else 4, num_stages=(5 if deep else 4) if tall else FP8_PAIR_STAGES,
-                     spread=False)
+                     spread=False, gpu=gpu)
         gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=128, block_k=block_k, group_m=0 if tall else 1,
-                     num_warps=4, num_stages=4 if tall else FP8_PAIR_STAGES, spread=not tall)
+                     num_warps=4, num_stages=4 if tall else FP8_PAIR_STAGES, spread=not tall, gpu=gpu)
     elif block_m <= 32:
         gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=128, group_m=1, num_warps=8,
-                     num_stages=3, spread=True)
+                     num_stages=3, spread=True, gpu=gpu)
         gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=128, block_k=128, group_m=1, num_warps=4,
-                     num_stages=4, spread=True)
+                     num_stages=4, spread=True, gpu=gpu)
     else:
         gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=64, group_m=0, num_warps=8,
-                     num_stages=4, spread=False)
+                     num_stages=4, spread=False, gpu=gpu)
         gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=256 if block_m >= 128 else 128, block_k=64,
-                     group_m=0, num_warps=8, num_stages=4, spread=False)
+                     group_m=0, num_warps=8, num_stages=4, spread=False, gpu=gpu)
     return TileConfig(block_m, gemm1, gemm2)
 
 
@@ -419,13 +429,7 @@ def fp8_split_k(rows: int, width: int, sms: int) -> int:
     two programs per SM (a token or two), the split in 1..``FP8_SPLIT_MAX`` whose programs fill the largest share of
     their waves, the fewest on a tie; else 1. A wave is ``sms`` unsplit programs (``FP8_PAIR_STAGES`` of two-box
     steps hold an SM's shared memory) or 2 · ``sms`` split ones (two share an SM on ``FP8_SPLIT_PAIR_STAGES``).
-    On one H100 (132 SMs, the experts on two-box steps, thirty-ninth session, best of two CUDA-graph timings per
-    split, µs at splits 1 / 2 / 3 / 4) it picks: DeepSeek-V3 1 (132.5 / 137.1 / 137.0 / 136.9), 3 with the shared
-    expert's slot (176.7 / 172.0 / 152.8 / 158.0); Kimi-K2 the same; DeepSeek-V4-Flash 1 with and without the slot
-    (67.6 / 69.7 / 71.3 / 69.0; 74.8 / 76.4 / 79.4 / 79.2); GLM-4.5-Air 3 (the op, 60.3 and 59.8 µs in two
-    processes, against 63.1 unsplit), 1 with the slot (69.6 / 70.9 / 73.4 / 72.0); Qwen3-30B-A3B 4 (28.1 / 28.2 /
-    27.6 / 28.0: within 0.5 µs). Split runs there were timed without a workspace, so with the counters' zeroing
-    kernel the op does not run."""
+    The splits it picks on the presets, and their times, are in docs/PERF-NOTES.md (fp8 decode)."""
     programs = rows * -(-width // 128)
     if programs > 2 * sms:
         return 1

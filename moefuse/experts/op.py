@@ -11,9 +11,10 @@ from typing import Literal, Optional, Union, cast
 import torch
 
 from .. import _checks, _runtime
-from ..dispatch import DispatchPlan
+from ..dispatch import DispatchPlan, moe_dispatch
 from ..formats import MXFP4, BlockFP8, ExpertWeight, QuantizedWeight, resolve_activation_quant, tile_dtype
-from . import configs, persistent
+from . import configs
+from . import persistent as _persistent
 from .bf16 import gemm1_swiglu, gemm2
 from .configs import Arch, GemmTiles, pick_block_m
 from .fp8 import experts_fp8
@@ -36,6 +37,8 @@ def moe_experts(
     activation_quant: Optional[str] = "default",
     backend: str = "auto",
     workspace: Optional[torch.Tensor] = None,
+    batch_invariant: Optional[bool] = None,
+    persistent: Optional[str] = None,
 ) -> torch.Tensor:
     """The routed experts' SwiGLU MLPs on the rows of a dispatch plan: GEMM1 + SwiGLU, then GEMM2.
 
@@ -67,6 +70,12 @@ def moe_experts(
             block-scale GEMM1 split along K (a token or two) counts its runs' arrivals, leaving them zeroed, so
             that the call launches no kernel to zero them. Give each caller its own (a layer): calls in flight at
             the same time, on different streams, must not share one; calls one after another on a stream may.
+        batch_invariant: None (the process default, ``moefuse.set_defaults``), or True for sums in one order at
+            every plan size: 16-bit and fp8 weights then need a plan of ``block_m`` >= 64 (``plan_block_m(...,
+            batch_invariant=True)`` gives it), and fp8 GEMM1 is never split along K. A row's output is then the same
+            bits in any batch (docs/USAGE.md, batch invariance).
+        persistent: None (the process default), or "auto" / "all" / "none": which persistent prefill kernels run
+            where they apply (``experts/persistent.py``; "auto": the fp8 ones).
 
     Returns:
         ``out`` [M·K, H], hidden's dtype and device. Rows at or past n_valid = ``plan.expert_offsets[E]``
@@ -82,6 +91,13 @@ def moe_experts(
     num_tokens, hidden_size, width, quant, resolved = _validate(
         hidden, gate_up_proj, down_proj, plan, swiglu_limit, out, activation_quant, backend, workspace
     )
+    invariant = _runtime.batch_invariant(batch_invariant)
+    if invariant and plan.block_m < invariant_rows(gate_up_proj, hidden.dtype):
+        raise ValueError(f"batch_invariant=True needs a plan of block_m >= {invariant_rows(gate_up_proj, hidden.dtype)}"
+                         f" (one MMA family at every size; plan_block_m(..., batch_invariant=True) gives it), got "
+                         f"block_m = {plan.block_m}")
+    flags = [int(_runtime.persistent_enabled(not isinstance(gate_up_proj, torch.Tensor), persistent)),
+             1 if invariant else 0]  # persistent kernels allowed; GEMM1's split along K (0: the default)
     op: Callable[..., None]  # arity per format: the weights' tensors are spread into its arguments
     weights: tuple[torch.Tensor, ...]
     counters: tuple[Optional[torch.Tensor], ...]  # the formats' ops take the workspace; the bf16 kernels never split
@@ -103,10 +119,24 @@ def moe_experts(
         plan.tile_expert, plan.tile_row_start, plan.top_k, plan.block_m,
         None if swiglu_limit is None else float(swiglu_limit),
         _tiles_to_list(config.gemm1) + _tiles_to_list(config.gemm2),
-        _runtime.pdl_enabled(None, device), resolved, *counters, out,
+        _runtime.pdl_enabled(None, device), resolved, flags, *counters, out,
     )
     return out
 
+
+# Batch-invariant plans: tiles of at least this many rows, so that 16-bit and fp8 GEMMs run on wgmma at every size
+# (16- and 32-row tiles run on mma.sync, whose sums differ in the last bits; 64- and 128-row wgmma tiles, the tl and the
+# persistent kernels, give a row the same bits: measured on an H100, docs/USAGE.md).
+INVARIANT_MIN_ROWS = 64
+
+
+def invariant_rows(gate_up_proj: ExpertWeight, hidden_dtype: torch.dtype) -> int:
+    """The least plan height of batch-invariant experts: ``INVARIANT_MIN_ROWS`` (wgmma) for 16-bit and fp8 weights;
+    32 for fp32, whose tiles are at most 32 rows (FMA products: one tile shape at every size); none for MXFP4 W4A16,
+    whose rows have the same bits on every height (its W4A8 plans are 128 rows at every size)."""
+    if isinstance(gate_up_proj, MXFP4):
+        return 0
+    return 32 if hidden_dtype == torch.float32 else INVARIANT_MIN_ROWS
 
 # Counters in a workspace: GEMM1 split along K needs one per program of its unsplit grid, and is split only where
 # that grid fills at most two programs an SM (``configs.fp8_split_k``): 2 · SMs, for GPUs of up to 512 SMs.
@@ -196,9 +226,27 @@ def _validate(
             raise ValueError(f"workspace must be contiguous, got strides {workspace.stride()}")
     quant = resolve_activation_quant(cast(ExpertWeight, gate_up_proj), activation_quant)
     resolved = _runtime.resolve_backend(backend, device)
+    if resolved == "triton" and device.type == "cuda" and not _runtime.interpreting():
+        check_gpu(cast(ExpertWeight, gate_up_proj), quant, _runtime.gpu(device))
     if isinstance(gate_up_proj, MXFP4) and quant == "fp8" and resolved == "triton":
         _check_w4a8(hidden, gate_up_proj, cast(MXFP4, down_proj), plan)
     return num_tokens, hidden_size, width, quant, resolved
+
+
+# fp8 operands of the tensor cores (W8A8, W4A8): Ada (sm_89) and later.
+FP8_MMA = (8, 9)
+
+
+def check_gpu(gate_up_proj: ExpertWeight, activation_quant: Optional[str], gpu: _runtime.GPU) -> None:
+    """Refuse, naming the argument, a format whose Triton kernels ``gpu`` cannot run: fp8 activations (fp8
+    block-scale weights, or MXFP4 with ``activation_quant="fp8"``) need fp8 MMAs (sm_89 or later). Everything else
+    runs on any GPU Triton supports; the Hopper-only kernels fall back to the ``tl`` ones elsewhere, except W4A8
+    (``_check_w4a8``)."""
+    if activation_quant == "fp8" and gpu.capability < FP8_MMA:
+        raise ValueError(f"gate_up_proj: {type(gate_up_proj).__name__} weights with fp8 activations need fp8 tensor "
+                         f"cores (compute capability >= {FP8_MMA[0]}.{FP8_MMA[1]}); {gpu.name} is "
+                         f"{gpu.capability[0]}.{gpu.capability[1]}: use bf16 weights (or MXFP4 with "
+                         f"activation_quant=None) or backend='reference'")
 
 
 def check_experts_shapes(gate_up_proj: ExpertWeight, activation_quant: Optional[str]) -> None:
@@ -230,30 +278,72 @@ def plan_block_m(
     hidden_dtype: torch.dtype,
     activation_quant: Optional[str] = "default",
     arch: Union[Arch, Literal["auto"]] = "auto",
+    *,
+    batch_invariant: Optional[bool] = None,
+    persistent: Optional[str] = None,
 ) -> int:
     """The dispatch plan's ``block_m`` for ``moe_experts`` on these weights: the tile table's (``pick_block_m``),
-    the W4A8 kernels' 128 rows for MXFP4 with ``activation_quant="fp8"``, or the persistent kernels' 128 rows for fp8
-    block-scale on Hopper from ``persistent.FP8_MIN_TOKENS`` (unless ``MOEFUSE_PERSISTENT=0``)."""
+    the W4A8 kernels' 128 rows for MXFP4 with ``activation_quant="fp8"``, or for fp8 block-scale on Hopper the
+    persistent kernels' 128 rows where the GPU's table chose them (without a table: from
+    ``persistent.FP8_MIN_TOKENS`` tokens) unless ``persistent`` turns them off. With ``batch_invariant`` (None: the
+    process default) 16-bit and fp8 plans are at least ``INVARIANT_MIN_ROWS`` rows."""
     quant = resolve_activation_quant(gate_up_proj, activation_quant)
     if isinstance(gate_up_proj, MXFP4) and quant == "fp8":
         return mxfp4_w4a8.BLOCK_M
     E, two_width, H = gate_up_proj.shape
-    if isinstance(gate_up_proj, BlockFP8) and persistent.takes_fp8_plan(num_tokens, H, two_width // 2,
-                                                                         configs.resolve_arch(arch)):
-        return persistent.BLOCK_M
-    return pick_block_m(num_tokens, E, H, two_width // 2, top_k, tile_dtype(gate_up_proj, hidden_dtype), arch)
-
-
-def launch_variant(gate_up_proj: ExpertWeight, num_rows: int, activation_quant: Optional[str]) -> tuple:
-    """What besides the tiles decides which kernels ``moe_experts`` compiles for a plan of ``num_rows`` rows on these
-    weights and (resolved) ``activation_quant``: fp8 block-scale's split of GEMM1 along K, MXFP4's W4A8 kernels.
-    Warm-up keys on it."""
+    I = two_width // 2
+    target = configs.resolve_arch(arch)
+    dtype = tile_dtype(gate_up_proj, hidden_dtype)
+    floor = invariant_rows(gate_up_proj, hidden_dtype) if _runtime.batch_invariant(batch_invariant) else 0
     if isinstance(gate_up_proj, BlockFP8):
-        split = fp8_kernels.default_split_k(num_rows, gate_up_proj.shape[1] // 2, gate_up_proj.values.device)
+        table = configs.from_table(num_tokens, E, H, I, top_k, dtype, target)
+        tall = table.block_m == _persistent.BLOCK_M if table is not None else num_tokens >= _persistent.FP8_MIN_TOKENS
+        if tall and _persistent.runs_fp8(H, I, None if target is None else configs.gpu_of(target), persistent_arg(
+                persistent)):
+            return _persistent.BLOCK_M
+        if table is not None and table.block_m != _persistent.BLOCK_M:
+            return max(table.block_m, floor)
+        return max(configs.heuristic(num_tokens, E, H, I, top_k, dtype, gpu=configs.gpu_of(target)).block_m, floor)
+    return max(pick_block_m(num_tokens, E, H, I, top_k, dtype, target), floor)
+
+
+def persistent_arg(persistent: Optional[str]) -> Optional[str]:
+    """A ``persistent`` argument checked: None (the process default) or one of ``_runtime.PERSISTENT``."""
+    if persistent is not None and persistent not in _runtime.PERSISTENT:
+        raise ValueError(f"persistent must be None or one of {_runtime.PERSISTENT}, got {persistent!r}")
+    return persistent
+
+
+def launch_variant(gate_up_proj: ExpertWeight, num_rows: int, activation_quant: Optional[str],
+                   batch_invariant: bool = False) -> tuple:
+    """What besides the tiles decides which kernels ``moe_experts`` compiles for a plan of ``num_rows`` rows on these
+    weights and (resolved) ``activation_quant``: fp8 block-scale's split of GEMM1 along K (none where
+    ``batch_invariant``), MXFP4's W4A8 kernels. Warm-up keys on it."""
+    if isinstance(gate_up_proj, BlockFP8):
+        split = 1 if batch_invariant else fp8_kernels.default_split_k(num_rows, gate_up_proj.shape[1] // 2,
+                                                                       gate_up_proj.values.device)
         return ("split_k", split)
     if isinstance(gate_up_proj, MXFP4):
         return ("activations", activation_quant)
     return ()
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """``x @ weight^T`` in x's dtype (x [M, K], weight [N, K] of x's dtype, any strides): the experts' GEMM2 kernel on
+    one expert holding every row, tiles ``INVARIANT_MIN_ROWS`` tall (32 in fp32), so that a row's products are summed
+    in one order at every M: the batch-invariant layer's dense projections (its shared expert), where cuBLAS would
+    pick its kernel by M. The reference backend computes ``F.linear``."""
+    M, K = x.shape
+    N = weight.shape[0]
+    resolved = _runtime.resolve_backend(backend, x.device)
+    if resolved != "triton" or M == 0 or N == 0:
+        return torch.nn.functional.linear(x, weight)
+    block_m = 32 if x.dtype == torch.float32 else INVARIANT_MIN_ROWS
+    plan = moe_dispatch(torch.zeros(M, 1, dtype=torch.int32, device=x.device), 1, block_m, backend=resolved)
+    tiles = configs.heuristic(M, 1, N, K, 1, x.dtype, block_m=block_m, gpu=configs.gpu_of(configs.arch_of(x.device)))
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    gemm2(x, weight[None], plan, out, tiles.gemm2, use_pdl=_runtime.pdl_enabled(None, x.device))
+    return out
 
 
 def mlp_on_cublas(num_tokens: int, weight_type: type, hidden_size: int, width: int, hidden_dtype: torch.dtype,
@@ -291,19 +381,21 @@ def _experts_impl(
     tiles: list[int],
     use_pdl: bool,
     backend: str,
+    flags: list[int],
     out: torch.Tensor,
 ) -> None:
     """Compute into ``out``; arguments were validated, backend and tiles chosen by the public wrapper.
 
-    ``tiles`` is GEMM1's then GEMM2's (block_n, block_k, group_m, num_warps, num_stages).
+    ``tiles`` is GEMM1's then GEMM2's (block_n, block_k, group_m, num_warps, num_stages); ``flags``: whether the
+    persistent kernels may run, and fp8 GEMM1's split along K (0: the default).
     """
     plan = DispatchPlan(gate_up_proj.shape[0], top_k, block_m, expert_offsets, permuted_to_expanded,
                         expanded_to_permuted, tile_expert, tile_row_start)
     if backend != "triton":
         moe_experts_torch(hidden, gate_up_proj, down_proj, plan, swiglu_limit=swiglu_limit, out=out)
         return
-    if _runtime.persistent_enabled(fp8=False) and persistent.eligible(hidden, gate_up_proj, down_proj, plan, out):
-        persistent.experts_persistent(hidden, gate_up_proj, down_proj, plan, out, swiglu_limit)
+    if flags[0] and _persistent.eligible(hidden, gate_up_proj, down_proj, plan, out):
+        _persistent.experts_persistent(hidden, gate_up_proj, down_proj, plan, out, swiglu_limit)
         return
     intermediate = torch.empty(plan.num_rows, gate_up_proj.shape[1] // 2, dtype=hidden.dtype, device=hidden.device)
     gemm1_swiglu(hidden, gate_up_proj, plan, intermediate, GemmTiles(*tiles[:5]), swiglu_limit, use_pdl=use_pdl)
@@ -348,6 +440,7 @@ def _format(cls: type[QuantizedWeight], name: str, launch: Callable[..., None],
         tiles: list[int],
         use_pdl: bool,
         backend: str,
+        flags: list[int],
         workspace: Optional[torch.Tensor],
         out: torch.Tensor,
     ) -> None:
@@ -358,7 +451,7 @@ def _format(cls: type[QuantizedWeight], name: str, launch: Callable[..., None],
             reference(hidden, gate_up, down, plan, swiglu_limit=swiglu_limit, out=out)
             return
         launch(hidden, gate_up, down, plan, out, GemmTiles(*tiles[:5]), GemmTiles(*tiles[5:]), swiglu_limit,
-               use_pdl=use_pdl, workspace=workspace)
+               use_pdl=use_pdl, workspace=workspace, persistent=bool(flags[0]), split_k=flags[1] or None)
 
     impl.__name__ = impl.__qualname__ = f"_{name}_impl"
     op = torch.library.custom_op(f"moefuse::{name}", impl, mutates_args=("out", "workspace"))
@@ -368,19 +461,22 @@ def _format(cls: type[QuantizedWeight], name: str, launch: Callable[..., None],
 
 def _fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, plan: DispatchPlan, out: torch.Tensor,
          gemm1_tiles: GemmTiles, gemm2_tiles: GemmTiles, swiglu_limit: Optional[float], *,
-         use_pdl: bool = False, workspace: Optional[torch.Tensor] = None) -> None:
+         use_pdl: bool = False, workspace: Optional[torch.Tensor] = None, persistent: bool = True,
+         split_k: Optional[int] = None) -> None:
     """W8A8: the persistent kernels where they take the shapes (128-row plans on Hopper, which ``plan_block_m`` gives
-    from ``persistent.FP8_MIN_TOKENS``) unless ``MOEFUSE_PERSISTENT=0``, else the ``tl`` kernels."""
-    if _runtime.persistent_enabled(fp8=True) and persistent.eligible_fp8(hidden, gate_up, down, plan, out):
-        persistent.experts_persistent_fp8(hidden, gate_up, down, plan, out, swiglu_limit)
+    where they measured faster) unless ``persistent`` is off, else the ``tl`` kernels (GEMM1 split along K in
+    ``split_k`` runs; None: ``fp8.kernels.default_split_k``)."""
+    if persistent and _persistent.eligible_fp8(hidden, gate_up, down, plan, out):
+        _persistent.experts_persistent_fp8(hidden, gate_up, down, plan, out, swiglu_limit)
     else:
         experts_fp8(hidden, gate_up, down, plan, out, gemm1_tiles, gemm2_tiles, swiglu_limit, use_pdl=use_pdl,
-                    workspace=workspace)
+                    workspace=workspace, split_k=split_k)
 
 
 def _mxfp4_w4a16(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: DispatchPlan, out: torch.Tensor,
                  gemm1_tiles: GemmTiles, gemm2_tiles: GemmTiles, swiglu_limit: Optional[float], *,
-                 use_pdl: bool = False, workspace: Optional[torch.Tensor] = None) -> None:
+                 use_pdl: bool = False, workspace: Optional[torch.Tensor] = None, persistent: bool = True,
+                 split_k: Optional[int] = None) -> None:
     """W4A16: the warp-specialized kernels on Hopper where they take the shapes, the ``tl`` kernels elsewhere (the
     same sums in the same order: bit-identical outputs, SPEC §6). They count no arrivals: ``workspace`` is not used."""
     if mxfp4_ws.ws_eligible(hidden, gate_up, down, plan):
@@ -392,7 +488,8 @@ def _mxfp4_w4a16(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: Dispat
 
 def _mxfp4_w4a8(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: DispatchPlan, out: torch.Tensor,
                 gemm1_tiles: GemmTiles, gemm2_tiles: GemmTiles, swiglu_limit: Optional[float], *,
-                use_pdl: bool = False, workspace: Optional[torch.Tensor] = None) -> None:
+                use_pdl: bool = False, workspace: Optional[torch.Tensor] = None, persistent: bool = True,
+                split_k: Optional[int] = None) -> None:
     """W4A8 (checked by ``_check_w4a8``): its kernels have their own tiles, no PDL and no counters (``workspace`` is
     not used)."""
     with _unit_column_stride(out) as rows:
@@ -422,5 +519,5 @@ _FORMATS = {
 
 @_experts_op.register_fake
 def _(hidden, gate_up_proj, down_proj, expert_offsets, permuted_to_expanded, expanded_to_permuted, tile_expert,
-      tile_row_start, top_k, block_m, swiglu_limit, tiles, use_pdl, backend, out) -> None:
+      tile_row_start, top_k, block_m, swiglu_limit, tiles, use_pdl, backend, flags, out) -> None:
     return None

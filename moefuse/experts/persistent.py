@@ -6,29 +6,32 @@ Same contract and numerics as ``bf16.py``'s GEMM1 + SwiGLU and GEMM2 (SPEC §3-4
 SwiGLU in fp32, the intermediate rounded to the activations' dtype), and on fp8 block-scale weights as
 ``fp8/kernels.py``'s (SPEC §5: 128-deep steps, each box's product promoted into fp32 times the rows' activation
 scales and its weight-block scale; GEMM1 quantizes the intermediate per row and 128 columns, from fp32). What
-differs is the structure, the one the non-persistent kernels could not reach (docs/PERF-NOTES.md, issue 39):
+differs is the structure, which keeps every SM busy under ragged routing. Words used below: a work *item* is one
+plan tile (``BLOCK_M`` rows of one expert) times one column block; a *box* is the block one TMA load copies into
+shared memory (64 activation rows or 128 weight rows of one K step); a *slot* is one stage of the shared-memory
+ring the loads fill, with a ``ready`` barrier (its bytes have landed) and an ``empty`` one (both consumers are done
+with it).
 
-- one program per SM, claiming work items from a counter as it frees up (``dynamic``; ragged routing makes items'
-  costs uneven, and every grid-th item a program left programs idle at the end); an item is one plan tile
-  (``BLOCK_M`` rows of one expert) and one column block. Items go tile by tile, so the programs running at once
-  share a few tiles' activation rows and, where an expert has several tiles, its weight boxes through L2.
-  Experiments (``launch``): one item a program, every grid-th item a program;
+- one program per SM, claiming items from a counter as it frees up (``dynamic``: ragged routing makes items'
+  costs uneven, and taking every grid-th item left programs idle at the end). Items go tile by tile, so the
+  programs running at once share a few tiles' activation rows and, where an expert has several tiles, its weight
+  boxes through L2. ``launch`` also takes the static schedule and one item a program, for comparison;
 - a producer warp that streams each step of the item's activation rows (two 64-row boxes) and its two 128-row
-  weight boxes through TMA into a ring of slots, running ahead across items (it fills the next item's steps while
+  weight boxes through TMA into the next slot, running ahead across items (it fills the next item's steps while
   the consumers finish the last one's epilogue);
 - two 4-warp consumers (one warp group each), one per 64-row half of the tile, each against both weight boxes: per
   step they wait for the slot, issue their wgmmas (A and B from shared memory), keep that step in flight while
-  waiting for the one before, and free its slot (the slot's empty barrier counts both consumers). A half that lies
-  wholly past its expert's end (a tile's remainder of at most 64 rows) issues no wgmma: ragged routing leaves about
-  one such remainder per expert, and on full-height MMAs they cost more tensor-core time than the weights' stream
-  leaves to spare (PERF-NOTES, twenty-second session).
+  waiting for the one before, and free its slot. A half that lies wholly past its expert's end (a tile's remainder
+  of at most 64 rows) issues no wgmma: ragged routing leaves about one such remainder per expert, and on
+  full-height MMAs they cost more tensor-core time than the weights' stream leaves to spare.
 
 GEMM1's boxes are the gate and the up rows of the item's 128 intermediate columns, so SwiGLU is elementwise on a
 pair of accumulators; GEMM2's are its 256 output columns, two 128-column halves. The 16-bit consumers multiply a
 whole box at once (GEMM1: 64 x 128 wgmmas, gate and up; GEMM2: 64 x 256 over both boxes); the fp8 ones a 64-row
-half of a box at a time, each promoted on its own (a 64 x 128 product promoted a box at a time was slower, and a
+half of a box at a time, each promoted on its own (a 64 x 128 product promoted a box at a time is slower, and a
 larger one does not fit their registers beside the accumulators). GEMM1 reads the plan's rows of ``hidden``
-gathered into plan order first (TMA reads contiguous rows; Hopper's TMA has no row gather).
+gathered into plan order first (TMA reads contiguous rows; Hopper's TMA has no row gather). The measurements
+behind these choices are in docs/PERF-NOTES.md.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from typing import Optional
 import torch
 
 from .. import _runtime
+from .._runtime import GPU
 from ..dispatch import DispatchPlan
 from ..formats import BlockFP8
 from .common import gather_rows
@@ -46,11 +50,10 @@ from .fp8.quantize import quantize_rows_into, quantized_rows
 try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .mxfp4.w4a8 import _e4m3, _row_inverse, _scale_of  # the e4m3 quantization in Gluon, as W4A8's epilogue
-    from .mxfp4.ws import _swiglu
+    from .gluon_common import e4m3, row_inverse, scale_of, swiglu, tma_load
 except ImportError:  # pragma: no cover - every supported Triton has it
     gluon = None
 
@@ -77,8 +80,6 @@ GEMM1_COLS = BOX  # intermediate columns an item of GEMM1 computes (both consume
 GEMM2_COLS = 2 * BOX  # output columns an item of GEMM2 computes
 
 if gluon is not None:
-    # Triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 async_load (the old name a deprecated alias).
-    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
     _BK: gl.constexpr = gl.constexpr(BLOCK_K)
     _BOX: gl.constexpr = gl.constexpr(BOX)
     _HALF: gl.constexpr = gl.constexpr(BLOCK_M // 2)  # a consumer's rows: one wgmma M
@@ -104,15 +105,15 @@ if gluon is not None:
         releases it to the consumers, whose wait acquires it)."""
         for k in range(k_steps):
             s = i % STAGES
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first pass finds every slot free
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first lap finds every slot free
             if DYNAMIC:
                 if k == 0:
                     gl.store(claim_ptr, item)
             mbarrier.expect(ready.index(s), 2 * a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
             for h in gl.static_range(2):
-                _tma_load(a_desc, [row_start + h * _HALF, k * BK], ready.index(s), a_smem.index(2 * s + h))
+                tma_load(a_desc, [row_start + h * _HALF, k * BK], ready.index(s), a_smem.index(2 * s + h))
             for b in gl.static_range(2):
-                _tma_load(w_desc, [w_row + b * box_stride, k * BK], ready.index(s),
+                tma_load(w_desc, [w_row + b * box_stride, k * BK], ready.index(s),
                           w_smem.index(s).slice(b * _BOX, _BOX))
             i += 1
         return i
@@ -174,7 +175,7 @@ if gluon is not None:
         multiple of 64). Through shared memory into a layout where a thread stores 16 bytes of a row and a warp
         whole 128-byte lines: straight from the MMA layout a thread stores two values at a time and a warp
         instruction 16-byte pieces of 8 rows, 8x the store instructions, each sector written in two halves (fp8
-        experts 4-7% slower at 4,096-8,192 tokens, bf16 2-3%; docs/PERF-NOTES.md, twenty-sixth session)."""
+        experts 4-7% slower at 4,096-8,192 tokens, bf16 2-3%; H200, 2026-12-04)."""
         COLS: gl.constexpr = acc.shape[1]
         VEC: gl.constexpr = 128 // out_ptr.dtype.element_ty.primitive_bitwidth  # values in 16 bytes
         ACROSS: gl.constexpr = 64 // VEC  # threads across 64 columns of a row
@@ -218,8 +219,7 @@ if gluon is not None:
                       STAGES: gl.constexpr):
         """Consumer ``C``'s part of one item, its steps from ring position ``i`` (returned past them). GEMM1: the
         gate and the up box each one 64 x 128 wgmma a 16-deep piece; GEMM2: both boxes one 64 x 256 wgmma (four
-        64 x 64 ones, one a 64-row half box, were up to 3% slower: docs/PERF-NOTES.md,
-        twenty-seventh session)."""
+        64 x 64 ones, one a 64-row half box, were up to 3% slower; H200, 2026-12-04)."""
         row0 = row_start + C * _HALF
         if expert >= 0:
             if row0 < row_end:
@@ -243,7 +243,7 @@ if gluon is not None:
                         i += 1
                     gate, up = warpgroup_mma_wait(0, deps=[gate, up])
                     mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
-                    _store(_swiglu(gate, up, limit, HAS_LIMIT), out_ptr, row0, row_end, col0, stride_om)
+                    _store(swiglu(gate, up, limit, HAS_LIMIT), out_ptr, row0, row_end, col0, stride_om)
                 else:
                     WIDE: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                    instr_shape=[16, 2 * _BOX, 16])
@@ -331,8 +331,7 @@ if gluon is not None:
                           GEMM1: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr):
         """Consumer ``C``'s part of one fp8 item, its steps from ring position ``i`` (returned past them): each
         64-row half of a weight box one 64 x 64 wgmma a 32-deep piece, promoted on its own. (One 64 x 128 wgmma a
-        box, promoted a box at a time, made the fp8 experts 4-8% slower at 4,096-8,192 tokens: docs/PERF-NOTES.md,
-        twenty-seventh session.)"""
+        box, promoted a box at a time, made the fp8 experts 4-8% slower at 4,096-8,192 tokens; H200, 2026-12-04.)"""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, _HALF, 32])
         row0 = row_start + C * _HALF
@@ -343,7 +342,7 @@ if gluon is not None:
                 w_row = block * item_cols  # the item's first weight row within the expert's
                 # each 64-row half's weight-block scale through a pointer of its own, although both halves of a
                 # box lie in one block: with one pointer a box (each half loading the box's scale from it) the
-                # consumers spilled 8-192 bytes (Triton 3.9; PERF-NOTES, twenty-seventh session)
+                # consumers spill 8-192 bytes (Triton 3.9)
                 ws_expert = ws_ptr + expert.to(gl.int64) * stride_se
                 ws0 = ws_expert + (w_row // 128) * stride_sn
                 ws1 = ws_expert + ((w_row + _HALF) // 128) * stride_sn
@@ -368,12 +367,12 @@ if gluon is not None:
                     i += 1
                 col0 = block * item_cols
                 if GEMM1:
-                    act0 = _swiglu(acc0, acc2, limit, HAS_LIMIT)
-                    act1 = _swiglu(acc1, acc3, limit, HAS_LIMIT)
-                    inverse, amax = _row_inverse(act0, act1, 1)
-                    _store(_e4m3(act0 * inverse), out_ptr, row0, row_end, col0, stride_om)
-                    _store(_e4m3(act1 * inverse), out_ptr, row0, row_end, col0 + _HALF, stride_om)
-                    gl.store(os_ptr + m.to(gl.int64) * stride_os + block, _scale_of(amax), mask=m < row_end)
+                    act0 = swiglu(acc0, acc2, limit, HAS_LIMIT)
+                    act1 = swiglu(acc1, acc3, limit, HAS_LIMIT)
+                    inverse, amax = row_inverse(act0, act1, 1)
+                    _store(e4m3(act0 * inverse), out_ptr, row0, row_end, col0, stride_om)
+                    _store(e4m3(act1 * inverse), out_ptr, row0, row_end, col0 + _HALF, stride_om)
+                    gl.store(os_ptr + m.to(gl.int64) * stride_os + block, scale_of(amax), mask=m < row_end)
                 else:
                     _store(acc0, out_ptr, row0, row_end, col0, stride_om)
                     _store(acc1, out_ptr, row0, row_end, col0 + _HALF, stride_om)
@@ -463,11 +462,19 @@ def _runs_here(hidden: torch.Tensor, gate_up_shape: torch.Size, plan: DispatchPl
             and out.stride(1) == 1)
 
 
-def takes_fp8_plan(num_tokens: int, hidden_size: int, width: int, arch: Optional[tuple[int, int]]) -> bool:
-    """Whether fp8 block-scale experts of these widths at ``num_tokens`` tokens should get a ``BLOCK_M``-row plan
-    for the persistent kernels: on sm_90, from ``FP8_MIN_TOKENS``, unless ``MOEFUSE_PERSISTENT=0``."""
-    return (gluon is not None and _runtime.persistent_enabled(fp8=True) and arch == (9, 0)
-            and num_tokens >= FP8_MIN_TOKENS and widths_fit(hidden_size, width))
+def runs_fp8(hidden_size: int, width: int, gpu: Optional[GPU], persistent: Optional[str] = None) -> bool:
+    """Whether fp8 block-scale experts of these widths get the persistent kernels on a ``BLOCK_M``-row plan: on an
+    sm_90 ``gpu`` (None: no GPU), their widths whole items, unless ``persistent`` (None: the process default) turns
+    them off."""
+    return (gluon is not None and _runtime.persistent_enabled(True, persistent) and gpu is not None
+            and gpu.capability == (9, 0) and widths_fit(hidden_size, width))
+
+
+def takes_fp8_plan(num_tokens: int, hidden_size: int, width: int, gpu: Optional[GPU],
+                   persistent: Optional[str] = None) -> bool:
+    """Where no tile table was tuned for the GPU: whether fp8 block-scale experts at ``num_tokens`` tokens take a
+    ``BLOCK_M``-row plan for the persistent kernels (:func:`runs_fp8`, from ``FP8_MIN_TOKENS``)."""
+    return num_tokens >= FP8_MIN_TOKENS and runs_fp8(hidden_size, width, gpu, persistent)
 
 
 def widths_fit(hidden_size: int, width: int) -> bool:
@@ -529,11 +536,10 @@ def launch(gemm1: bool, rows: torch.Tensor, weight: torch.Tensor, plan: Dispatch
     gate_up [E, 2I, H], ``out`` the intermediate [R, I]) or GEMM2 (``rows`` the intermediate, ``weight`` down
     [E, H, I], ``out`` [R, H]). ``programs``: the grid (default one program per SM; the item count gives one item a
     program, the non-persistent launch); ``dynamic``: each program claims its next item from a counter when it has
-    issued the last one, instead of taking every grid-th (``False``: the static schedule). Both are issue 39's
-    experiments (docs/PERF-NOTES.md, twenty-second to twenty-fourth sessions; a third, the ``tl`` kernels' item
-    order, did not help and was removed in the twenty-sixth); the defaults are what was measured fastest (the
-    dynamic schedule, on DeepSeek-V3 experts: 2-17% faster than the static one on random and Zipf routing at
-    2,048-8,192 tokens, up to 2.4% slower on exactly balanced routing and at 1,024 tokens)."""
+    issued the last one, instead of taking every grid-th (``False``: the static schedule). The defaults are the
+    fastest: the dynamic schedule is 2-17% faster than the static one on DeepSeek-V3 experts with random and Zipf
+    routing at 2,048-8,192 tokens, up to 2.4% slower only on exactly balanced routing and at 1,024 tokens (H200,
+    2026-12-04; docs/PERF-NOTES.md has the table)."""
     E, N, K = weight.shape
     items = _Items.of(gemm1, N, plan, rows.device, programs)
     if items.count == 0:

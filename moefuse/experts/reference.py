@@ -13,21 +13,14 @@ Routing weights are not applied here (finalize applies them). Rows past the last
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Optional, cast
 
 import torch
 
 from ..dispatch import DispatchPlan
-from ..formats import (
-    MXFP4,
-    BlockFP8,
-    ExpertWeight,
-    QuantizedWeight,
-    dequantize_rows,
-    quantize_rows,
-    resolve_activation_quant,
-)
+from ..formats import BLOCK, FP8_MAX, MXFP4, BlockFP8, ExpertWeight, QuantizedWeight, resolve_activation_quant
 
 
 def expert_segments(plan: DispatchPlan) -> Iterator[tuple[int, int, int, torch.Tensor]]:
@@ -81,6 +74,38 @@ def moe_experts_torch(
         act = swiglu_torch(gate_up[:, :width], gate_up[:, width:], swiglu_limit).to(hidden.dtype).to(dtype)  # [rows, I]
         out[start:end] = (act @ expert_weight(down_proj, expert, dtype).T).to(out.dtype)
     return out
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token, per-128-column e4m3 quantization of activations (SPEC §5), in fp32: the reference of the
+    fp8 kernels' quantization (``fp8/quantize.py``), which must match it bit for bit.
+
+    For each row and each group g of 128 columns (the last group covers what is left of the width):
+    ``amax = max |x|``; ``scale = amax / 448`` and ``inv = 448 / amax`` (each one fp32 division, rounded to
+    nearest); ``q = e4m3(clamp(x * inv, -448, 448))`` rounded to nearest even. An all-zero group has scale 0 and
+    quantizes to zeros. NaN propagates (its group's scale is NaN). Returns ``(q [M, W] float8_e4m3fn, scales
+    [M, ceil(W / 128)] fp32)``; ``q * scale`` per group approximates ``x``.
+    """
+    M, W = x.shape
+    groups = math.ceil(W / BLOCK)
+    padded = torch.zeros(M, groups * BLOCK, dtype=torch.float32, device=x.device)
+    padded[:, :W] = x.float()
+    blocks = padded.view(M, groups, BLOCK)
+    amax = blocks.abs().amax(dim=2)
+    # Tensor divisors both ways: on CUDA torch computes ``tensor / 448.0`` as a multiply by the reciprocal and
+    # ``448.0 / tensor`` as a reciprocal times 448, each rounding twice (a quarter of the quotients off by an ulp,
+    # enough to flip the e4m3 rounding of near-ties that bf16 inputs make common).
+    scale = amax / torch.full_like(amax, FP8_MAX)
+    inv = torch.where(amax > 0, torch.full_like(amax, FP8_MAX) / amax, 0.0)
+    inv = torch.where(amax.isnan(), amax, inv)
+    q = (blocks * inv[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(M, groups * BLOCK)[:, :W], scale
+
+
+def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * scale`` per row and group of 128 columns: the inverse of :func:`quantize_rows`, in ``dtype``."""
+    W = q.shape[1]
+    return q.to(dtype) * scales.to(dtype).repeat_interleave(BLOCK, 1)[:, :W]
 
 
 def moe_experts_fp8_torch(

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from .. import _checks
+from .. import _checks, _runtime
 from .op import moe_finalize_fuse_shared
 
 _DEFERRED_FINALIZE: contextvars.ContextVar[bool] = contextvars.ContextVar("moefuse_deferred_finalize", default=False)
@@ -46,12 +45,10 @@ def deferred_finalize_enabled() -> bool:
 
 
 def deferred_finalize_allowed() -> bool:
-    """Whether the environment allows deferral: ``MOEFUSE_ENABLE_DEFERRED_FINALIZE`` unset or not ``"0"``.
-
-    A layer's ``supports_deferred_finalize`` is this and its backend's ability to defer. Read on each call, so
-    tests and servers can flip it at run time.
-    """
-    return os.environ.get("MOEFUSE_ENABLE_DEFERRED_FINALIZE", "1").strip() != "0"
+    """Whether the process default allows deferral (``moefuse.set_defaults(deferred_finalize=...)``; the environment
+    variable ``MOEFUSE_ENABLE_DEFERRED_FINALIZE=0`` turns it off at import). A layer's ``deferred_finalize`` argument
+    overrides it (``MoELayer.supports_deferred_finalize``)."""
+    return _runtime.DEFAULTS.deferred_finalize
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,7 +58,8 @@ class DeferredFinalizeOutput:
     No output buffer is allocated; ``finalize_deferred_output`` combines these rows with the shared-expert
     output in one pass. ``eq=False``: tensors have no single truth value, so instances compare by identity.
 
-    Example (2 tokens, top-2; token 1's second slot has no row, gemm2_out has one padding row)::
+    Example (2 tokens, top-2; token 1's second routed choice, its slot 1, has no row; gemm2_out has one padding
+    row)::
 
         >>> import torch
         >>> gemm2_out = torch.tensor([[1.0, 2.0], [10.0, 20.0], [0.0, 0.0], [100.0, 200.0]])

@@ -2,10 +2,11 @@
 
 Contract of ``_finalize_kernel``:
 
-- Inputs: ``gemm2_out`` [R, Hp] (bf16/fp16/fp32), ``idx`` int32 [M * TOP_K] (row of slot k of token t at
-  ``t * TOP_K + k``, -1 = absent), ``weights`` [M, TOP_K] (fp32/bf16), optionally ``shared`` [M, H] of
-  gemm2_out's dtype. Every tensor comes with all its strides, so views (column slices, transposes, expanded
-  weights) need no copy; Triton specialises a stride equal to 1, so the contiguous case gets vector loads.
+- Inputs: ``gemm2_out`` [R, Hp] (bf16/fp16/fp32), ``idx`` int32 [M * TOP_K] (row of slot k, the k-th routed
+  choice, of token t at ``t * TOP_K + k``, -1 = absent), ``weights`` [M, TOP_K] (fp32/bf16), optionally
+  ``shared`` [M, H] of gemm2_out's dtype. Every tensor comes with all its strides, so views (column slices,
+  transposes, expanded weights) need no copy; Triton specialises a stride equal to 1, so the contiguous case gets
+  vector loads.
 - Output: ``out`` [M, H] of gemm2_out's dtype, every element written exactly once.
 - Grid: (M, cdiv(H, BLOCK_H)). Program (t, c) owns token t and columns [c * BLOCK_H, (c + 1) * BLOCK_H).
 - Each program reads token t's TOP_K row indices and weights (scalars, once), issues the TOP_K masked row loads
@@ -31,11 +32,10 @@ import triton.language as tl
 
 from .. import _runtime
 
-# Column tiles of 1024 elements at 16 bytes per thread (4 warps for bf16/fp16, 8 for fp32). Measured on one
-# H200 (scripts/sweep_finalize.py, bf16, M = 1 / 16 / 128 / 4096 at H = 7168, 4096, 2048 with top-8/6/8): this
-# shape is within 0.05 µs of the best of 8 tile shapes at every size, while narrower tiles that spread a small
-# M over more programs lose up to 25% at M = 16 and 128 (e.g. H = 7168, M = 16: 2.60 µs against 3.02 µs for
-# one-warp 256-element tiles).
+# Column tiles of 1024 elements at 16 bytes per thread (4 warps for bf16/fp16, 8 for fp32): within 0.05 µs of the
+# best of 8 tile shapes at every size swept (one H200, scripts/sweep_finalize.py: bf16, M = 1 / 16 / 128 / 4096 at
+# H = 7168, 4096, 2048 with top-8/6/8), while narrower tiles that spread a small M over more programs lose up to
+# 25% at M = 16 and 128.
 _VECTOR_BYTES = 16
 _TILE_ELEMS = 1024
 
@@ -43,8 +43,8 @@ _TILE_ELEMS = 1024
 def finalize_tile(num_tokens: int, hidden: int, dtype: torch.dtype) -> tuple[int, int]:
     """``(BLOCK_H, num_warps)`` for M tokens of width H in ``dtype``: a pure function, so CUDA graphs stay valid.
 
-    One program per (token, 1024-column tile), each thread moving 16 bytes per row: the measured best at every
-    M (see above), so the shape depends on the dtype alone.
+    One program per (token, 1024-column tile), each thread moving 16 bytes per row: the fastest at every M (see
+    above), so the shape depends on the dtype alone.
     """
     per_warp = _VECTOR_BYTES // dtype.itemsize * 32  # elements one warp moves in one 16-byte access per thread
     return _TILE_ELEMS, max(1, _TILE_ELEMS // per_warp)

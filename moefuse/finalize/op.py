@@ -25,7 +25,8 @@ def moe_finalize_fuse_shared(
     """Weighted sum of each token's expert rows plus the shared-expert output, in one pass.
 
     ``out[t] = round(sum_{k: row(t,k) != -1} w[t,k] * gemm2_out[row(t,k), :H] + shared_output[t])`` with fp32
-    accumulation in slot order k = 0..top_k-1 and one rounding to gemm2_out's dtype.
+    accumulation in slot order k = 0..top_k-1 (slot k: the token's k-th routed choice) and one rounding to
+    gemm2_out's dtype.
 
     Args:
         gemm2_out: [R, Hp] bf16, fp16 or fp32: one row per (token, slot) pair in expert order; padding rows

@@ -1,7 +1,7 @@
 """Readable PyTorch version of the finalize stage (SPEC §2): the spec you can run, the CPU path, the test oracle.
 
-For token ``t`` with ``top_k`` slots, slot ``k`` lives in row ``expanded_idx_to_permuted_idx[t * top_k + k]``
-of ``gemm2_out`` (or nowhere, when that entry is -1):
+For token ``t`` with ``top_k`` slots (its routed choices, in the router's order), slot ``k`` lives in row
+``expanded_idx_to_permuted_idx[t * top_k + k]`` of ``gemm2_out`` (or nowhere, when that entry is -1):
 
     out[t, :] = round( sum_{k: row != -1} float(w[t, k]) * float(gemm2_out[row, :H]) + float(shared[t, :]) )
 

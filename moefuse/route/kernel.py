@@ -444,12 +444,10 @@ def launch_config(num_tokens: int, num_experts: int, num_expert_group: int = 1) 
 
     Always one warp: the kernel spreads a row over the 32 lanes of one warp, so a multi-row program only adds
     independent work per thread (overlap), never shorter chains. One row per program below 4096 tokens
-    (shortest latency). Above, a sweep on one H200 (``scripts/sweep_router.py``, CUDA-graph replay, this
-    kernel; µs for 1 / 2 / 4 rows) picked: up to 128 experts, 4 rows at M = 4096 (128 top-8 sigmoid 5.98 /
-    5.73 / 4.10) and 2 from 8192 (10.94 / 6.40 / 7.55); 256 experts, one row at 4096 (256 top-8 5.97 / 6.67,
-    DSV3 6.19 / 6.69) and 2 from 8192 (256 top-8 11.05 / 9.68, DSV3 10.96 / 10.60, DeepSeek-V4 sqrt-softplus
-    12.16 / 12.55); one row from 384 experts up (Kimi-K2 at 8192: 12.98 / 13.62). The sweep's run-to-run noise
-    is a few tenths of a µs, so only gaps well above that shaped the rule.
+    (shortest latency). Above, the rows a program takes are what a sweep of launch shapes on one H200 picked
+    (``scripts/sweep_router.py``, CUDA-graph replay; the figures are in docs/PERF-NOTES.md): up to 128 experts, 4
+    rows at M = 4096 and 2 from 8192; 256 experts, one row at 4096 and 2 from 8192; one row from 384 experts up.
+    Only gaps well above the sweep's run-to-run noise (a few tenths of a µs) shaped the rule.
     """
     del num_expert_group  # the padded row width decides, grouped or not
     width = _pow2_at_least(num_experts)
@@ -565,8 +563,10 @@ def fused_gate(
     moe_softcapping: float,
     num_token_non_padded: torch.Tensor | None,
     n_valid: int,
+    invariant: bool = False,
 ) -> None:
     """Launch the router kernel, writing ``weights``/``ids`` (already validated, contiguous, [M, topk]).
+    ``invariant``: one row a program at every M (batch invariance: a row's sums laid out one way).
 
     ``num_token_non_padded`` is a 0-d device tensor read inside the kernel (no host sync), or None, in which
     case rows at or past ``n_valid`` (a host int in [0, M]) are padding.
@@ -576,7 +576,7 @@ def fused_gate(
     if M == 0:
         return
     scores = scores.contiguous()
-    block_m, num_warps = launch_config(M, E, num_expert_group)
+    block_m, num_warps = (1, 1) if invariant else launch_config(M, E, num_expert_group)
     extra = {}
     if _runtime.pdl_enabled(None, scores.device):
         extra["launch_pdl"] = True

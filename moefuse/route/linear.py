@@ -13,10 +13,10 @@ are fp32 (IEEE), as in ``F.linear(x.float(), weight.float())``; only the order o
 Prefill batches (``MMA_MIN_TOKENS`` rows or more, bf16 ``x``, fp32 ``weight``): ``_router_logits_mma_kernel``
 runs on the tensor cores instead of cuBLAS's fp32 (SIMT) GEMM on an upcast copy of ``x``. The weight is split
 exactly into three bf16 parts (``bf16_split``: hi + mid + lo == weight), so every product ``x_k * part_k`` is exact
-in fp32. cuBLAS's bf16 GEMMs on the same split measured up to 8.6e-7 of ``sum |x_k w_k|`` from 1,024 tokens on an
-H200, against 1e-7 for the fp32 GEMM (the tensor cores' fp32 accumulation is not IEEE addition; which of their
-sums cost it was not isolated), so here the MMAs sum only ``BLOCK_K`` columns' products at a time, and each
-block's sum is added to the fp32 accumulator by an FMA: 4-5e-8.
+in fp32. cuBLAS's bf16 GEMMs on the same split are off by up to 8.6e-7 of ``sum |x_k w_k|`` from 1,024 tokens,
+against 1e-7 for the fp32 GEMM (H200, 2026-12-02; the tensor cores' fp32 accumulation is not IEEE addition), so
+here the MMAs sum only ``BLOCK_K`` columns' products at a time, and each block's sum is added to the fp32
+accumulator by an FMA: 4-5e-8.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .. import _runtime
 
 MAX_TOKENS = 16  # the decode kernel's batches; larger ones go to cuBLAS's fp32 GEMM, which has the tiles for them,
 MMA_MIN_TOKENS = 1024  # or from here on to the tensor-core kernel (bf16 x, fp32 weight): at 512 tokens it and
-# cuBLAS measured about even on an H200 (a program's K loop is serial: 39 µs for H = 4,096, 68 for 7,168, at any M)
+# cuBLAS are about even (a program's K loop is serial: 39 µs for H = 4,096, 68 for 7,168, at any M; H200, 2026-12-02)
 _ELEMS = 8192  # accumulator elements per program: 32 fp32 registers per thread at NUM_WARPS warps
 NUM_WARPS = 8
 
@@ -44,10 +44,10 @@ def _router_logits_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     e = tl.program_id(0)
-    rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]; one row block at decode
     row_ok = rows < M
     ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + e.to(tl.int64) * stride_we + ks * stride_wk  # [BLOCK_K]
     acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -57,7 +57,7 @@ def _router_logits_kernel(
         acc += x * w[None, :]
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-    tl.store(out_ptr + rows * stride_om + e * stride_oe, tl.sum(acc, axis=1), mask=row_ok)
+    tl.store(out_ptr + rows.to(tl.int64) * stride_om + e * stride_oe, tl.sum(acc, axis=1), mask=row_ok)
 
 
 def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
@@ -66,7 +66,7 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, out: torch.Tenso
     M, H = x.shape
     E = weight.shape[0]
     block_m, block_k = block_shape(M, H)
-    _router_logits_kernel[(E,)](
+    _router_logits_kernel[(E, 1)](
         x, weight, out, M, H, *x.stride(), *weight.stride(), *out.stride(),
         BLOCK_M=block_m, BLOCK_K=block_k, num_warps=NUM_WARPS,
     )
@@ -116,20 +116,26 @@ def _operand(ptrs, mask, UPCAST: tl.constexpr):
 # Integers that vary with the token count are not specialised: no new variant per batch size (moefuse.warmup).
 @triton.jit(do_not_specialize=["M"])
 def _router_logits_mma_kernel(
-    x_ptr, parts_ptr, out_ptr, M, E, H, stride_xm, stride_xk, stride_om, stride_oe,
+    x_ptr, parts_ptr, out_ptr, M, E, H, stride_xm, stride_xk, stride_om, stride_oe, stride_os,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """out[m, e] = sum_k x[m, k] * (hi + mid + lo)[e, k] for a [BLOCK_M, BLOCK_N] tile; ``parts_ptr``:
-    ``bf16_split``'s [3, E, H], contiguous."""
+    ``bf16_split``'s [3, E, H], contiguous. With ``SPLIT_K`` > 1, program (i, j, s) sums the s-th of SPLIT_K runs
+    of K steps into ``out + s * stride_os`` ([SPLIT_K, M, E] partial sums, which ``_sum_runs_kernel`` adds)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    steps = tl.cdiv(H, BLOCK_K)
+    per_run = tl.cdiv(steps, SPLIT_K)
+    first = tl.program_id(2) * per_run * BLOCK_K
+    last = tl.minimum(first + per_run * BLOCK_K, H)
     ks = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk
-    w_ptrs = parts_ptr + cols[:, None] * H + ks[None, :]
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + (first + ks[None, :]) * stride_xk
+    w_ptrs = parts_ptr + cols[:, None] * H + first + ks[None, :]
     part = E * H  # elements between parts
     precision: tl.constexpr = "ieee" if UPCAST else "tf32"  # 16-bit operands: the option is not used
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in range(first, last, BLOCK_K):
         k_ok = ks[None, :] < H - k0
         x = _operand(x_ptrs, (rows[:, None] < M) & k_ok, UPCAST)
         w_ok = (cols[:, None] < E) & k_ok
@@ -141,8 +147,22 @@ def _router_logits_mma_kernel(
         acc = tl.fma(block, 1.0, acc)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K
-    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_oe
+    out_ptrs = (out_ptr + tl.program_id(2).to(tl.int64) * stride_os + rows[:, None].to(tl.int64) * stride_om
+                + cols[None, :] * stride_oe)
     tl.store(out_ptrs, acc, mask=(rows[:, None] < M) & (cols[None, :] < E))
+
+
+@triton.jit(do_not_specialize=["n"])
+def _sum_runs_kernel(parts_ptr, out_ptr, n, E, stride_om, stride_oe, RUNS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, e] = ((p[0] + p[1]) + p[2]) + ... over the RUNS partial sums [RUNS, M, E] (contiguous), in run order:
+    the same additions for every element whatever M is."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    acc = tl.load(parts_ptr + offs, mask=ok, other=0.0)
+    for r in tl.static_range(1, RUNS):
+        acc += tl.load(parts_ptr + r * n + offs, mask=ok, other=0.0)
+    m, e = offs // E, offs % E
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + e * stride_oe, acc, mask=ok)
 
 
 class MmaLaunch(NamedTuple):
@@ -154,8 +174,8 @@ class MmaLaunch(NamedTuple):
     cost: float  # a program's time relative to the first's (one program an SM: each takes most of the shared memory)
 
 
-# Measured on an H200 (docs/PERF-NOTES.md, sixteenth session): a program's time grows slower than its tile, so
-# the largest tile wins unless it leaves the GPU in more waves.
+# A program's time grows slower than its tile (H200, 2026-12-02), so the largest tile wins unless it leaves the GPU
+# in more waves.
 MMA_LAUNCHES = (MmaLaunch(64, 64, 64, 4, 4, 1.0), MmaLaunch(64, 128, 64, 4, 3, 1.6),
                 MmaLaunch(128, 128, 64, 8, 3, 2.25))
 
@@ -177,11 +197,55 @@ def router_logits_mma(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) 
     M, H = x.shape
     E = weight.shape[0]
     c = mma_launch(M, E, _sms(x.device))
-    _router_logits_mma_kernel[(triton.cdiv(M, c.block_m), triton.cdiv(E, c.block_n))](
-        x, bf16_split(weight), out, M, E, H, *x.stride(), *out.stride(),
-        UPCAST=_runtime.interpreting(), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+    _router_logits_mma_kernel[(triton.cdiv(M, c.block_m), triton.cdiv(E, c.block_n), 1)](
+        x, bf16_split(weight), out, M, E, H, *x.stride(), *out.stride(), 0,
+        UPCAST=_runtime.interpreting(), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=1,
         num_warps=c.warps, num_stages=c.stages,
     )
+
+
+# Batch invariance: one launch at every M, so a row's logits are the same bits in any batch. bf16 activations run
+# the tensor-core kernel on the weight's exact split (its products exact, each BLOCK_K of them summed by the MMA,
+# then added to the row's sum by an FMA, in K order), with K cut into runs fixed by H alone (``invariant_runs``: at
+# decode the programs of one run would not fill the GPU) and the runs' sums added in run order. Other activations
+# run the decode kernel over row blocks of INVARIANT_ROWS (its per-row arithmetic is fixed by the block shape).
+INVARIANT_MMA = MmaLaunch(64, 64, 64, 4, 4, 1.0)
+INVARIANT_RUN_COLUMNS = 256  # the fewest columns of H a run of the invariant launch takes
+INVARIANT_MAX_RUNS = 16
+INVARIANT_ROWS = 16
+
+
+def invariant_runs(H: int) -> int:
+    """The runs the invariant tensor-core launch cuts K into: a function of H alone (never of M)."""
+    return max(1, min(INVARIANT_MAX_RUNS, H // INVARIANT_RUN_COLUMNS))
+
+
+def router_logits_invariant(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                            parts: torch.Tensor | None = None) -> None:
+    """Write ``x @ weight^T`` (fp32) into ``out`` [M, E] with the same arithmetic for a row at every M (above); M, E
+    and H > 0. ``parts``: ``bf16_split(weight.float())`` where the caller keeps it (a layer, across calls)."""
+    M, H = x.shape
+    E = weight.shape[0]
+    if x.dtype != torch.bfloat16:
+        block_k = max(16, min(triton.next_power_of_2(H), _ELEMS // INVARIANT_ROWS))
+        _router_logits_kernel[(E, triton.cdiv(M, INVARIANT_ROWS))](
+            x, weight, out, M, H, *x.stride(), *weight.stride(), *out.stride(),
+            BLOCK_M=INVARIANT_ROWS, BLOCK_K=block_k, num_warps=NUM_WARPS,
+        )
+        return
+    if parts is None:
+        parts = bf16_split(weight.float())
+    c, runs = INVARIANT_MMA, invariant_runs(H)
+    sums = torch.empty(runs, M, E, dtype=torch.float32, device=x.device) if runs > 1 else out
+    _router_logits_mma_kernel[(triton.cdiv(M, c.block_m), triton.cdiv(E, c.block_n), runs)](
+        x, parts, sums, M, E, H, *x.stride(), *sums.stride()[-2:], sums.stride(0) if runs > 1 else 0,
+        UPCAST=_runtime.interpreting(), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=runs,
+        num_warps=c.warps, num_stages=c.stages,
+    )
+    if runs > 1:
+        n = M * E
+        _sum_runs_kernel[(triton.cdiv(n, 1024),)](sums, out, n, E, *out.stride(), RUNS=runs, BLOCK=1024,
+                                                  num_warps=4)
 
 
 def takes_mma(num_tokens: int, x_dtype: torch.dtype, w_dtype: torch.dtype, device: torch.device) -> bool:

@@ -28,6 +28,7 @@ def moe_fused_gate(
     num_token_non_padded: int | torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     backend: str = "auto",
+    batch_invariant: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick each token's experts and their weights from router logits.
 
@@ -35,7 +36,8 @@ def moe_fused_gate(
         scores: router logits [M, E], fp32, bf16 or fp16 (all arithmetic is fp32).
         bias: selection bias [E] fp32 on the same device, or None (zeros). It chooses experts only; weights
             come from the activation alone.
-        topk: slots per token, fused shared slots included (``K_r = topk - num_fused_shared_experts`` routed).
+        topk: slots per token (a slot: one of a token's choices, an expert id and its weight), fused shared
+            slots included (``K_r = topk - num_fused_shared_experts`` routed).
         scoring_func: ``"sigmoid"``, ``"sqrtsoftplus"`` or ``"softmax"``.
         num_fused_shared_experts: shared-expert slots appended after the routed ones, ids ``E + j``, weight
             ``routed_sum / routed_scaling_factor`` before renormalisation.
@@ -103,6 +105,7 @@ def moe_fused_gate(
         float(moe_softcapping),
         ntnp_tensor,
         n_valid,
+        _runtime.batch_invariant(batch_invariant),
         resolved,
     )
     return out
@@ -215,6 +218,7 @@ def _fused_gate_impl(
     moe_softcapping: float,
     num_token_non_padded: torch.Tensor | None,
     n_valid: int,
+    invariant: bool,
     backend: str,
 ) -> None:
     """Write the routing of ``scores`` into ``weights``/``ids`` (arguments already validated).
@@ -237,6 +241,7 @@ def _fused_gate_impl(
             moe_softcapping=moe_softcapping,
             num_token_non_padded=num_token_non_padded,
             n_valid=n_valid,
+            invariant=invariant,
         )
         return
     reference.moe_fused_gate_torch(
@@ -265,7 +270,8 @@ def _(scores, bias, weights, ids, *args) -> None:
 
 
 def router_logits(
-    x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None, backend: str = "auto"
+    x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None, backend: str = "auto",
+    batch_invariant: bool | None = None, weight_parts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The router linear: fp32 logits ``x @ weight^T`` for :func:`moe_fused_gate`.
 
@@ -278,6 +284,11 @@ def router_logits(
             without an upcast copy; from ``linear.MMA_MIN_TOKENS`` (1,024) tokens of bf16 ``x`` with an fp32
             ``weight``, a tensor-core kernel on the weight's exact bf16 split (SPEC, router GEMM); other batches
             run cuBLAS's fp32 GEMM on upcast inputs, as the reference does.
+        batch_invariant: None (the process default, ``moefuse.set_defaults``) or a bool. True: with ``"triton"``
+            one launch at every M (``linear.router_logits_invariant``), so a row's logits are the same bits in any
+            batch.
+        weight_parts: with ``batch_invariant`` and bf16 ``x``, ``linear.bf16_split(weight.float())`` if the caller
+            keeps it across calls (a layer does); None splits the weight on each call.
 
     Returns:
         ``out``: fp32 [M, E]. Products and sums are fp32 on every backend; only the summation order differs.
@@ -286,10 +297,13 @@ def router_logits(
         TypeError / ValueError naming the argument, before any launch.
     """
     resolved = _validate_logits(x, weight, out, backend)
+    if weight_parts is not None:
+        _checks.check_tensor("weight_parts", weight_parts, dtypes=(torch.bfloat16,),
+                             shape=(3, *weight.shape), device=x.device)
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
     op = _router_logits_impl if _runtime.direct_call() else torch.ops.moefuse.router_logits
-    op(x, weight, resolved, out)
+    op(x, weight, resolved, _runtime.batch_invariant(batch_invariant), weight_parts, out)
     return out
 
 
@@ -307,9 +321,13 @@ def _validate_logits(x, weight, out, backend) -> str:
     return resolved
 
 
-def _router_logits_impl(x: torch.Tensor, weight: torch.Tensor, backend: str, out: torch.Tensor) -> None:
+def _router_logits_impl(x: torch.Tensor, weight: torch.Tensor, backend: str, invariant: bool,
+                        weight_parts: torch.Tensor | None, out: torch.Tensor) -> None:
     """Write the logits into ``out`` (arguments already validated)."""
     if backend == "triton" and x.numel() and weight.numel():  # empty shapes: the reference's zeros (or nothing)
+        if invariant:
+            linear.router_logits_invariant(x, weight, out, weight_parts)
+            return
         if x.shape[0] <= linear.MAX_TOKENS:
             linear.router_logits_triton(x, weight, out)
             return
@@ -323,5 +341,5 @@ _router_logits = torch.library.custom_op("moefuse::router_logits", _router_logit
 
 
 @_router_logits.register_fake
-def _(x, weight, backend, out) -> None:
+def _(x, weight, backend, invariant, weight_parts, out) -> None:
     return None

@@ -208,7 +208,7 @@ def near_tie_rows(
     """bool [M]: rows whose selection an fp32 backend may legitimately make differently from float64.
 
     A row is flagged when, in float64, two neighbouring keys among the ``K_r + 1`` largest (the boundary pair
-    the spec names, and the pairs inside the selection, whose slot order fp32 rounding may swap) or the
+    the spec names, and the pairs inside the selection, whose order fp32 rounding may swap) or the
     ``topk_group``-th and next group scores lie within ``rel`` of each other (relative, equality included).
     """
     k_routed = topk - num_fused_shared_experts

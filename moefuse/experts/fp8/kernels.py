@@ -9,31 +9,32 @@ Contract (inputs validated by :func:`moefuse.experts.moe_experts`):
 
 How:
 
-- **The activations are quantized once, before GEMM1**, by ``quantize.quantize_rows_into``: per token row and
-  128 columns, gathered into the plan's row order, e4m3 values and one fp32 scale a group, which GEMM1 reads
-  through TMA. Quantizing in GEMM1's loop instead (below 64 rows until the thirty-sixth session) saves the pass's
-  launch but quantizes each row once per column block, 406 instructions a step per warp against 249; on one H100
-  the pass was as fast or faster on every preset, e.g. DeepSeek-V3 258.2 against 266.1 µs at two tokens, the
-  worst 0.2 µs slower (Qwen3-30B-A3B, one token; docs/CHOICES.md). Same bits either way (one ``_quantize``).
+- **The activations are quantized once, before GEMM1**, by ``quantize.quantize_rows_into`` (a kernel of its
+  own, the *quantization pass*): per token row and 128 columns, gathered into the plan's row order, e4m3 values
+  and one fp32 scale a group, which GEMM1 reads through TMA. Quantizing in GEMM1's loop instead would save the
+  pass's launch but quantize each row once per column block (406 instructions a step per warp against 249); the
+  pass is as fast or faster on every preset, e.g. DeepSeek-V3 at two tokens 258.2 against 266.1 µs (H100,
+  2026-12-05; docs/CHOICES.md). Same bits either way (one ``_quantize``).
 - **Both GEMMs promote per block.** Each 128-deep step is one fp8 ``tl.dot`` into a fresh fp32 tile, scaled by
   the rows' activation scales and the tile's weight-block scale (one scalar per step: a tile's columns lie in one
   block) and added to the fp32 accumulator: DeepSeek-V3's recipe (promotion every 128 products). Within a step,
   Hopper's fp8 wgmma (GEMM1's tiles of 64 rows or more, all of GEMM2's: ``_add_scaled``) sums with fewer bits than
   fp32; GEMM1's 16-row tiles run on mma.sync, which sums in fp32. Promoting more often (Triton's
-  ``max_num_imprecise_acc``) bought little accuracy for much time; on one H200, DeepSeek-V3 widths, every 32
-  products against every 128: 5.4e-3 against 7.8e-3 max and 2.5e-3 against 3.6e-3 RMS from float64, and 7,796
-  against 5,931 µs at 4096 tokens (3,561 against 2,947 at 1024). The largest errors (3e-2 max on narrow test
-  shapes, the same at 32, 64 and 128) come from e4m3 roundings of the intermediate that any non-fp32 sum flips.
+  ``max_num_imprecise_acc``) buys little accuracy for much time: every 32 products against every 128, 5.4e-3
+  against 7.8e-3 max and 2.5e-3 against 3.6e-3 RMS from float64, and 7,796 against 5,931 µs at 4096 tokens
+  (DeepSeek-V3 widths, H200, 2026-12-01). The largest errors (3e-2 max on narrow test shapes, the same at 32, 64
+  and 128) come from e4m3 roundings of the intermediate that any non-fp32 sum flips.
 - **GEMM1's epilogue quantizes the intermediate**: SwiGLU (and the clamp) in fp32, then per row of the 128-column
   tile the same quantization, written as e4m3 plus one scale per row.
 
 Grid and tile order are the bf16 kernels' (``common._program_tile``); at a token or two GEMM1 also splits along K
-(``configs.fp8_split_k``: its grid would leave SMs idle or a short second wave). BLOCK_K is 128 (one scale step: a
-box); short tiles' pipelined steps load two K-adjacent boxes (``BOXES``), which the DRAM serves like one box of
-256-byte rows, and promote each box on its own, so the sums are those of one-box steps. GEMM1's BLOCK_N is 128 (one
-intermediate scale group per tile row); GEMM2's BLOCK_N is at most 128, so a tile's columns lie in one weight
-block. Weights go through TMA on sm90+ where their layout allows, as in ``bf16.py``. The quantization itself, and
-its rounding under the interpreter, are in ``quantize.py``.
+(``configs.fp8_split_k``: its grid would leave SMs idle or a short second wave). BLOCK_K is 128 (one scale step;
+the tile of one operand for one such step is a *box*, the block one TMA load copies); short tiles' pipelined steps
+load two K-adjacent boxes (``BOXES``), which the DRAM serves like one box of 256-byte rows, and promote each box on
+its own, so the sums are those of one-box steps. GEMM1's BLOCK_N is 128 (one intermediate scale group per tile
+row); GEMM2's BLOCK_N is at most 128, so a tile's columns lie in one weight block. Weights go through TMA on sm90+
+where their layout allows, as in ``bf16.py``. The quantization itself, and its rounding under the interpreter, are
+in ``quantize.py``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from ... import _runtime
 from ...dispatch import DispatchPlan
 from ...formats import BLOCK, BlockFP8
 from ..common import _program_start, _round, _swiglu, _tile_span, rows_descriptor, weight_descriptor
-from ..configs import FP8_SPLIT_PAIR_STAGES, FP8_SPLIT_STAGES, SMEM_BUDGET, GemmTiles, fp8_split_k
+from ..configs import FP8_SPLIT_PAIR_STAGES, FP8_SPLIT_STAGES, SMEM_BUDGET, SMEM_SLACK, GemmTiles, fp8_split_k
 from .quantize import _quantize, quantize_rows_into, quantized_rows
 
 WGMMA_MIN_ROWS = 64  # GEMM2's shorter tiles swap their MMA's operands (``_add_scaled``)
@@ -64,10 +65,10 @@ def _add_scaled(acc, a, w, a_scale, w_scale, ONE_BLOCK: tl.constexpr, SWAP: tl.c
     rows are the MMA's N and the weights its M: wgmma (64 rows or more) reads the fp8 weights from shared memory
     as they are, where a 16-row tile runs on mma.sync, which on sm_90 takes fp8 only after a conversion to fp16 in
     registers (GEMM2's loop: 169 instructions a step against 298). Only GEMM2 swaps. wgmma sums fp8 products with
-    fewer bits than fp32, which in GEMM1 flips e4m3 roundings of the intermediate (SPEC §5): swapped, GEMM1 took
-    DeepSeek-V3's experts at one token from 108.7 to 100.1 µs but their error from 2.8e-3 to 7.0e-3, and to 1.2e-2
-    at 128 tokens, over the issue's 1e-2 (one H200). GEMM2's sums only meet the bf16 output rounding: 2.8e-3 either
-    way, 108.6 -> 106.9 µs at one token, 1,118 -> 1,109 at 16, 2,688 -> 2,678 at 128."""
+    fewer bits than fp32, which in GEMM1 flips e4m3 roundings of the intermediate (SPEC §5): swapped, GEMM1 would
+    take DeepSeek-V3's experts at one token from 108.7 to 100.1 µs but their error from 2.8e-3 to 7.0e-3 (1.2e-2 at
+    128 tokens): too much error for the time. GEMM2's sums only meet the bf16 output rounding: 2.8e-3 either way,
+    108.6 -> 106.9 µs at one token (H200, 2026-12-01)."""
     if SWAP:
         if ONE_BLOCK:
             acc += tl.dot(w.T, a.T) * (a_scale * w_scale)[None, :]
@@ -238,8 +239,8 @@ def _gemm2_fp8_kernel(
                 w = w_desc.load([w_row, k0]).T
             else:
                 w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-            # This weight-block scale's load goes out after the step's TMA wait. Issued before it, or a step ahead, it
-            # was no faster at one token (one H100, docs/PERF-NOTES.md, thirty-sixth and thirty-seventh sessions).
+            # This weight-block scale's load goes out after the step's TMA wait: issued before it, or a step ahead, it
+            # is no faster at one token (H100, 2026-12-05).
             acc = _add_scaled(acc, a, w, a_scale, tl.load(w_scale_ptrs + group * stride_sk), True, SWAP)
             w_ptrs += BLOCK_K * stride_wk
     if SWAP:
@@ -248,22 +249,23 @@ def _gemm2_fp8_kernel(
     tl.store(out_ptrs, _round(acc, out_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def fp8_tiles(tiles: GemmTiles, block_m: int, gemm1: bool, a_bytes: int, split_k: int = 1) -> GemmTiles:
+def fp8_tiles(tiles: GemmTiles, block_m: int, gemm1: bool, a_bytes: int, split_k: int = 1,
+              budget: int = SMEM_BUDGET) -> GemmTiles:
     """The tile choice adapted to the format: steps of one 128-deep box (one scale step), or of two K-adjacent boxes
     where the choice asks for steps of 256 or more (``configs.heuristic``, item 6: short tiles); GEMM1's BLOCK_N 128
     (one intermediate scale group per tile row), GEMM2's BLOCK_N at most 128; pipeline stages cut until the operand
     buffers fit in shared memory, and for a GEMM1 split along K (``split_k`` > 1) to at most
     ``FP8_SPLIT_STAGES`` (``FP8_SPLIT_PAIR_STAGES`` of two-box steps), so that two programs share an SM. The model
-    counts the activation tile at ``a_bytes`` an element for one-box steps, as every such launch was measured (GEMM1
-    passes hidden's width), and at its e4m3 byte for two-box steps (counted at 2 bytes, GEMM1's 3 stages on 16 rows
-    would be cut to 2)."""
+    counts the activation tile at ``a_bytes`` an element for one-box steps, the stage counts every such launch was
+    timed with (GEMM1 passes hidden's width), and at its e4m3 byte for two-box steps (counted at 2 bytes, GEMM1's 3
+    stages on 16 rows would be cut to 2)."""
     block_n = 128 if gemm1 else min(tiles.block_n, 128)
     operands = 2 if gemm1 else 1
     paired = tiles.block_k >= 2 * BLOCK
     depth, cap = (2 * BLOCK, FP8_SPLIT_PAIR_STAGES) if paired else (BLOCK, FP8_SPLIT_STAGES)
     a_bytes = 1 if paired else a_bytes
     stages = min(tiles.num_stages, cap) if split_k > 1 else tiles.num_stages
-    while stages > 2 and stages * depth * (block_m * a_bytes + operands * block_n) > SMEM_BUDGET:
+    while stages > 2 and stages * depth * (block_m * a_bytes + operands * block_n) > budget:
         stages -= 1
     return GemmTiles(block_n, depth, tiles.group_m, tiles.num_warps, stages)
 
@@ -310,10 +312,11 @@ def experts_fp8(
     launch = {"launch_pdl": True} if use_pdl else {}
     if split_k is None:
         split_k = default_split_k(plan.expanded_to_permuted.numel(), width, device)
-    # The stage model counts GEMM1's e4m3 activation tiles at hidden's width, as every fp8 time was measured: at 1
-    # byte, 128-row tiles would take a fourth stage (not measured).
-    t1 = fp8_tiles(gemm1_tiles, plan.block_m, True, hidden.element_size(), split_k)
-    t2 = fp8_tiles(gemm2_tiles, plan.block_m, False, 1)
+    # The stage model counts GEMM1's e4m3 activation tiles at hidden's width, the stage counts the fp8 tiles were
+    # timed with: at 1 byte, 128-row tiles would take a fourth stage, which no timing backs.
+    budget = SMEM_BUDGET if emulate else _runtime.gpu(device).smem - SMEM_SLACK  # the GPU's own shared memory
+    t1 = fp8_tiles(gemm1_tiles, plan.block_m, True, hidden.element_size(), split_k, budget)
+    t2 = fp8_tiles(gemm2_tiles, plan.block_m, False, 1, budget=budget)
     a, a_scales = quantized_rows(plan, hidden_size, device)
     quantize_rows_into(hidden, a, a_scales, plan, gather=True, use_pdl=use_pdl)
     a_desc = rows_descriptor(a, plan.block_m, BLOCK)  # boxes of one scale group; a step loads t1.block_k // BLOCK

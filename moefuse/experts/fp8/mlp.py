@@ -1,11 +1,11 @@
 """One fp8 block-scale SwiGLU MLP over every token, on cuBLAS's block-scaled GEMMs: the shared expert at prefill.
 
 A layer's fp8 shared expert is a dense MLP (every token through one expert). As a one-expert plan of the grouped
-GEMMs it runs at 640-665 TFLOP/s at 4,096 tokens, DeepSeek-V3 and V4 widths, one H200; cuBLAS's GEMMs with
-DeepSeek's block scaling (``torch._scaled_mm`` with 1 x 128 activation and 128 x 128 weight scales: sm_90, CUDA
-12.9 or later) run the same MLP at 820-860, and 8,192 tokens at 870-910 (``docs/PERF-NOTES.md``). The numerics
-are SPEC §5's: each 128-deep block's product is scaled and added in fp32, the intermediate is quantized from fp32.
-From :data:`MIN_TOKENS` tokens, where cuBLAS measured faster at both DeepSeek widths, the shared expert runs as:
+GEMMs it runs at 640-665 TFLOP/s at 4,096 tokens, DeepSeek-V3 and V4 widths; cuBLAS's GEMMs with DeepSeek's block
+scaling (``torch._scaled_mm`` with 1 x 128 activation and 128 x 128 weight scales: sm_90, CUDA 12.9 or later) run
+the same MLP at 820-860, and 8,192 tokens at 870-910 (H200, 2026-12-02). The numerics are SPEC §5's: each
+128-deep block's product is scaled and added in fp32, the intermediate is quantized from fp32. From
+:data:`MIN_TOKENS` tokens, where cuBLAS is faster at both DeepSeek widths, the shared expert runs as:
 
 1. its tokens quantized per 128 columns (``quantize.quantize_rows_into`` without a plan);
 2. GEMM1 into fp32 ``[M, 2I]``;
@@ -30,7 +30,9 @@ from ...formats import BLOCK, BlockFP8
 from ..common import _swiglu
 from .quantize import _quantize, quantize_rows_into
 
-MIN_TOKENS = 1024  # 4,096 tokens: 252 against 321 µs (V4 widths), 421 against 546 (V3); 511: 79 against 76 (V4)
+# cuBLAS against the grouped GEMMs (H200, 2026-12-02): at 4,096 tokens 252 against 321 µs (V4 widths), 421 against
+# 546 (V3); at 511 tokens 79 against 76 (V4).
+MIN_TOKENS = 1024
 WIDTH_MULTIPLE = 4 * BLOCK  # cuBLAS's block-scaled GEMMs take K / 128 in multiples of 4
 
 

@@ -1,10 +1,11 @@
 """The fp8 activation quantization of SPEC §5: rows to e4m3 per 128 columns, one fp32 scale per row and group.
 
-``_quantize`` quantizes a tile's rows in registers: the fp8 GEMMs' prologue and epilogue (``kernels.py``) and the
-fp8 shared expert's SwiGLU pass (``mlp.py``) call it, and the W4A8 kernels' consumers (``mxfp4/w4a8.py``) do the
-same steps in Gluon. :func:`quantize_rows_into` is a pass over stored rows into room from :func:`quantized_rows`:
-a plan's rows gathered from the tokens (the fp8 GEMM1's activations at prefill, W4A8's GEMM1), or rows as they
-are (the shared expert's tokens before cuBLAS).
+``_quantize`` quantizes a tile's rows in registers: the fp8 GEMMs' epilogue (``kernels.py``) and the fp8 shared
+expert's SwiGLU kernel (``mlp.py``) call it, and the Gluon kernels (``mxfp4/w4a8.py``, ``persistent.py``) do the
+same steps with ``gluon_common``'s helpers. :func:`quantize_rows_into` launches a kernel of its own over stored rows
+(the *quantization pass*), into room from :func:`quantized_rows`: a plan's rows gathered from the tokens (the fp8
+GEMM1's activations, W4A8's GEMM1), or rows as they are (the shared expert's tokens before cuBLAS). Both give the
+bits of the reference, ``experts.reference.quantize_rows``.
 
 Under Triton's interpreter the fp32 -> e4m3 cast does not round to nearest even for about 2% of values, so there
 the rounding is done on the bits first and the cast is then exact (``EMULATE_RTNE``).
@@ -90,17 +91,17 @@ def _quantize_rows_kernel(
         tl.store(s_ptr + rows.to(tl.int64) * stride_sm + k0 // 128 * stride_sg, scale, mask=row_ok)
 
 
-# About eight 4-warp programs an SM of an H100 or H200 (132 SMs). One H100, DeepSeek-V3: the pass 2.7 against 24.7
-# µs a whole row a program at 8 tokens, 6.1 against 25.5 at 128, level at 4,096 (PERF-NOTES, thirty-sixth session)
+# About eight 4-warp programs an SM of an H100 or H200 (132 SMs). A row's groups spread over programs up to this
+# count take the pass 2.7 µs at 8 tokens against 24.7 with a whole row a program, 6.1 against 25.5 at 128, level at
+# 4,096 (DeepSeek-V3, H100, 2026-12-05).
 PASS_PROGRAMS = 1024
 
 
 def groups_per_program(row_blocks: int, groups: int) -> int:
     """How many of a row block's ``groups`` (of 128 columns) one program of the pass quantizes, one after another:
     all of them where the ``row_blocks`` alone make about :data:`PASS_PROGRAMS` programs, fewer (a power of two)
-    below, down to one. A program a row block, looping over all 56 of DeepSeek-V3's groups, made the pass 33.5 µs
-    for one token's 8 rows (docs/PERF-NOTES.md, twenty-fifth session); at 16 tokens (128 rows, 8 row blocks) the
-    same 56 steps in a row come before GEMM1 can start."""
+    below, down to one. With one program a row block, the 56 groups of a DeepSeek-V3 row run one after another
+    before GEMM1 can start: 33.5 µs for one token's 8 rows (H200, 2026-12-04)."""
     want = -(-row_blocks * groups // PASS_PROGRAMS)
     return max(1, min(triton.next_power_of_2(want), groups))
 

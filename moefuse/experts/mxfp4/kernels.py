@@ -20,11 +20,10 @@ its operand registers, with no trip through shared memory, and the activation ti
 (``_paired``; the dot product does not depend on the order). No dequantized copy of a weight is ever written, and
 the packed tensors are read as the checkpoint ships them (no re-layout).
 
-History, one H200, DeepSeek-V4-Flash at 16 tokens: building each weight with Triton integer ops ran 4.7x the read
-floor; ``tl.dot_scaled`` 3.7x (990 µs); this unpacking in natural K order, converted to the operand layout through
-shared memory, 706 µs; in the registers' order 461 µs, 1.8x; the same work warp-specialized (``ws.py``, which
-the op runs on Hopper) 398 µs, 1.5x (docs/PERF-NOTES.md). With ``activation_quant="fp8"`` the experts go to the
-W4A8 kernels instead (``w4a8.py``: fp8 MMAs, SPEC §6).
+Why this unpacking: on one H200 (DeepSeek-V4-Flash at 16 tokens, 2026-12-01) it ran at 1.8x the weights' read
+floor against 3.7x for ``tl.dot_scaled`` and 4.7x for weights built with Triton integer ops; the alternatives and
+their figures are in docs/PERF-NOTES.md. On Hopper the op runs the same work warp-specialized (``ws.py``), and
+with ``activation_quant="fp8"`` the W4A8 kernels instead (``w4a8.py``: fp8 MMAs, SPEC §6).
 """
 
 from __future__ import annotations
@@ -280,9 +279,9 @@ def experts_mxfp4(
     launch = {"launch_pdl": True} if use_pdl else {}
     t1, t2 = mxfp4_tiles(gemm1_tiles), mxfp4_tiles(gemm2_tiles)
     if hidden.stride(1) != 1:
-        # Rows must be read with unit inner stride: with any other, Triton 3.6 fails to compile GEMM1 (its
-        # dot-operand pass on the activation tile that ``_paired`` permutes; an H200, every tile height). A copy of
-        # the M x H activations is small next to the weights the GEMMs stream.
+        # Rows must be read with unit inner stride: with any other, Triton 3.6 fails to compile GEMM1 for sm_90 (in
+        # its dot-operand layout conversion of the activation tile that ``_paired`` permutes, at every tile height).
+        # A copy of the M x H activations is small next to the weights the GEMMs stream.
         hidden = hidden.contiguous()
     w1, w2 = _words(gate_up.values), _words(down.values)
     desc1 = weight_descriptor(w1, t1.block_n, t1.block_k // 8)

@@ -2,11 +2,13 @@
 
 At prefill the W4A16 kernels (``ws.py``) run their MMAs in bf16, at half the fp8 rate, and each consumer
 unpacks its own weights between its MMAs. Here the activations are quantized to e4m3 per token and 128 columns
-(SPEC §5: GEMM1's by a pass over the gathered rows, GEMM2's by GEMM1's consumers), the weights are converted to
-e4m3 exactly, and a program splits the work three ways:
+(SPEC §5: GEMM1's by ``fp8.quantize.quantize_rows_into``, a kernel of its own over the gathered rows; GEMM2's by
+GEMM1's consumers), the weights are converted to e4m3 exactly, and a program splits the work three ways (a *box*
+is the block one TMA load copies into shared memory; a *slot*, one stage of the shared-memory ring those loads
+fill, with ``ready`` and ``empty`` barriers):
 
 - a producer warp streams, per 128-deep step, the packed words of the program's 128 weight rows and the tile's
-  activation rows (TMA) into a ring of slots;
+  activation rows (TMA) into the next slot;
 - a transform warp group (the default partition) unpacks each step's words once into an e4m3 tile in shared memory
   (``_e4m3_asm``), with each row's step scale beside it;
 - two consumer warp groups, 64 activation rows each, multiply the activation rows by that tile (wgmma, both from
@@ -14,26 +16,26 @@ e4m3 exactly, and a program splits the work three ways:
   columns' step scales: the fp32 promotion every 128 products of SPEC §5.
 
 The unpacking is paid once per 128 tokens and its warps never wait for an MMA; GEMM1's 64 gate rows and 64 up
-rows of the same columns land in one consumer's accumulator, so SwiGLU needs no hand-over. GEMM1's items come in
-pairs, the two 64-column halves of a 128-column block, taken one after the other by the same program: the first
-half's SwiGLU waits in shared memory (rounded to bf16), the second's consumer quantizes both and writes the e4m3
-intermediate and its scales, which GEMM2 reads as they are (bit for bit what a pass over the bf16 intermediate
-gives: 2,881-2,887 against 2,919-2,929 µs at 4,096 tokens with the pass, 5,576-5,615 against 5,608-5,609 at 8,192).
+rows of the same columns land in one consumer's accumulator, so SwiGLU needs no hand-over.
 
-The programs are persistent, one an SM: each takes every num_programs-th work item (a tile's 128 rows times 128
-weight rows; GEMM1's in pairs) and the ring runs on across them, so an item's first loads and unpacking overlap
-the previous item's last MMAs and its stores. Each item's row scales alternate between two buffers, and each
-partition derives its ring position from the items it has done. On one H200 this took
-DeepSeek-V4-Flash's experts at 4,096 tokens from 2,998-3,052 to 2,889-2,898 µs (outputs bit-identical): with one
-program per item, a fixed cost of about 3 µs an item (fitted from GEMM1's 32 and GEMM2's 16 steps an item) was
-11% of GEMM1 and 20% of GEMM2 (docs/PERF-NOTES.md, tenth session).
+A work *item* is one 128-row tile of the plan times 128 weight rows. The programs are persistent, one an SM: each
+takes every num_programs-th item (GEMM1's in pairs, below) and the ring runs on across them, so an item's first
+loads and unpacking overlap the previous item's last MMAs and its stores; each item's row scales alternate between
+two buffers, and each partition derives its ring position from the items it has done. One program per item would
+pay a fixed cost of about 3 µs an item, 11% of GEMM1 and 20% of GEMM2 (DeepSeek-V4-Flash at 4,096 tokens, H200,
+2026-12-02).
+
+GEMM1's items come in pairs, the two 64-column halves of a 128-column block, taken one after the other by the same
+program: the first half's SwiGLU waits in shared memory (rounded to bf16), the second's consumer quantizes both and
+writes the e4m3 intermediate and its scales, which GEMM2 reads as they are: bit for bit what quantizing the stored
+bf16 intermediate in a kernel of its own gives, without that kernel's launch and read. The history of these
+choices is in docs/PERF-NOTES.md.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-import triton.language as tl
 
 from ... import _runtime
 from ...dispatch import DispatchPlan
@@ -51,7 +53,8 @@ if gluon is not None:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .ws import _program, _swiglu, _tma_load
+    from ..gluon_common import e4m3, row_inverse, scale_of, swiglu, tma_load
+    from .ws import _program
 
 BLOCK_K = 128  # one activation scale and one int32 of weight exponents per row and step
 BLOCK_N = 128  # weight rows a program: GEMM2's output columns, or GEMM1's 64 gate and 64 up rows
@@ -59,7 +62,7 @@ FLUSH_BELOW = -5  # a group whose exponent is more than 11 under its row's large
 BLOCK_M = 128  # the plan's tile height W4A8 runs on (LAUNCH), at every token count
 # Steps the transform unpacks between two fences (``_transform``'s loop is written for two): each fence (a CTA-wide
 # memory barrier in SASS) and barrier of the warp group then serves two tiles, 1.3-2.2% faster than one a step at
-# 2,560-8,192 tokens (docs/PERF-NOTES.md, sixteenth session). scripts/sass.py counts instructions per weight by it.
+# 2,560-8,192 tokens (H200, 2026-12-02). scripts/sass.py counts instructions per weight by it.
 TRANSFORM_STEPS = 2
 
 
@@ -166,11 +169,11 @@ if gluon is not None:
                 for i in range(k_steps):
                     step = done * k_steps + i
                     s = step % STAGES
-                    mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)  # the first pass finds them free
+                    mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)  # the first lap finds them free
                     mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes + a_desc.block_type.nbytes)
-                    _tma_load(w_desc, [w_row0, i * (_BK // 2)], ready.index(s), w_smem.index(s).slice(0, half))
-                    _tma_load(w_desc, [w_row1, i * (_BK // 2)], ready.index(s), w_smem.index(s).slice(half, half))
-                    _tma_load(a_desc, [a_row, i * _BK], ready.index(s), a_smem.index(s))
+                    tma_load(w_desc, [w_row0, i * (_BK // 2)], ready.index(s), w_smem.index(s).slice(0, half))
+                    tma_load(w_desc, [w_row1, i * (_BK // 2)], ready.index(s), w_smem.index(s).slice(half, half))
+                    tma_load(a_desc, [a_row, i * _BK], ready.index(s), a_smem.index(s))
                 done += 1
 
     @gluon.jit
@@ -277,48 +280,17 @@ if gluon is not None:
         gl.store(ptrs, values, mask=gl.expand_dims(m < row_end, 1) & gl.expand_dims(n >= 0, 0))
 
     @gluon.jit
-    def _max_keeping_nan(a, b):
-        return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-    @gluon.jit
-    def _e4m3(y):
-        """fp32 within [-448, 448] after the clamp (NaN stays NaN: the hardware's min and max would drop it) -> e4m3,
-        rounded to nearest even."""
-        y = gl.maximum(y, -448.0, propagate_nan=tl.PropagateNan.ALL)
-        return gl.minimum(y, 448.0, propagate_nan=tl.PropagateNan.ALL).to(gl.float8e4nv)
-
-    @gluon.jit
-    def _row_inverse(left, right, AXIS: gl.constexpr):
-        """What SPEC §5's quantization (as ``fp8.quantize._quantize``) multiplies 128 fp32 values of each row by,
-        the row held as two halves (its values along ``AXIS``): 448 / amax (0 for an all-zero row), broadcast
-        along ``AXIS``, and the row's amax, whose scale (:func:`_scale_of`) the caller stores. The Gluon kernels'
-        epilogue that writes a quantized intermediate (``w4a8.py``, ``persistent.py``, and the transposed tiles of
-        ``scripts/ws_decode.py``): each half's values are then ``_e4m3(half * inverse)``."""
-        amax = gl.maximum(gl.reduce(gl.abs(left), AXIS, _max_keeping_nan),
-                          gl.reduce(gl.abs(right), AXIS, _max_keeping_nan), propagate_nan=tl.PropagateNan.ALL)
-        return gl.expand_dims(gl.where(amax > 0, gl.div_rn(_full_448(amax), amax), 0.0), AXIS), amax
-
-    @gluon.jit
-    def _full_448(amax):
-        return gl.full(amax.shape, 448.0, gl.float32, amax.type.layout)
-
-    @gluon.jit
-    def _scale_of(amax):
-        """A row's quantization scale from its amax (SPEC §5: amax / 448, rounded once)."""
-        return gl.div_rn(amax, _full_448(amax))
-
-    @gluon.jit
     def _store_quantized(left, right, q_ptr, qs_ptr, row0, row_end, col0, stride_qm, stride_qs):
         """GEMM1's intermediate columns ``col0 ..`` + 128 of rows ``row0 ..`` (``left`` and ``right``: 64 columns
-        each, bf16) quantized as ``fp8.quantize._quantize`` does the pass over the stored intermediate (SPEC §5):
+        each, bf16) quantized as ``fp8.quantize._quantize`` quantizes stored rows (SPEC §5, same bits):
         the values into ``q_ptr`` (e4m3), each row's scale into ``qs_ptr`` at group ``col0 / 128``."""
         layout: gl.constexpr = left.type.layout
         left, right = left.to(gl.float32), right.to(gl.float32)
-        inverse, amax = _row_inverse(left, right, 1)
-        _store(_e4m3(left * inverse), q_ptr, row0, row_end, col0, stride_qm)
-        _store(_e4m3(right * inverse), q_ptr, row0, row_end, col0 + 64, stride_qm)
+        inverse, amax = row_inverse(left, right, 1)
+        _store(e4m3(left * inverse), q_ptr, row0, row_end, col0, stride_qm)
+        _store(e4m3(right * inverse), q_ptr, row0, row_end, col0 + 64, stride_qm)
         m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-        scale = _scale_of(amax)
+        scale = scale_of(amax)
         gl.store(qs_ptr + m.to(gl.int64) * stride_qs + col0 // 128, scale, mask=m < row_end)
 
     @gluon.jit
@@ -344,7 +316,7 @@ if gluon is not None:
                 acc = acc * gl.expand_dims(f, 0)
                 if GEMM1:
                     gate, up = acc.reshape(64, 2, _BN // 2).permute(0, 2, 1).split()
-                    act = _swiglu(gate, up, limit, HAS_LIMIT).to(gl.bfloat16)
+                    act = swiglu(gate, up, limit, HAS_LIMIT).to(gl.bfloat16)
                     # Each thread reads back what it wrote, where it wrote it: no barrier.
                     if n % G == 0:
                         halves.index(PART).store(act)

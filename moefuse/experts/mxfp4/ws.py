@@ -1,22 +1,25 @@
-"""Warp-specialized MXFP4 GEMMs on Hopper, in Gluon (sm_90 only; ``kernels.py`` runs elsewhere).
+"""Warp-specialized MXFP4 GEMMs (W4A16) on Hopper, in Gluon (sm_90 only; ``kernels.py`` runs elsewhere).
 
 Same contract and numerics as the Triton kernels of ``kernels.py`` (SPEC §6): the same unpacking (``_unpack_asm``),
 the same swapped MMA (the unpacked weights are the wgmma's first operand, from registers; a tile's tokens its N),
-the same K order and 128-deep steps; on one H200 their outputs were bit-identical to the Triton kernels'. What
-differs is who does what. A program holds 128 weight rows and runs three partitions:
+the same K order and 128-deep steps, so the outputs are bit-identical to theirs. What differs is who does what.
+Words used below: a *box* is the block one TMA load copies into shared memory (here 64 weight rows of a 128-deep
+step, or a tile's activation rows for that step); a *slot* is one stage of the shared-memory ring the loads fill,
+with a ``ready`` barrier (its bytes have landed) and an ``empty`` one (its readers are done with it). A program
+holds 128 weight rows and runs three partitions:
 
 - a producer warp that streams, per 128-deep step, the two 64-row boxes of packed words and the tile's activation
-  rows through TMA into a ring of slots;
+  rows through TMA into the next slot;
 - two independent 4-warp consumers (one warp group each), one per 64-row box: each waits for a slot, loads its
   words in the MMA operand's per-thread order (LDSM), unpacks them, issues the step's eight wgmmas, waits for them
-  and frees the slot (the slot's empty barrier counts both consumers).
+  and frees the slot (the empty barrier counts both consumers).
 
 In the Triton kernel every warp issues its own loads and waits on its own pipeline, and 8 warps share one tile;
 here the loads and their bookkeeping leave the unpacking warps, a step's multiplier costs two instructions a word
 (the exponents come as one int32 per row and step, loaded a step ahead), and at 16-row tiles three programs fit
-an SM (``LAUNCH``). DeepSeek-V4-Flash experts on one H200 (µs, CUDA-graph replay), against the Triton kernels:
-48 against 64 at one token, 398 against 499 at 16, 3,349 against 4,367 at 4,096 (docs/PERF-NOTES.md, eighth
-session).
+an SM (``LAUNCH``). The op runs these on Hopper because they are faster at every token count: DeepSeek-V4-Flash
+experts on one H200, 48 against 64 µs at one token, 3,349 against 4,367 at 4,096 (2026-12-01; the history is in
+docs/PERF-NOTES.md).
 
 The tiles' activations come through TMA, so they must be contiguous rows in the MMA's K order: GEMM1's are
 gathered first (``common.gather_rows``: the plan's rows of ``hidden``, columns permuted within each group of 32 as
@@ -40,8 +43,10 @@ from .kernels import _unpack_asm
 try:  # Gluon ships with Triton >= 3.5; without it (or off Hopper) the Triton kernels run
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ..gluon_common import swiglu, tma_load
 except ImportError:  # pragma: no cover - every supported Triton has it
     gluon = None
 
@@ -53,9 +58,9 @@ PRODUCER_REGS = 24  # the producer warp's registers after the hand-over (setmaxn
 @dataclass(frozen=True)
 class Launch:
     """Per tile height: registers a thread at launch (``maxnreg``: how many 12-warp programs fit an SM's 64K),
-    the consumers' registers after the hand-over, and the ring's slots. Swept on one H200 (DeepSeek-V4-Flash,
-    PERF-NOTES eighth session); each the fewest registers that compile without spills for both GEMMs
-    (``scripts/sass.py`` checks it)."""
+    the consumers' registers after the hand-over (``setmaxnreg``), and the ring's slots. Each is the fewest
+    registers that compile without spills for both GEMMs (``scripts/sass.py`` checks it), so that as many programs
+    as possible share an SM."""
 
     maxnreg: int
     consumer_regs: int
@@ -63,15 +68,13 @@ class Launch:
 
 
 LAUNCH = {
-    16: Launch(56, 72, 4),  # three programs an SM: 124 µs for GEMM2 at 16 tokens, against 134 for two, 188 for one
+    16: Launch(56, 72, 4),  # three programs an SM: GEMM2 at 16 tokens 124 µs, against 134 for two (H200, 2026-12-01)
     32: Launch(80, 88, 6),  # two: at 56 registers the 32-column accumulators spill
     64: Launch(128, 152, 4),  # one
     128: Launch(168, 232, 4),  # one (GEMM1's hand-over spills at 128 registers)
 }
 
 if gluon is not None:
-    # Triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 async_load (the old name a deprecated alias).
-    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
     _UNPACK: gl.constexpr = gl.constexpr(_unpack_asm(from_exponents=True))
     _BK: gl.constexpr = gl.constexpr(BLOCK_K)  # the kernels' copies of the constants above
     _ROWS: gl.constexpr = gl.constexpr(ROWS)
@@ -89,11 +92,11 @@ if gluon is not None:
         """The producer warp: per step, both consumers' weight boxes and the activation rows into slot i % STAGES."""
         for i in range(k_steps):
             s = i % STAGES
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first pass finds every slot free
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first lap finds every slot free
             mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes + a_desc.block_type.nbytes)
-            _tma_load(w_desc, [w_row0, i * (_BK // 8)], ready.index(s), w_smem.index(2 * s))
-            _tma_load(w_desc, [w_row1, i * (_BK // 8)], ready.index(s), w_smem.index(2 * s + 1))
-            _tma_load(a_desc, [a_row, i * _BK], ready.index(s), a_smem.index(s))
+            tma_load(w_desc, [w_row0, i * (_BK // 8)], ready.index(s), w_smem.index(2 * s))
+            tma_load(w_desc, [w_row1, i * (_BK // 8)], ready.index(s), w_smem.index(2 * s + 1))
+            tma_load(a_desc, [a_row, i * _BK], ready.index(s), a_smem.index(s))
 
     @gluon.jit
     def _consume(w_smem, a_smem, ready, empty, s_ptr, s_row, stride_sn, k_steps, PART: gl.constexpr,
@@ -128,7 +131,7 @@ if gluon is not None:
             w = gl.convert_layout(pairs.permute(0, 1, 4, 5, 2, 3).reshape(_ROWS, _BK), dot_a)
             acc = warpgroup_mma(w, a_smem.index(s).permute((1, 0)), acc, is_async=True)
             # Waited for at once: keeping a step in flight makes ptxas serialize the wgmmas (their register
-            # operands), which measured slower; the other consumer and programs fill the wait.
+            # operands), which is slower; the other consumer and programs fill the wait.
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index(s))
         return acc
@@ -162,15 +165,6 @@ if gluon is not None:
         mbarrier.arrive(handed)
 
     @gluon.jit
-    def _swiglu(gate, up, limit, HAS_LIMIT: gl.constexpr):
-        """SiLU(gate) * up in fp32 after DeepSeek-V4's clamp, as ``common._swiglu`` (NaN stays NaN, as torch.clamp
-        keeps it): the Gluon kernels' epilogue (``ws.py``, ``w4a8.py``, ``persistent.py``)."""
-        if HAS_LIMIT:
-            gate = gl.where(gate > limit, limit, gate)
-            up = gl.where(up > limit, limit, gl.where(up < -limit, -limit, up))
-        return gate * (1.0 / (1.0 + gl.exp(-gate))) * up
-
-    @gluon.jit
     def _gemm1_gate(w_smem, a_smem, ready, empty, s_ptr, out_ptr, s_row, stride_sn, col0, stride_om, row_start,
                     row_end, k_steps, handed, handover, limit, HAS_LIMIT: gl.constexpr, BLOCK_M: gl.constexpr,
                     STAGES: gl.constexpr, WL: gl.constexpr, MMA: gl.constexpr):
@@ -178,13 +172,13 @@ if gluon is not None:
         the paired K order."""
         gate = _consume(w_smem, a_smem, ready, empty, s_ptr, s_row, stride_sn, k_steps, 0, BLOCK_M, STAGES, WL, MMA)
         mbarrier.wait(handed, 0)
-        act = _swiglu(gate, handover.load(MMA), limit, HAS_LIMIT)
+        act = swiglu(gate, handover.load(MMA), limit, HAS_LIMIT)
         _store(act, out_ptr, row_start, row_end, col0, stride_om, True, BLOCK_M, MMA)
 
     @gluon.jit
     def _program(pid, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, BN: gl.constexpr):
-        """Work item ``pid``: tile ``pid // (N / BN)`` of the plan, column block ``pid % (N / BN)``; its expert
-        (-1: an unused tile), its first row and its expert's end."""
+        """The work of program ``pid`` (one plan tile times one column block): tile ``pid // (N / BN)`` of the plan,
+        column block ``pid % (N / BN)``; its expert (-1: an unused tile), its first row and its expert's end."""
         col_blocks = N // BN
         tile = pid // col_blocks
         expert = gl.load(tile_expert_ptr + tile)

@@ -782,9 +782,8 @@ class MoELayer(nn.Module):
         if slot is not None:
             return self._forward_shared_slot(x, *slot)
         weights, ids = self.gate(x, num_token_non_padded, input_ids=input_ids)
-        # The shared expert forks after the router: forked first, its kernels took the SMs the router linear needed
-        # and delayed the routed chain (the MXFP4 DeepSeek-V4-Flash layer at one token: 73.3 against 65.9 µs on
-        # one H200; within noise or faster for the bf16 and fp8 layers measured, docs/PERF-NOTES.md).
+        # The shared expert forks after the router: forked first, its kernels take the SMs the router linear needs and
+        # delay the routed chain (the MXFP4 layer at one token: 73.3 against 65.9 µs, H200, 2026-12-02).
         on_side_stream = x.is_cuda and self.shared_experts is not None and not torch.compiler.is_compiling()
         shared: torch.Tensor | None = None
         if on_side_stream:

@@ -21,7 +21,9 @@ def test_summary_series_from_committed_results():
     along a line (MXFP4's W4A8 point in the committed quant run) is noted."""
     records = _records()
     series = {(s["panel"], s["label"]): s for s in run.summary_series(records)}
-    assert {s["spec"]["label"] for s in series.values()} == {spec["label"] for spec in run.SUMMARY}
+    # every line whose stage has a committed results file finds its rows (a stage never run yet has no file)
+    assert {s["spec"]["label"] for s in series.values()} == {spec["label"] for spec in run.SUMMARY
+                                                             if spec["stage"] in records}
     layer = dict(series[("floor", "layer, bf16")]["points"])
     row = next(r for r in records["layer"]["rows"] if r["model"] == "deepseek-v3" and r["M"] == 4096)
     floor = max(row["mem_floor_us"], row["compute_floor_us"])  # the line's floor: the larger, measured in that run

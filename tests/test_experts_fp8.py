@@ -282,8 +282,8 @@ def test_workspace_is_checked_before_any_launch(device):
 
 def test_split_k_where_the_grid_leaves_sms_idle():
     """GEMM1 splits along K at one token where its grid leaves SMs idle on a 132-SM Hopper, into the runs measured
-    fastest on one H100 for two-box steps (splits 1-4, with and without the shared expert's slot; docs/PERF-NOTES.md,
-    thirty-ninth session), and not from 16 tokens, where a split measured slower. The rule fills waves of one
+    fastest on one H100 for two-box steps (splits 1-4, with and without the shared expert's slot; H100, 2026-12-05,
+    docs/PERF-NOTES.md, fp8 decode), and not from 16 tokens, where a split measured slower. The rule fills waves of one
     unsplit program or two split ones per SM: on 127 SMs, 128 programs in two runs each leave 252 of two waves' 508
     slots empty, in three runs 124."""
     fastest = {"deepseek-v3": (1, 3), "kimi-k2": (1, 3), "deepseek-v4-flash": (1, 1), "glm-4.5-air": (3, 1),

@@ -1,6 +1,6 @@
-"""Property-based tests (hypothesis) of ``moe_experts`` and ``MoELayer`` against their float64 oracles (issue 37).
+"""Property-based tests (hypothesis) of ``moe_experts`` and ``MoELayer`` against their float64 oracles.
 
-Issue 37: MXFP4 experts with E = 77, H = 2080, I = 224 and hidden states of inner stride 2 crashed the Triton
+Why: MXFP4 experts with E = 77, H = 2080, I = 224 and hidden states of inner stride 2 crashed the Triton
 compiler, a shape and layout no hand-written case had (this test, with that fix undone, found it on an H200 within
 a minute and shrank it to E = 1, H = 32, I = 64, one token). Per weight format (a test parameter: plain bf16, fp16
 or fp32 weights; ``BlockFP8`` with bf16 or fp16 activations and fp32 scales or ue8m0 exponents through
@@ -85,7 +85,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # 128-row tile, so the CPU draws fp8 tiles of 16 and 32 rows only (the GPU draws every height).
 if GPU:
     WIDTH, WIDTH_MANY = 3072, 2304  # largest H, I with E <= 8, and with more experts
-    WEIGHTS = 40_000_000  # largest E·H·I (issue 37's shape is 3.6e7)
+    WEIGHTS = 40_000_000  # largest E·H·I (the shape that once crashed the compiler is 3.6e7)
     TOKENS, TOKENS_MANY = 700, 700  # M: several 128-row tiles
     ROWS, ROWS_FP8 = 700 * 8, 700 * 8  # M·K
     FP8_TILES = (16, 32, 64, 128)
@@ -209,7 +209,7 @@ def _randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
 def _hidden(gen: torch.Generator, M: int, H: int, dtype: torch.dtype, layout: str, pad: int) -> torch.Tensor:
     if layout == "padded":
         return _randn(gen, M, H + pad).to(dtype)[:, :H]
-    if layout == "strided":  # issue 37's layout
+    if layout == "strided":  # the layout that once crashed the compiler
         return _randn(gen, M, 2 * H).to(dtype)[:, ::2]
     if layout == "column-major":
         return _randn(gen, H, M).to(dtype).t()

@@ -27,21 +27,21 @@ _TABLE = {
     ("fp32", "tall"): (1e-5, 1e-5),  # the same
     # 5.4e-3 / 1.7e-3 in the table, but a GEMM1 sum that lands near an e4m3 tie flips one rounding of the
     # intermediate on any path (one e4m3 step, 1/8 of a value): a GPU run measured 1.95e-2 on a 16-row tile once
-    # (issue 37, seed 1603806832). Rare, so the table's 8 seeds did not see it; the RMS stays small.
+    # (H200, 2026-12-03, seed 1603806832). Rare, so the table's 8 seeds did not see it; the RMS stays small.
     ("fp8", "short"): (5e-2, 1e-2),
     # 2.9e-2 / 4.4e-3 in the table (96 tokens and more): wgmma's fp8 sums flip e4m3 roundings of the intermediate.
     # On narrow shapes and few rows both near the max (``experts_tolerance``): over 600 seeds of E = 77, H = 256,
-    # I = 128 on one H100 the largest max error was 4.53e-2 on 8 rows, 4.42e-2 on 32 (thirty-eighth session), too
+    # I = 128 on one H100 the largest max error was 4.53e-2 on 8 rows, 4.42e-2 on 32 (2026-12-05), too
     # close to the 5e-2 once here; a GPU fuzz run met 1.34e-2 RMS on 10 rows (persistent kernels, which match the tl
-    # tall tiles' table cells to three digits; twenty-third session).
+    # tall tiles' table cells to three digits; 2026-12-04).
     ("fp8", "tall"): (7.5e-2, 2e-2),
     ("mxfp4", "short"): (1e-2, 5e-3),  # 3.4e-3 / 1.7e-3
     ("mxfp4", "tall"): (1e-2, 5e-3),  # the same (fp32 sums on every tile height)
     # 1.9e-2 / 3.7e-3 in the table (H, I >= 512). At the narrowest widths W4A8 takes, a row's 128 e4m3-rounded
     # activations average out less: the GPU fuzz run met 1.10e-2 RMS on one row of E = 1, H = I = 128 (seed 157,
-    # twenty-second session), with a max of 1.09e-2: the RMS of one short row is about its max. The largest met
+    # 2026-12-04), with a max of 1.09e-2: the RMS of one short row is about its max. The largest met
     # since: 1.55e-2 RMS on the 3 rows of one token, E = 6, H = 384, I = 128 (test_w4a8_matches_float64, seed
-    # 500794227, twenty-eighth session).
+    # 500794227, 2026-12-04).
     ("w4a8", "short"): (5e-2, 2e-2),  # W4A8 runs on 128-row tiles only; as "tall"
     ("w4a8", "tall"): (5e-2, 2e-2),
 }
@@ -59,7 +59,7 @@ def experts_tolerance(fmt: str, block_m: int, rows: int | None = None) -> tuple[
 
     The table's RMS bounds hold over many rows. Over few rows the RMS is nearly the max: a flipped e4m3 rounding of
     one intermediate value moves every output of its row, so a row's errors do not average out. Measured on one H100
-    (``scripts/few_rows_error.py``, thirty-eighth session: tall fp8 tiles, E = 77, H = 256, I = 128, skewed routing,
+    (``research/few_rows_error.py``, 2026-12-05: tall fp8 tiles, E = 77, H = 256, I = 128, skewed routing,
     600 seeds a row count), the largest RMS over 1 / 8 / 32 / 128 rows was 3.27e-2 / 1.99e-2 / 1.14e-2 / 7.4e-3 (and
     2.25e-2 on 2 rows, the GPU fuzz run that failed the fixed 2e-2): it falls about as ``rows ** -0.25``. So the
     RMS bound is ``max / rows ** 0.25`` where that exceeds the table's, 2.2x or more over each of those on tall fp8

@@ -7,6 +7,8 @@ means the same thing at every scale.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -71,3 +73,40 @@ def max_ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
         return torch.where(bits < 0, -magnitude, magnitude)
 
     return int((ordered(a) - ordered(b)).abs().max())
+
+
+# Tiny causal LMs of three MoE architectures (2 layers, hidden 48, 16 experts): transformers integration tests and
+# the GPU integration check build the same models from here.
+TINY_CONFIG: dict[str, Any] = dict(vocab_size=128, hidden_size=48, intermediate_size=64, moe_intermediate_size=24,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=64)
+TINY_CAUSAL_LMS = ("deepseek-v3", "qwen3-moe", "glm4-moe")
+
+
+def tiny_causal_lm(name: str, seed: int) -> torch.nn.Module:
+    """A randomly initialised tiny transformers causal LM of ``name`` (one of :data:`TINY_CAUSAL_LMS`), in eval mode,
+    its expert biases random (transformers initialises them to zero, which would hide them)."""
+    import transformers
+
+    # Looked up by name: the configs take more keywords (head_dim ...) than their type stubs declare.
+    make = {"deepseek-v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+                **{**TINY_CONFIG, "num_key_value_heads": 4}, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=0,
+                q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8)),
+            "qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+                **TINY_CONFIG, num_experts=16, num_experts_per_tok=4, head_dim=12, norm_topk_prob=True)),
+            "glm4-moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(
+                **TINY_CONFIG, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+                first_k_dense_replace=0, head_dim=12))}
+    if name not in make:
+        raise ValueError(f"name must be one of {TINY_CAUSAL_LMS}, got {name!r}")
+    model_name, config_name, kwargs = make[name]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**kwargs))
+    model.eval()
+    with torch.no_grad():
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.rand(buffer.shape) * 0.1)
+    return model
+

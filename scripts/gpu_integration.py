@@ -14,68 +14,24 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 import moefuse
 from moefuse.bench.report import format_table
-from moefuse.testing import rel_error
+from moefuse.bench.timing import event_time_us
+from moefuse.testing import TINY_CAUSAL_LMS, rel_error, tiny_causal_lm
 
-# The tiny models of tests/test_hf.py (2 layers, hidden 48, 16 experts), built the same way.
-COMMON = dict(vocab_size=128, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-
-
-def _deepseek_v3():
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    return DeepseekV3ForCausalLM(DeepseekV3Config(
-        **{**COMMON, "num_key_value_heads": 4}, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
-        n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8))
-
-
-def _qwen3_moe():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**COMMON, num_experts=16, num_experts_per_tok=4, head_dim=12,
-                                              norm_topk_prob=True))
-
-
-def _glm4_moe():
-    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
-
-    return Glm4MoeForCausalLM(Glm4MoeConfig(**COMMON, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
-                                            first_k_dense_replace=0, head_dim=12))
-
-
-MODELS = {"deepseek-v3": _deepseek_v3, "qwen3-moe": _qwen3_moe, "glm4-moe": _glm4_moe}
+MODELS = TINY_CAUSAL_LMS
 
 
 def _model(name: str, seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = MODELS[name]().eval()
-    with torch.no_grad():  # transformers initialises the expert biases to zero: make them matter
-        for buffer_name, buffer in model.named_buffers():
-            if buffer_name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.rand(buffer.shape) * 0.1)
-    return model
+    return tiny_causal_lm(name, seed)
 
 
 def _forward_us(fn, reps: int = 30) -> float:
-    """Median wall-clock device time of ``fn`` (CUDA events around each call, after warm-up)."""
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(samples)
+    """Median device time of ``fn`` (CUDA events around each call, after warm-up)."""
+    return event_time_us(fn, reps=reps)
 
 
 @torch.no_grad()

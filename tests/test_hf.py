@@ -8,46 +8,13 @@ import torch
 import moefuse
 from moefuse import MoELayer
 from moefuse.route.reference import near_tie_rows
-from moefuse.testing import assert_rel_close
+from moefuse.testing import TINY_CAUSAL_LMS, TINY_CONFIG, assert_rel_close, tiny_causal_lm
 
-COMMON = dict(vocab_size=128, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-
-
-def _deepseek_v3():
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    return DeepseekV3ForCausalLM(DeepseekV3Config(
-        **{**COMMON, "num_key_value_heads": 4}, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
-        n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8))
-
-
-def _qwen3_moe():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**COMMON, num_experts=16, num_experts_per_tok=4, head_dim=12,
-                                              norm_topk_prob=True))
-
-
-def _glm4_moe():
-    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
-
-    return Glm4MoeForCausalLM(Glm4MoeConfig(**COMMON, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
-                                            first_k_dense_replace=0, head_dim=12))
-
-
-MODELS = {"deepseek-v3": _deepseek_v3, "qwen3-moe": _qwen3_moe, "glm4-moe": _glm4_moe}
+MODELS = TINY_CAUSAL_LMS
 
 
 def _model(name: str, seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = MODELS[name]().eval()
-    with torch.no_grad():  # transformers initialises the expert biases to zero: make them matter
-        for buffer_name, buffer in model.named_buffers():
-            if buffer_name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.rand(buffer.shape) * 0.1)
-    return model
+    return tiny_causal_lm(name, seed)
 
 
 @torch.no_grad()
@@ -79,7 +46,7 @@ def _draw(name: str, gen: torch.Generator) -> tuple[torch.nn.Module, torch.Tenso
     """A random model and prompt whose routing has no choice within 1e-5 of a tie (see ``_routing_tie``)."""
     for _ in range(20):
         model = _model(name, seed=int(torch.randint(1 << 30, (), generator=gen)))
-        ids = torch.randint(0, COMMON["vocab_size"], (2, 6), generator=gen)
+        ids = torch.randint(0, TINY_CONFIG["vocab_size"], (2, 6), generator=gen)
         if not _routing_tie(model, ids):
             return model, ids
     raise AssertionError("20 draws in a row had a routing tie")
@@ -93,7 +60,7 @@ def test_patched_logits_match(name, backend, gen, device):
     with torch.no_grad():
         want = model(ids).logits
         report = moefuse.patch(model, backend=backend)
-        assert report.patched == [f"model.layers.{i}.mlp" for i in range(COMMON["num_hidden_layers"])]
+        assert report.patched == [f"model.layers.{i}.mlp" for i in range(TINY_CONFIG["num_hidden_layers"])]
         assert all(isinstance(layer.mlp, MoELayer) for layer in model.model.layers)
         got = model(ids).logits
         assert moefuse.unpatch(model) == report.patched
@@ -136,7 +103,7 @@ def test_patch_shares_tensors_and_lists_unsupported():
 def test_experts_implementation(name, gen, device):
     moefuse.register_experts_implementation()
     model = _model(name, seed=int(torch.randint(1 << 30, (), generator=gen))).to(device)
-    ids = torch.randint(0, COMMON["vocab_size"], (2, 6), generator=gen).to(device)
+    ids = torch.randint(0, TINY_CONFIG["vocab_size"], (2, 6), generator=gen).to(device)
     with torch.no_grad():
         want = model(ids).logits
         model.set_experts_implementation("moefuse")

@@ -106,19 +106,13 @@ def load(path: Path) -> dict[str, Any]:
 def _time_us(fn: Callable[[], object]) -> float:
     """Device time of one call: CUDA-graph replay where the call can be captured, else the median of event-timed
     eager calls (a transformers block that synchronises with the host)."""
+    from moefuse.bench import timing
+
     try:
         return _graph_us(fn)
     except Exception:  # noqa: BLE001 - not capturable: time it eagerly
         torch.cuda.synchronize()
-        samples = []
-        for _ in range(10):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3)
-        return sorted(samples)[len(samples) // 2]
+        return timing.event_time_us(fn, reps=10, warmup=0)
 
 
 def _graph_us(fn: Callable[[], object]) -> float:

@@ -52,6 +52,22 @@ def graph_time_us(calls: Sequence[Callable[[], object]], *, replays: int = 50, w
     return statistics.median(samples)
 
 
+def event_time_us(fn: Callable[[], object], *, reps: int = 30, warmup: int = 3) -> float:
+    """Median device time of ``fn`` called eagerly, CUDA events around each call, after ``warmup`` calls: for a call
+    that cannot be captured in a CUDA graph (one that synchronises with the host)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(samples)
+
+
 def time_or_none(calls: Sequence[Callable[[], object]], *, replays: int = 20) -> float | None:
     """``graph_time_us`` of a baseline, or None (reported on stderr) when it cannot be compiled or captured here:
     a baseline that fails on some stack is a missing cell in the table, not a failed benchmark."""

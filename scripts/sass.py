@@ -178,13 +178,15 @@ def router(args: argparse.Namespace) -> list[str]:
                 (args.dump / f"{stem}.sass").write_text(sass)
     print(f"\n{'router linear (bf16 x, fp32 weight)':34s} {'M':>7s} {'H':>6s} {'regs':>4s} {'stack':>5s} {'smem':>6s}")
     for H in (2048, 7168):
-        for M in (1, route_linear.MAX_TOKENS):
+        # the decode launches, and the batch-invariant one over row blocks (fp16 / fp32 activations)
+        for M, row_blocks in ((1, False), (route_linear.MAX_TOKENS, False), (route_linear.INVARIANT_ROWS, True)):
             block_m, block_k = route_linear.block_shape(M, H)
             compiled = compile_sm90(
                 route_linear._router_logits_kernel,
                 {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "M": "i32", "H": "i32",
                  "stride_xm": "i32", "stride_we": "i32", "stride_om": "i32"},
-                {"stride_xk": 1, "stride_wk": 1, "stride_oe": 1, "BLOCK_M": block_m, "BLOCK_K": block_k},
+                {"stride_xk": 1, "stride_wk": 1, "stride_oe": 1, "BLOCK_M": block_m, "BLOCK_K": block_k,
+                 "ROW_BLOCKS": row_blocks},
                 route_linear.NUM_WARPS)
             _, s = sass_stats(compiled.asm["cubin"])
             smem = compiled.metadata.shared
@@ -201,8 +203,7 @@ def router(args: argparse.Namespace) -> list[str]:
         constexprs = {"stride_xk": 1, "stride_oe": 1, "UPCAST": False, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n,
                       "BLOCK_K": c.block_k, "SPLIT_K": split_k}
         signature = {"x_ptr": "*bf16", "parts_ptr": "*bf16", "out_ptr": "*fp32", "M": "i32", "E": "i32", "H": "i32",
-                     "stride_xm": "i32", "stride_om": "i32", "stride_os": "i32",
-                     **{name: "constexpr" for name in constexprs}}
+                     "stride_xm": "i32", "stride_om": "i32", **{name: "constexpr" for name in constexprs}}
         # H a multiple of 16, as every model's (and as Triton specializes it at launch): the loads pipeline
         attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
                  for name in ("x_ptr", "parts_ptr", "out_ptr", "E", "H", "stride_xm", "stride_om")}

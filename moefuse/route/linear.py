@@ -41,13 +41,19 @@ NUM_WARPS = 8
 def _router_logits_kernel(
     x_ptr, w_ptr, out_ptr, M, H,
     stride_xm, stride_xk, stride_we, stride_wk, stride_om, stride_oe,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCKS: tl.constexpr = False,
 ):
     e = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]; one row block at decode
-    row_ok = rows < M
     ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
-    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
+    if ROW_BLOCKS:  # the batch-invariant launch: program (e, b) takes rows b·BLOCK_M.. of any M
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
+        out_ptrs = out_ptr + rows.to(tl.int64) * stride_om + e * stride_oe
+    else:  # decode: every row in one program
+        rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
+        out_ptrs = out_ptr + rows * stride_om + e * stride_oe
+    row_ok = rows < M
     w_ptrs = w_ptr + e.to(tl.int64) * stride_we + ks * stride_wk  # [BLOCK_K]
     acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -57,7 +63,7 @@ def _router_logits_kernel(
         acc += x * w[None, :]
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-    tl.store(out_ptr + rows.to(tl.int64) * stride_om + e * stride_oe, tl.sum(acc, axis=1), mask=row_ok)
+    tl.store(out_ptrs, tl.sum(acc, axis=1), mask=row_ok)
 
 
 def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
@@ -66,7 +72,7 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor, out: torch.Tenso
     M, H = x.shape
     E = weight.shape[0]
     block_m, block_k = block_shape(M, H)
-    _router_logits_kernel[(E, 1)](
+    _router_logits_kernel[(E,)](
         x, weight, out, M, H, *x.stride(), *weight.stride(), *out.stride(),
         BLOCK_M=block_m, BLOCK_K=block_k, num_warps=NUM_WARPS,
     )
@@ -116,25 +122,29 @@ def _operand(ptrs, mask, UPCAST: tl.constexpr):
 # Integers that vary with the token count are not specialised: no new variant per batch size (moefuse.warmup).
 @triton.jit(do_not_specialize=["M"])
 def _router_logits_mma_kernel(
-    x_ptr, parts_ptr, out_ptr, M, E, H, stride_xm, stride_xk, stride_om, stride_oe, stride_os,
+    x_ptr, parts_ptr, out_ptr, M, E, H, stride_xm, stride_xk, stride_om, stride_oe,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr = 1,
 ):
     """out[m, e] = sum_k x[m, k] * (hi + mid + lo)[e, k] for a [BLOCK_M, BLOCK_N] tile; ``parts_ptr``:
     ``bf16_split``'s [3, E, H], contiguous. With ``SPLIT_K`` > 1, program (i, j, s) sums the s-th of SPLIT_K runs
-    of K steps into ``out + s * stride_os`` ([SPLIT_K, M, E] partial sums, which ``_sum_runs_kernel`` adds)."""
+    of K steps into the s-th [M, E] of ``out`` ([SPLIT_K, M, E] contiguous partial sums: ``_sum_runs_kernel``)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    steps = tl.cdiv(H, BLOCK_K)
-    per_run = tl.cdiv(steps, SPLIT_K)
-    first = tl.program_id(2) * per_run * BLOCK_K
-    last = tl.minimum(first + per_run * BLOCK_K, H)
     ks = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + (first + ks[None, :]) * stride_xk
-    w_ptrs = parts_ptr + cols[:, None] * H + first + ks[None, :]
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk
+    w_ptrs = parts_ptr + cols[:, None] * H + ks[None, :]
     part = E * H  # elements between parts
     precision: tl.constexpr = "ieee" if UPCAST else "tf32"  # 16-bit operands: the option is not used
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    first = 0
+    last = H
+    if SPLIT_K > 1:
+        per_run = tl.cdiv(tl.cdiv(H, BLOCK_K), SPLIT_K) * BLOCK_K
+        first = tl.program_id(2) * per_run
+        last = tl.minimum(first + per_run, H)
+        x_ptrs += first * stride_xk
+        w_ptrs += first
     for k0 in range(first, last, BLOCK_K):
         k_ok = ks[None, :] < H - k0
         x = _operand(x_ptrs, (rows[:, None] < M) & k_ok, UPCAST)
@@ -147,8 +157,9 @@ def _router_logits_mma_kernel(
         acc = tl.fma(block, 1.0, acc)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K
-    out_ptrs = (out_ptr + tl.program_id(2).to(tl.int64) * stride_os + rows[:, None].to(tl.int64) * stride_om
-                + cols[None, :] * stride_oe)
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_oe
+    if SPLIT_K > 1:
+        out_ptrs += tl.program_id(2).to(tl.int64) * M * stride_om
     tl.store(out_ptrs, acc, mask=(rows[:, None] < M) & (cols[None, :] < E))
 
 
@@ -197,9 +208,9 @@ def router_logits_mma(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) 
     M, H = x.shape
     E = weight.shape[0]
     c = mma_launch(M, E, _sms(x.device))
-    _router_logits_mma_kernel[(triton.cdiv(M, c.block_m), triton.cdiv(E, c.block_n), 1)](
-        x, bf16_split(weight), out, M, E, H, *x.stride(), *out.stride(), 0,
-        UPCAST=_runtime.interpreting(), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=1,
+    _router_logits_mma_kernel[(triton.cdiv(M, c.block_m), triton.cdiv(E, c.block_n))](
+        x, bf16_split(weight), out, M, E, H, *x.stride(), *out.stride(),
+        UPCAST=_runtime.interpreting(), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         num_warps=c.warps, num_stages=c.stages,
     )
 
@@ -230,7 +241,7 @@ def router_logits_invariant(x: torch.Tensor, weight: torch.Tensor, out: torch.Te
         block_k = max(16, min(triton.next_power_of_2(H), _ELEMS // INVARIANT_ROWS))
         _router_logits_kernel[(E, triton.cdiv(M, INVARIANT_ROWS))](
             x, weight, out, M, H, *x.stride(), *weight.stride(), *out.stride(),
-            BLOCK_M=INVARIANT_ROWS, BLOCK_K=block_k, num_warps=NUM_WARPS,
+            BLOCK_M=INVARIANT_ROWS, BLOCK_K=block_k, ROW_BLOCKS=True, num_warps=NUM_WARPS,
         )
         return
     if parts is None:
@@ -238,7 +249,7 @@ def router_logits_invariant(x: torch.Tensor, weight: torch.Tensor, out: torch.Te
     c, runs = INVARIANT_MMA, invariant_runs(H)
     sums = torch.empty(runs, M, E, dtype=torch.float32, device=x.device) if runs > 1 else out
     _router_logits_mma_kernel[(triton.cdiv(M, c.block_m), triton.cdiv(E, c.block_n), runs)](
-        x, parts, sums, M, E, H, *x.stride(), *sums.stride()[-2:], sums.stride(0) if runs > 1 else 0,
+        x, parts, sums, M, E, H, *x.stride(), *sums.stride()[-2:],
         UPCAST=_runtime.interpreting(), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=runs,
         num_warps=c.warps, num_stages=c.stages,
     )

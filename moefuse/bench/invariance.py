@@ -4,7 +4,7 @@ For DeepSeek-V3 in bf16 and fp8 and DeepSeek-V4-Flash in MXFP4 (W4A16) at 1, 16,
 the routed experts (dispatch + GEMMs + combine, as a layer runs them) and the layer, each both ways in the same run
 under CUDA-graph replay, the invariant time over the default's, and at one token the read floor (the touched
 experts' bytes at the measured read bandwidth; the layer's adds its shared expert and router). ``check`` confirms
-the promise on the same layers: a token alone and inside each batch, bitwise.
+the promise on the same layers: a token alone and inside each batch, bitwise. Floors are ``bench.sweep``'s.
 
 ``python -m moefuse.bench.invariance`` runs it standalone.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from moefuse.bench import report, timing
+from moefuse.bench import report, sweep, timing
 from moefuse.config import preset
 from moefuse.formats import Quant
 from moefuse.layer import MoELayer, routed_experts
@@ -35,12 +35,6 @@ TITLE = "Batch invariance: the invariant experts and layer beside the default (C
 CHECK_COLUMNS = [("model", "model"), ("format", "format"), ("M", "M"), ("bitwise", "token alone == in batch")]
 
 
-def _bytes(weight: Any) -> int:
-    if isinstance(weight, torch.Tensor):
-        return weight.numel() * weight.element_size()
-    return sum(t.numel() * t.element_size() for t in (weight.values, weight.scales))
-
-
 def _build(model: str, fmt: str) -> MoELayer:
     return MoELayer(preset(model), device="cuda", quant=QUANT[fmt]).init_random_(0)
 
@@ -52,13 +46,11 @@ def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict]:
         layer = _build(model, fmt)
         c = layer.config
         gate_up, down = layer.experts.weights()
-        per_expert = (_bytes(gate_up) + _bytes(down)) / c.num_experts
         for M in TOKENS[:3] if quick else TOKENS:
             x = torch.randn(M, c.hidden_size, device="cuda", generator=gen, dtype=torch.bfloat16)
             row: dict[str, Any] = {"model": model, "format": fmt, "M": M}
             with torch.no_grad():
                 weights, ids = layer.gate(x)
-                touched = int(torch.unique(ids[(ids >= 0) & (ids < c.num_experts)]).numel())
                 for key, invariant in (("", False), ("_inv", True)):
                     experts = partial(routed_experts, x, gate_up, down, weights, ids, swiglu_limit=c.swiglu_limit,
                                       activation_quant=layer.activation_quant, batch_invariant=invariant)
@@ -69,11 +61,10 @@ def run(ceilings: timing.Ceilings, quick: bool = False) -> list[dict]:
             row["x_experts"] = row["experts_inv_us"] / row["experts_us"]
             row["x_layer"] = row["layer_inv_us"] / row["layer_us"]
             if M == 1:
-                floor = touched * per_expert
-                shared = 3 * c.hidden_size * c.shared_intermediate_size * (1 if layer.shared_format.quantized else 2)
-                row["floor_us"] = ceilings.empty_us + floor / (ceilings.read_tbps * 1e12) * 1e6
-                row["layer_floor_us"] = ceilings.empty_us + (floor + shared + 4 * c.num_experts * c.hidden_size) / (
-                    ceilings.read_tbps * 1e12) * 1e6
+                with torch.no_grad():
+                    experts_bytes = sweep.read_bytes(layer, x)[0]
+                    row["layer_floor_us"] = sweep.floor_us(layer, x, ceilings)
+                row["floor_us"] = ceilings.empty_us + experts_bytes / (ceilings.read_tbps * 1e12) * 1e6
                 row["x_floor_inv"] = row["experts_inv_us"] / row["floor_us"]
                 row["x_layer_floor_inv"] = row["layer_inv_us"] / row["layer_floor_us"]
             rows.append(row)

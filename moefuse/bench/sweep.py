@@ -132,20 +132,25 @@ def _graph_us(fn: Callable[[], object]) -> float:
     return timing.graph_time_us([fn], replays=20 if eager_ms < 2 else 8, warmup=1, min_calls=calls)
 
 
-def _floor_us(layer: Any, x: torch.Tensor, ceilings: Any) -> float:
-    """The larger of the bytes the call must read (touched routed experts, shared expert, router, activations in and
-    out) at the measured read bandwidth and its multiply-adds at the measured bf16 GEMM rate, plus a launch."""
+def read_bytes(layer: Any, x: torch.Tensor) -> tuple[float, float]:
+    """The bytes a layer's call on tokens ``x`` must read: its touched routed experts' (values and scales), and the
+    whole layer's (those, the shared expert in its format, the router weight, the activations in and out)."""
     c = layer.config
     _, ids = layer.gate(x)
     touched = int(torch.unique(ids[(ids >= 0) & (ids < c.num_experts)]).numel())
-    gate_up, down = layer.experts.weights()
-    expert_bytes = sum(_nbytes(w) for w in (gate_up, down)) / c.num_experts
-    shared_bytes = 3 * c.hidden_size * c.shared_intermediate_size * x.element_size()
-    act_bytes = 2 * x.numel() * x.element_size() + c.num_experts * c.hidden_size * 4
-    nbytes = touched * expert_bytes + shared_bytes + act_bytes
+    experts = touched * sum(_nbytes(w) for w in layer.experts.weights()) / c.num_experts
+    shared = 3 * c.hidden_size * c.shared_intermediate_size * (1 if layer.shared_format.quantized else x.element_size())
+    return experts, experts + shared + _nbytes(layer.gate.weight) + 2 * x.numel() * x.element_size()
+
+
+def floor_us(layer: Any, x: torch.Tensor, ceilings: Any) -> float:
+    """The layer's floor on tokens ``x``: the larger of its bytes (:func:`read_bytes`) at the measured read bandwidth
+    and its multiply-adds at the measured bf16 GEMM rate, plus a launch."""
+    c = layer.config
     flops = 2 * x.shape[0] * (c.top_k * 3 * c.hidden_size * c.intermediate_size
                               + 3 * c.hidden_size * c.shared_intermediate_size + c.num_experts * c.hidden_size)
-    return ceilings.empty_us + max(nbytes / (ceilings.read_tbps * 1e12), flops / (ceilings.gemm_tflops * 1e12)) * 1e6
+    seconds = max(read_bytes(layer, x)[1] / (ceilings.read_tbps * 1e12), flops / (ceilings.gemm_tflops * 1e12))
+    return ceilings.empty_us + seconds * 1e6
 
 
 def _nbytes(weight: Any) -> int:
@@ -207,7 +212,7 @@ def run(ceilings: Any, quick: bool = False, models: Sequence[str] = MODELS, form
                 x = torch.randn(m, layer.config.hidden_size, generator=gen, device="cuda", dtype=torch.bfloat16)
                 with torch.no_grad():
                     us = _time_us(lambda: layer(x))
-                    floor = _floor_us(layer, x, ceilings)
+                    floor = floor_us(layer, x, ceilings)
                 rows.append({"model": model, "format": fmt, "M": m, "us": us, "floor_us": floor,
                              "x_floor": us / floor})
             del layer

@@ -173,13 +173,24 @@ def defaults(**changes: object) -> Iterator[None]:
             setattr(DEFAULTS, name, value)
 
 
+def optional_bool(name: str, value: object) -> bool | None:
+    """A boolean switch's argument checked: None (the process default) or a bool; a ``TypeError`` naming it else."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} must be None or a bool, got {type(value).__name__}")
+    return value
+
+
+def persistent_arg(value: object) -> str | None:
+    """A ``persistent`` argument checked: None (the process default) or one of :data:`PERSISTENT`."""
+    if value is not None and value not in PERSISTENT:
+        raise ValueError(f"persistent must be None or one of {PERSISTENT}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
 def batch_invariant(value: object) -> bool:
     """A ``batch_invariant`` argument resolved: the process default for None; refuses anything but a bool."""
-    if value is None:
-        return DEFAULTS.batch_invariant
-    if not isinstance(value, bool):
-        raise TypeError(f"batch_invariant must be None or a bool, got {type(value).__name__}")
-    return value
+    checked = optional_bool("batch_invariant", value)
+    return DEFAULTS.batch_invariant if checked is None else checked
 
 
 def persistent_enabled(fp8: bool, persistent: str | None = None) -> bool:
@@ -187,9 +198,7 @@ def persistent_enabled(fp8: bool, persistent: str | None = None) -> bool:
     fp8 block-scale weights (``fp8``) or 16-bit ones: ``persistent`` (None: the process default) "auto" runs the fp8
     ones only (the 16-bit ones measured 1.02-1.16x slower than the ``tl`` kernels: docs/CHOICES.md), "all" both,
     "none" neither."""
-    value = DEFAULTS.persistent if persistent is None else persistent
-    if value not in PERSISTENT:
-        raise ValueError(f"persistent must be None or one of {PERSISTENT}, got {value!r}")
+    value = DEFAULTS.persistent if persistent_arg(persistent) is None else persistent
     return value == "all" or (value == "auto" and fp8)
 
 

@@ -24,7 +24,7 @@ from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import configs, experts_workspace, moe_experts, plan_block_m, rows_linear
-from moefuse.experts.op import check_experts_shapes, cublas_mlp, mlp_on_cublas, persistent_arg
+from moefuse.experts.op import check_experts_shapes, cublas_mlp, mlp_on_cublas
 from moefuse.experts.reference import swiglu_torch
 from moefuse.finalize import (
     DeferredFinalizeOutput,
@@ -301,7 +301,7 @@ class SharedExpert(nn.Module):
                                self.down_proj)
             return self.down_proj(swiglu_torch(self.gate_proj(x), self.up_proj(x), self.limit))
         gate_up, down = self.stacked_weights()
-        if not invariant and self.runs_on_cublas(x.shape[0], x.dtype, x.device):
+        if self.runs_on_cublas(x.shape[0], x.dtype, x.device):
             return cublas_mlp(x, gate_up, down, self.limit)
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
         ids = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device)
@@ -313,9 +313,11 @@ class SharedExpert(nn.Module):
 
     def runs_on_cublas(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a call on ``num_tokens`` tokens of ``dtype`` on ``device`` runs a quantized MLP on cuBLAS's GEMMs
-        (``experts.mlp_on_cublas``: its weights' format decides) rather than the grouped GEMMs."""
+        (``experts.mlp_on_cublas``: its weights' format decides) rather than the grouped GEMMs; never batch-invariant
+        (cuBLAS picks its kernel by M)."""
         hidden_size, width = self.down_proj.weight.shape
         return (self.format.quantized and self.backend != "reference"
+                and not _runtime.batch_invariant(self.batch_invariant)
                 and mlp_on_cublas(num_tokens, self.format.weight_type, hidden_size, width, dtype, device))
 
     def stacked_weights(self) -> tuple[ExpertWeight, ExpertWeight]:
@@ -528,9 +530,7 @@ class MoELayer(nn.Module):
         self.graphs = DecodeGraphs(check_int("graph_max_tokens", graph_max_tokens, low=0))
         self.batch_invariant = batch_invariant
         self.persistent = persistent
-        if deferred_finalize is not None and not isinstance(deferred_finalize, bool):
-            raise TypeError(f"deferred_finalize must be None or a bool, got {type(deferred_finalize).__name__}")
-        self.deferred_finalize = deferred_finalize
+        self.deferred_finalize = _runtime.optional_bool("deferred_finalize", deferred_finalize)
 
     @property
     def batch_invariant(self) -> bool | None:
@@ -539,8 +539,7 @@ class MoELayer(nn.Module):
 
     @batch_invariant.setter
     def batch_invariant(self, value: bool | None) -> None:
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(f"batch_invariant must be None or a bool, got {type(value).__name__}")
+        value = _runtime.optional_bool("batch_invariant", value)
         for module in (self.gate, self.experts, self.shared_experts):
             if module is not None:
                 module.batch_invariant = value
@@ -552,7 +551,7 @@ class MoELayer(nn.Module):
 
     @persistent.setter
     def persistent(self, value: str | None) -> None:
-        value = persistent_arg(value)
+        value = _runtime.persistent_arg(value)
         for module in (self.experts, self.shared_experts):
             if module is not None:
                 module.persistent = value

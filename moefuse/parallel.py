@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moefuse._runtime import Backend, batch_invariant, checks_enabled
+from moefuse._runtime import Backend, batch_invariant, checks_enabled, optional_bool
 from moefuse.config import MoEConfig
 from moefuse.finalize import DeferredFinalizeOutput, finalize_deferred_output
 from moefuse.formats import ExpertWeight, QuantizedWeight, layer_format, resolve_activation_quant
@@ -131,9 +131,7 @@ class ShardedMoELayer(nn.Module):
         self.shared_experts = (SharedExpert(config.hidden_size, shared_width, config.swiglu_limit, dtype=dtype,
                                             device=device, quant=shared_quant, backend=backend)
                                if runs_shared else None)
-        if batch_invariant is not None and not isinstance(batch_invariant, bool):
-            raise TypeError(f"batch_invariant must be None or a bool, got {type(batch_invariant).__name__}")
-        self.batch_invariant = batch_invariant  # None: the process default (moefuse.set_defaults)
+        self.batch_invariant = optional_bool("batch_invariant", batch_invariant)  # None: the process default
         for module in (self.gate, self.shared_experts):
             if module is not None:
                 module.batch_invariant = batch_invariant

@@ -28,7 +28,7 @@ from torch import nn
 from moefuse import _runtime
 from moefuse.dispatch.kernel import launch_shape as dispatch_shape
 from moefuse.experts import configs, plan_block_m
-from moefuse.experts.op import INVARIANT_MIN_ROWS, launch_variant
+from moefuse.experts.op import launch_variant, rows_linear_tiles
 from moefuse.finalize.kernel import finalize_tile
 from moefuse.formats import tile_dtype
 from moefuse.layer import MoELayer
@@ -77,22 +77,21 @@ def launch_signature(layer: MoELayer, num_tokens: int) -> tuple:
     # A quantized shared expert not run as one more slot of the routed GEMMs (MoELayer.uses_shared_slot): cuBLAS,
     # or a one-expert grouped GEMM (an unquantized one runs on cuBLAS through nn.Linear: primed by _prime_cublas).
     shared: object = None
-    S = c.shared_intermediate_size
     if layer.shared_format.quantized and layer.shared_experts is not None and not slot:
-        if not invariant and layer.shared_experts.runs_on_cublas(num_tokens, dtype, device):
+        if layer.shared_experts.runs_on_cublas(num_tokens, dtype, device):
             shared = "cublas"
         else:
             shared_up = layer.shared_weights()[0]
             shared_dtype = tile_dtype(shared_up, dtype)
             shared_m = plan_block_m(num_tokens, shared_up, 1, dtype, "default", arch, batch_invariant=invariant,
                                     persistent=layer.persistent)
-            shared_tiles = configs.pick(num_tokens, 1, c.hidden_size, S, 1, shared_dtype, arch, block_m=shared_m)
+            shared_tiles = configs.pick(num_tokens, 1, c.hidden_size, c.shared_intermediate_size, 1, shared_dtype, arch,
+                                        block_m=shared_m)
             shared = (shared_tiles, dispatch_shape(num_tokens, 1, shared_tiles.block_m),
                       launch_variant(shared_up, num_tokens, "default", invariant))
     elif invariant and layer.shared_experts is not None:  # rows_linear: GEMM2 tiles of the two projection shapes
-        height = 32 if dtype == torch.float32 else INVARIANT_MIN_ROWS
-        shared = tuple(configs.heuristic(num_tokens, 1, n, k, 1, dtype, block_m=height, gpu=configs.gpu_of(arch)).gemm2
-                       for n, k in ((S, c.hidden_size), (c.hidden_size, S)))
+        shared = tuple(rows_linear_tiles(num_tokens, proj.weight, dtype, arch).gemm2
+                       for proj in (layer.shared_experts.gate_proj, layer.shared_experts.down_proj))
     return (
         num_tokens if num_tokens <= layer.graphs.max_tokens else None,
         slot,

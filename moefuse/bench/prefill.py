@@ -12,9 +12,9 @@ combine):
 - ``same routing``: torch's grouped GEMMs on the row counts this routing gives each expert (``torch._grouped_mm``
   for bf16, ``torch._scaled_grouped_mm`` for fp8; CUTLASS kernels on Hopper), GEMM1 then GEMM2 on rows already in
   expert order: the peer on the ragged work itself, which the dense equivalents above never see;
-- ``kernels``: which grouped GEMMs the default runs (the persistent ones for fp8 on Hopper from
-  ``persistent.FP8_MIN_TOKENS``, else the ``tl`` ones); ``other µs``: the same stage on the other family
-  (``MOEFUSE_PERSISTENT=1`` and a 128-row plan, or ``MOEFUSE_PERSISTENT=0`` and the tile table's plan);
+- ``kernels``: which grouped GEMMs the default runs (the persistent ones for fp8 on Hopper where the plan is
+  128 rows tall, ``experts.plan_block_m``; else the ``tl`` ones); ``other µs``: the same stage on the other family
+  (``persistent="all"`` and a 128-row plan, or ``persistent="none"`` and the tile table's plan);
 - routing: uniform at every DENSE_TOKENS, and at SKEW_TOKENS also skewed (logits plus a Zipf popularity,
   ``experts._routing``), with the busiest expert's load over the mean.
 

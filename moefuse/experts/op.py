@@ -138,6 +138,7 @@ def invariant_rows(gate_up_proj: ExpertWeight, hidden_dtype: torch.dtype) -> int
         return 0
     return 32 if hidden_dtype == torch.float32 else INVARIANT_MIN_ROWS
 
+
 # Counters in a workspace: GEMM1 split along K needs one per program of its unsplit grid, and is split only where
 # that grid fills at most two programs an SM (``configs.fp8_split_k``): 2 · SMs, for GPUs of up to 512 SMs.
 WORKSPACE_SIZE = 1024
@@ -290,6 +291,7 @@ def plan_block_m(
     quant = resolve_activation_quant(gate_up_proj, activation_quant)
     if isinstance(gate_up_proj, MXFP4) and quant == "fp8":
         return mxfp4_w4a8.BLOCK_M
+    persistent = _runtime.persistent_arg(persistent)
     E, two_width, H = gate_up_proj.shape
     I = two_width // 2
     target = configs.resolve_arch(arch)
@@ -298,20 +300,13 @@ def plan_block_m(
     if isinstance(gate_up_proj, BlockFP8):
         table = configs.from_table(num_tokens, E, H, I, top_k, dtype, target)
         tall = table.block_m == _persistent.BLOCK_M if table is not None else num_tokens >= _persistent.FP8_MIN_TOKENS
-        if tall and _persistent.runs_fp8(H, I, None if target is None else configs.gpu_of(target), persistent_arg(
-                persistent)):
+        if tall and _persistent.runs_fp8(H, I, None if target is None else configs.gpu_of(target), persistent):
             return _persistent.BLOCK_M
         if table is not None and table.block_m != _persistent.BLOCK_M:
             return max(table.block_m, floor)
+        # no table, or its 128 rows where the persistent kernels do not run: the heuristic's 16 or 64 rows
         return max(configs.heuristic(num_tokens, E, H, I, top_k, dtype, gpu=configs.gpu_of(target)).block_m, floor)
     return max(pick_block_m(num_tokens, E, H, I, top_k, dtype, target), floor)
-
-
-def persistent_arg(persistent: Optional[str]) -> Optional[str]:
-    """A ``persistent`` argument checked: None (the process default) or one of ``_runtime.PERSISTENT``."""
-    if persistent is not None and persistent not in _runtime.PERSISTENT:
-        raise ValueError(f"persistent must be None or one of {_runtime.PERSISTENT}, got {persistent!r}")
-    return persistent
 
 
 def launch_variant(gate_up_proj: ExpertWeight, num_rows: int, activation_quant: Optional[str],
@@ -338,12 +333,18 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto")
     resolved = _runtime.resolve_backend(backend, x.device)
     if resolved != "triton" or M == 0 or N == 0:
         return torch.nn.functional.linear(x, weight)
-    block_m = 32 if x.dtype == torch.float32 else INVARIANT_MIN_ROWS
-    plan = moe_dispatch(torch.zeros(M, 1, dtype=torch.int32, device=x.device), 1, block_m, backend=resolved)
-    tiles = configs.heuristic(M, 1, N, K, 1, x.dtype, block_m=block_m, gpu=configs.gpu_of(configs.arch_of(x.device)))
+    tiles = rows_linear_tiles(M, weight, x.dtype, configs.arch_of(x.device))
+    plan = moe_dispatch(torch.zeros(M, 1, dtype=torch.int32, device=x.device), 1, tiles.block_m, backend=resolved)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     gemm2(x, weight[None], plan, out, tiles.gemm2, use_pdl=_runtime.pdl_enabled(None, x.device))
     return out
+
+
+def rows_linear_tiles(M: int, weight: torch.Tensor, dtype: torch.dtype, arch: Arch) -> configs.TileConfig:
+    """The tiles :func:`rows_linear` launches for M rows of ``dtype`` times ``weight`` [N, K]^T on ``arch`` (warm-up
+    keys on them): one expert holding every row, on plans of :func:`invariant_rows`."""
+    N, K = weight.shape
+    return configs.heuristic(M, 1, N, K, 1, dtype, block_m=invariant_rows(weight, dtype), gpu=configs.gpu_of(arch))
 
 
 def mlp_on_cublas(num_tokens: int, weight_type: type, hidden_size: int, width: int, hidden_dtype: torch.dtype,

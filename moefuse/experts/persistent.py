@@ -1,6 +1,7 @@
 """Persistent, warp-specialized grouped GEMMs for prefill on Hopper, in Gluon (sm_90 only; the ``tl`` kernels run
-elsewhere and below ``BLOCK_M``-row tiles). The fp8 ones run by default from ``FP8_MIN_TOKENS``, where they are
-faster; the 16-bit ones are opt-in (``MOEFUSE_PERSISTENT=1``; ``_runtime.persistent_enabled``).
+elsewhere and below ``BLOCK_M``-row tiles). The fp8 ones run by default where they are faster: where the GPU's tile
+table gives fp8 experts 128-row plans (without a table, from ``FP8_MIN_TOKENS``); the 16-bit ones are opt-in
+(``persistent="all"``, ``MOEFUSE_PERSISTENT=1``; ``_runtime.persistent_enabled``).
 
 Same contract and numerics as ``bf16.py``'s GEMM1 + SwiGLU and GEMM2 (SPEC §3-4: fp32 sums of 16-bit products,
 SwiGLU in fp32, the intermediate rounded to the activations' dtype), and on fp8 block-scale weights as
@@ -69,9 +70,9 @@ CONSUMER_REGS = 232  # a [64, 256] fp32 accumulator (128 registers) and the epil
 # there (the producer takes the default partition): at 232 the consumers spilled 48 bytes (Triton 3.9), at 256 the
 # partitions no longer fit an SM's registers (592 bytes of stack), at 240 nothing spills.
 FP8_CONSUMER_REGS = 240
-# fp8 experts take 128-row plans from this many tokens (plan_block_m): there the persistent kernels beat the tl
-# kernels' 64-row plans (whole stage 0.91x at 2,048 tokens, 0.94x at 4,096 and 8,192 on the static schedule), at
-# 1,024 they lose (1.03x; `moefuse bench prefill`, H200, 2026-12-04).
+# On a GPU without a tile table, fp8 experts take 128-row plans from this many tokens (plan_block_m): on an H200 the
+# persistent kernels beat the tl kernels' 64-row plans there (whole stage 0.91x at 2,048 tokens, 0.94x at 4,096 and
+# 8,192 on the static schedule), at 1,024 they lose (1.03x; `moefuse bench prefill`, H200, 2026-12-04).
 FP8_MIN_TOKENS = 2048
 # The dynamic schedule's claims a program keeps: the producer runs at most STAGES items ahead (an item has at least
 # one step), so a claim is read before it is written over.
@@ -468,13 +469,6 @@ def runs_fp8(hidden_size: int, width: int, gpu: Optional[GPU], persistent: Optio
     them off."""
     return (gluon is not None and _runtime.persistent_enabled(True, persistent) and gpu is not None
             and gpu.capability == (9, 0) and widths_fit(hidden_size, width))
-
-
-def takes_fp8_plan(num_tokens: int, hidden_size: int, width: int, gpu: Optional[GPU],
-                   persistent: Optional[str] = None) -> bool:
-    """Where no tile table was tuned for the GPU: whether fp8 block-scale experts at ``num_tokens`` tokens take a
-    ``BLOCK_M``-row plan for the persistent kernels (:func:`runs_fp8`, from ``FP8_MIN_TOKENS``)."""
-    return num_tokens >= FP8_MIN_TOKENS and runs_fp8(hidden_size, width, gpu, persistent)
 
 
 def widths_fit(hidden_size: int, width: int) -> bool:

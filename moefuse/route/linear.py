@@ -238,10 +238,10 @@ def router_logits_invariant(x: torch.Tensor, weight: torch.Tensor, out: torch.Te
     M, H = x.shape
     E = weight.shape[0]
     if x.dtype != torch.bfloat16:
-        block_k = max(16, min(triton.next_power_of_2(H), _ELEMS // INVARIANT_ROWS))
-        _router_logits_kernel[(E, triton.cdiv(M, INVARIANT_ROWS))](
+        block_m, block_k = block_shape(INVARIANT_ROWS, H)  # the decode kernel's shape for 16 rows, at every M
+        _router_logits_kernel[(E, triton.cdiv(M, block_m))](
             x, weight, out, M, H, *x.stride(), *weight.stride(), *out.stride(),
-            BLOCK_M=INVARIANT_ROWS, BLOCK_K=block_k, ROW_BLOCKS=True, num_warps=NUM_WARPS,
+            BLOCK_M=block_m, BLOCK_K=block_k, ROW_BLOCKS=True, num_warps=NUM_WARPS,
         )
         return
     if parts is None:

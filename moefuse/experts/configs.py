@@ -226,13 +226,24 @@ def table_for(arch: Arch) -> Optional[str]:
     return None
 
 
-def from_table(M: int, E: int, H: int, I: int, K: int, dtype: torch.dtype, arch: Arch) -> Optional[TileConfig]:
-    """The table's config for these shapes on ``arch`` (:func:`table_for`), or None where it has no entry."""
+def _entry(E: int, H: int, I: int, K: int, dtype: torch.dtype, arch: Arch
+           ) -> Optional[dict[int, Union[TileConfig, int]]]:
+    """The buckets of the table entry for these shapes on ``arch`` (:func:`table_for`), or None."""
     fmt = TABLE_FORMATS.get(dtype)
     name = table_for(arch)
     if fmt is None or name is None:
         return None  # fp32 moves twice the bytes per tile: the tables' tiles would not fit; use the heuristic
-    buckets = _INDEX[name].get((fmt, E, H, I, K))
+    return _INDEX[name].get((fmt, E, H, I, K))
+
+
+def tuned(E: int, H: int, I: int, K: int, dtype: torch.dtype, arch: Arch) -> bool:
+    """Whether ``arch``'s table has an entry for these shapes (else :func:`pick` takes the heuristic)."""
+    return _entry(E, H, I, K, dtype, arch) is not None
+
+
+def from_table(M: int, E: int, H: int, I: int, K: int, dtype: torch.dtype, arch: Arch) -> Optional[TileConfig]:
+    """The table's config for these shapes on ``arch`` (:func:`table_for`), or None where it has no entry."""
+    buckets = _entry(E, H, I, K, dtype, arch)
     if buckets is None:
         return None
     bucket = buckets[nearest_bucket(list(buckets), M)]

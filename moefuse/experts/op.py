@@ -297,16 +297,15 @@ def plan_block_m(
     target = configs.resolve_arch(arch)
     dtype = tile_dtype(gate_up_proj, hidden_dtype)
     floor = invariant_rows(gate_up_proj, hidden_dtype) if _runtime.batch_invariant(batch_invariant) else 0
-    if isinstance(gate_up_proj, BlockFP8):
-        table = configs.from_table(num_tokens, E, H, I, top_k, dtype, target)
-        tall = table.block_m == _persistent.BLOCK_M if table is not None else num_tokens >= _persistent.FP8_MIN_TOKENS
+    height = pick_block_m(num_tokens, E, H, I, top_k, dtype, target)  # cached: the table's, else the heuristic's
+    if isinstance(gate_up_proj, BlockFP8):  # 128 rows are the persistent kernels' (the tl kernels' spill)
+        tuned = configs.tuned(E, H, I, top_k, dtype, target)
+        tall = height == _persistent.BLOCK_M if tuned else num_tokens >= _persistent.FP8_MIN_TOKENS
         if tall and _persistent.runs_fp8(H, I, None if target is None else configs.gpu_of(target), persistent):
             return _persistent.BLOCK_M
-        if table is not None and table.block_m != _persistent.BLOCK_M:
-            return max(table.block_m, floor)
-        # no table, or its 128 rows where the persistent kernels do not run: the heuristic's 16 or 64 rows
-        return max(configs.heuristic(num_tokens, E, H, I, top_k, dtype, gpu=configs.gpu_of(target)).block_m, floor)
-    return max(pick_block_m(num_tokens, E, H, I, top_k, dtype, target), floor)
+        if tuned and height == _persistent.BLOCK_M:  # the table's 128 rows where the persistent kernels do not run
+            height = configs.heuristic(num_tokens, E, H, I, top_k, dtype, gpu=configs.gpu_of(target)).block_m
+    return max(height, floor)
 
 
 def launch_variant(gate_up_proj: ExpertWeight, num_rows: int, activation_quant: Optional[str],

@@ -40,6 +40,7 @@ import itertools
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -213,8 +214,7 @@ def dense_candidates(M: int, name: str, fmt: str, table: dict[str, Any] | None =
             found["table"] = (current.block_m, current, False)
         if "h128" in found:
             tall = found["h128"][1]
-            grouped = TileConfig(128, GemmTiles(**{**tall.gemm1.__dict__, "group_m": 4}),
-                                 GemmTiles(**{**tall.gemm2.__dict__, "group_m": 4}))
+            grouped = replace(tall, gemm1=replace(tall.gemm1, group_m=4), gemm2=replace(tall.gemm2, group_m=4))
             found["h128g4"] = (128, grouped, False)
     if fmt == "fp8" and M >= 512:
         found["persistent"] = (128, configs.heuristic(M, E, H, I, K, dtype, block_m=128), True)
@@ -224,8 +224,6 @@ def dense_candidates(M: int, name: str, fmt: str, table: dict[str, Any] | None =
 def time_dense(models: list[str], formats: list[str], grid: list[int], table: dict[str, Any] | None,
                compile_only: tuple[int, int] | None = None) -> list[dict[str, Any]]:
     """Time (or, with ``compile_only`` = (k, n), compile the k-th of n shares of) every dense candidate."""
-    import dataclasses
-
     from moefuse import _runtime as runtime
     from moefuse.bench.sweep import _time_us
     from moefuse.dispatch import moe_dispatch
@@ -236,7 +234,7 @@ def time_dense(models: list[str], formats: list[str], grid: list[int], table: di
     job = 0
     for name in models:
         cfg = preset(name)
-        small = dataclasses.replace(cfg, num_experts=2 * cfg.top_k, num_expert_group=1, topk_group=1)
+        small = replace(cfg, num_experts=2 * cfg.top_k, num_expert_group=1, topk_group=1)
         for fmt in formats:
             todo = []
             for M in grid:

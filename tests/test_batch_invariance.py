@@ -17,6 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_blocks import block as hf_block
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tolerances import experts_tolerance
 
 import moefuse
@@ -29,6 +31,7 @@ from moefuse.route import moe_fused_gate, router_logits
 from moefuse.testing import rel_error
 
 GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if GPU else "cpu")
 HOPPER = GPU and torch.cuda.get_device_capability() == (9, 0)
 # Plan heights switch where the rows per expert pass 64 (E = 8, top-2: 257 tokens) and, for fp8 on a GPU without a
 # tuned table for this shape, at 2,048 tokens (the persistent kernels); primes around each.
@@ -194,4 +197,26 @@ def test_router_stages_alone_and_batched(x_dtype, w_dtype, device, gen):
         for M in sizes:
             batch = torch.randn(M, H, generator=gen).to(x_dtype).to(device)
             batch[M // 3] = row[0]
-            assert torch.equal(rows_linear(batch, proj, backend="triton")[M // 3], alone[0]), M
+            got = rows_linear(batch, proj, backend="triton")
+            assert torch.equal(got[M // 3], alone[0]), M
+            # accurate too: one rounding of fp32 sums to the output's dtype (the experts' GEMM2 tolerance)
+            fmt = "fp32" if x_dtype == torch.float32 else "bf16"
+            assert rel_error(got, batch.double() @ proj.double().T) <= experts_tolerance(fmt, 64)[0], M
+
+
+@settings(max_examples=6 if not GPU else 40, deadline=None)
+@given(M=st.integers(1, 90), H=st.integers(1, 300), E=st.integers(1, 80), at=st.integers(0, 89),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), strided=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_invariant_router_linear_over_shapes_and_strides(M, H, E, at, dtype, strided, seed):
+    """Property: for any M, H, E, either activation path (bf16: the tensor-core runs; fp32: the row blocks) and x with
+    an inner stride of 2, the invariant router linear is within 1e-6 of float64 and a row's logits are the bits it
+    gets alone (an H of 1 or 257 takes a partial K step; E of 1 or 65 a partial column block)."""
+    gen = torch.Generator().manual_seed(seed)
+    at = at % M
+    wide = torch.randn(M, 2 * H if strided else H, generator=gen).to(dtype).to(DEVICE)
+    x = wide[:, ::2] if strided else wide
+    weight = torch.randn(E, H, generator=gen).to(DEVICE)
+    got = router_logits(x, weight, backend="triton", batch_invariant=True)
+    assert rel_error(got, x.double() @ weight.double().T) <= 1e-6
+    alone = router_logits(x[at:at + 1].contiguous(), weight, backend="triton", batch_invariant=True)
+    assert torch.equal(got[at], alone[0])

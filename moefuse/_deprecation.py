@@ -59,3 +59,18 @@ def deprecated_alias(old: str, new: str, removed_in: str, *, method: bool = Fals
     alias.__name__, alias.__qualname__ = old.rsplit(".", 1)[-1], old
     alias.__doc__ = f"Deprecated: {deprecation_message(old, new, removed_in)} (same arguments)."
     return alias
+
+
+def moved_names(module: str, moved: dict[str, str], removed_in: str) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for names that moved out of ``module``: ``moved`` maps each old name to its new dotted
+    name; reading one warns (``DeprecationWarning``) and returns the new object (:func:`resolve`), any other name is
+    an ``AttributeError`` as usual."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in moved:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warn_deprecated(f"{module}.{name}", moved[name], removed_in)
+        return resolve(moved[name])
+
+    return __getattr__
+

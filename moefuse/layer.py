@@ -20,6 +20,7 @@ from torch import nn
 
 from moefuse import _runtime
 from moefuse._checks import check_int
+from moefuse._deprecation import moved_names
 from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
 from moefuse.dispatch import moe_dispatch
@@ -804,13 +805,5 @@ class MoELayer(nn.Module):
         return routed if shared is None else routed + shared
 
 
-def __getattr__(name: str) -> Any:
-    """Deprecated since 1.0, removed in 1.1: ``moefuse.layer.moe_layer_torch`` warns, then returns
-    :func:`moefuse.reference.moe_layer_torch`."""
-    if name == "moe_layer_torch":
-        # moefuse.reference imports this module: the new name is looked up by its dotted name at the call.
-        from moefuse._deprecation import resolve, warn_deprecated
-
-        warn_deprecated("moefuse.layer.moe_layer_torch", "moefuse.reference.moe_layer_torch", removed_in="1.1")
-        return resolve("moefuse.reference.moe_layer_torch")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Deprecated since 1.0, removed in 1.1 (moefuse.reference imports this module: looked up by name at the read).
+__getattr__ = moved_names(__name__, {"moe_layer_torch": "moefuse.reference.moe_layer_torch"}, removed_in="1.1")

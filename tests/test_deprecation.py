@@ -84,3 +84,19 @@ def test_resolve():
         resolve("moefuse.no_such_name")
     with pytest.raises(ModuleNotFoundError):
         resolve("no_such_package_moefuse.thing")
+
+
+@pytest.mark.parametrize("module, old, new", [
+    ("moefuse.layer", "moe_layer_torch", "moefuse.reference.moe_layer_torch"),
+    ("moefuse.experts", "launch_variant", "moefuse.experts.op.launch_variant"),
+    ("moefuse.experts", "cublas_mlp", "moefuse.experts.op.cublas_mlp"),
+    ("moefuse.experts", "mxfp4_ws", "moefuse.experts.mxfp4.ws"),
+    ("moefuse.experts", "fp8_mlp", "moefuse.experts.fp8.mlp"),
+])
+def test_moved_names_warn_and_resolve(module, old, new):
+    """Names that moved out of a module in 1.0 still resolve there until 1.1, each read warning with the new name."""
+    with pytest.warns(DeprecationWarning, match=rf"{module}\.{old} is deprecated .* 1\.1; use {new} instead"):
+        got = getattr(sys.modules.get(module) or resolve(module), old)
+    assert got is resolve(new)
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        _ = resolve(module).not_a_name

@@ -193,6 +193,19 @@ def batch_invariant(value: object) -> bool:
     return DEFAULTS.batch_invariant if checked is None else checked
 
 
+def laid_out_once(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if contiguous with a 16-byte-aligned start, else a contiguous copy. Triton specialises a kernel on
+    its arguments' strides and alignment, and the layout it then picks decides the order of a ``tl.sum``: a
+    batch-invariant launch reads its rows this one way, whatever view a caller passes."""
+    strides, step = [], 1
+    for size in reversed(t.shape):  # exactly the contiguous strides: is_contiguous() lets a size-1 dim's be any
+        strides.append(step)
+        step *= size
+    if t.stride() == tuple(reversed(strides)) and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def persistent_enabled(fp8: bool, persistent: str | None = None) -> bool:
     """Whether prefill runs the persistent warp-specialized GEMMs (``experts/persistent.py``) where they apply, for
     fp8 block-scale weights (``fp8``) or 16-bit ones: ``persistent`` (None: the process default) "auto" runs the fp8

@@ -133,16 +133,17 @@ def routed_experts(x: torch.Tensor, gate_up_proj: ExpertWeight, down_proj: Exper
                    ids: torch.Tensor, *, swiglu_limit: float | None = None, defer: bool = False,
                    activation_quant: ActivationQuant = "default", backend: Backend = "auto",
                    workspace: torch.Tensor | None = None, batch_invariant: bool | None = None,
-                   persistent: str | None = None) -> torch.Tensor | DeferredFinalizeOutput:
+                   persistent: str | None = None, block_m: int | None = None) -> torch.Tensor | DeferredFinalizeOutput:
     """Dispatch + grouped GEMM1/SwiGLU/GEMM2 for tokens ``x`` [M, H] routed by ``ids`` int32 [M, K] with ``weights``
     [M, K] (fp32 or bf16); then the combine into [M, H], or with ``defer`` the pieces for a fused finalize.
     ``activation_quant``, ``workspace``, ``batch_invariant`` and ``persistent`` as :func:`moefuse.moe_experts` takes
-    them (the plan's tile height follows them)."""
+    them (the plan's tile height follows them, unless ``block_m`` gives it)."""
     num_experts = gate_up_proj.shape[0]
     top_k = ids.shape[1]
     invariant = _runtime.batch_invariant(batch_invariant)
-    block_m = plan_block_m(x.shape[0], gate_up_proj, top_k, x.dtype, activation_quant, batch_invariant=invariant,
-                           persistent=persistent)
+    if block_m is None:
+        block_m = plan_block_m(x.shape[0], gate_up_proj, top_k, x.dtype, activation_quant, batch_invariant=invariant,
+                               persistent=persistent)
     plan = moe_dispatch(ids, num_experts, block_m, backend=backend)
     gemm2_out = moe_experts(x, gate_up_proj, down_proj, plan, swiglu_limit=swiglu_limit,
                             activation_quant=activation_quant, backend=backend, workspace=workspace,
@@ -623,10 +624,15 @@ class MoELayer(nn.Module):
         when it does not (see :meth:`uses_shared_slot`)."""
         c = self.config
         if (self.shared_experts is None or self.shared_quant != self.quant or not c.renormalize
-                or num_token_non_padded is not None or self.gate.tid2eid is not None
-                or torch.compiler.is_compiling() or _runtime.batch_invariant(self.batch_invariant)):
-            return None  # batch-invariant: the shared expert runs one way at every size (the slot is size-dependent)
+                or self.gate.tid2eid is not None or torch.compiler.is_compiling()):
+            return None
         limit = self.shared_slot_max_tokens
+        if _runtime.batch_invariant(self.batch_invariant):
+            # One way at every size, padded or not: the slot, unless turned off. On the side stream a small batch's
+            # shared-expert launches trail the routed GEMMs (DeepSeek-V3 bf16, one token: 1.27x the slot's layer).
+            return self.shared_slot_weights() if num_tokens > 0 and limit != 0 else None
+        if num_token_non_padded is not None:
+            return None  # padded tokens keep their shared expert: the side stream runs it
         if limit is None and self.experts.format.quantized:  # the grouped GEMMs, unless cuBLAS takes it (prefill)
             limit = 0 if self.shared_experts.runs_on_cublas(num_tokens, self.activation_dtype, device) else sys.maxsize
         elif limit is None:
@@ -634,23 +640,34 @@ class MoELayer(nn.Module):
                                                    configs.arch_of(device))
         return self.shared_slot_weights() if 0 < num_tokens <= limit else None
 
-    def _forward_shared_slot(self, x: torch.Tensor, gate_up_proj: ExpertWeight, down_proj: ExpertWeight
-                             ) -> torch.Tensor:
-        """The shared expert as slot ``top_k`` (id E, weight 1 after renormalisation) of every token."""
+    def _forward_shared_slot(self, x: torch.Tensor, gate_up_proj: ExpertWeight, down_proj: ExpertWeight,
+                             num_token_non_padded: int | torch.Tensor | None = None) -> torch.Tensor:
+        """The shared expert as slot ``top_k`` (id E, weight 1 after renormalisation) of every token; padded tokens
+        (batch-invariant layers only: others run the side stream for them) keep that slot alone, at weight 1."""
         c = self.config
-        weights, ids = self.gate(x, num_fused_shared_experts=1)
+        invariant = _runtime.batch_invariant(self.batch_invariant)
+        weights, ids = self.gate(x, num_token_non_padded, num_fused_shared_experts=1)
+        if num_token_non_padded is not None:  # the gate gave padded rows no slot at all: restore the shared one
+            padded = torch.arange(x.shape[0], device=x.device) >= num_token_non_padded
+            weights[:, c.top_k] = torch.where(padded, 1.0, weights[:, c.top_k])
+            ids[:, c.top_k] = c.num_experts
         # 16-bit weights: the routed shape's tiles, the shape the table was tuned for (one more slot barely moves
         # them). The other formats' tiles come from the heuristic, which must count the slot: fp8 GEMM1 keeps 5
         # stages only while its programs fit one wave (DeepSeek-V3 at one token: 144 programs with the slot, 128
-        # without).
+        # without). Batch-invariant: the routed shape's plan height (its table's, so fp8's persistent kernels where
+        # the table runs them), which the slot's shape has no table entry to choose.
+        arch = configs.arch_of(x.device)
         dtype = tile_dtype(gate_up_proj, x.dtype)
         slot = 0 if dtype in configs.TABLE_DTYPES else 1
+        block_m = (plan_block_m(x.shape[0], self.experts.weights()[0], c.top_k, x.dtype, self.activation_quant, arch,
+                                batch_invariant=True, persistent=self.persistent) if invariant else None)
         tiles = configs.pick(x.shape[0], c.num_experts + slot, c.hidden_size, c.intermediate_size, c.top_k + slot,
-                             dtype, configs.arch_of(x.device))
+                             dtype, arch, block_m=block_m)
         with configs.override(tiles):
             routed = routed_experts(x, gate_up_proj, down_proj, weights, ids, swiglu_limit=c.swiglu_limit,
                                     defer=True, activation_quant=self.activation_quant, backend=self.backend,
-                                    workspace=self.experts.workspace.on(x.device))
+                                    workspace=self.experts.workspace.on(x.device), batch_invariant=invariant,
+                                    persistent=self.persistent, block_m=block_m)
         return finalize_deferred_output(cast(DeferredFinalizeOutput, routed), None, backend=self.backend)
 
     def init_random_(self, seed: int = 0, std: float = 0.02) -> MoELayer:
@@ -780,7 +797,7 @@ class MoELayer(nn.Module):
         """The block on tokens ``x`` [M, H] -> [M, H]."""
         slot = self._shared_slot(x.shape[0], x.device, num_token_non_padded)
         if slot is not None:
-            return self._forward_shared_slot(x, *slot)
+            return self._forward_shared_slot(x, *slot, num_token_non_padded)
         weights, ids = self.gate(x, num_token_non_padded, input_ids=input_ids)
         # The shared expert forks after the router: forked first, its kernels take the SMs the router linear needs and
         # delay the routed chain (the MXFP4 layer at one token: 73.3 against 65.9 µs, H200, 2026-12-02).

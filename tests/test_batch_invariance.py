@@ -2,11 +2,12 @@
 
 Every stage must sum a row in one order at every batch size: the router linear on one launch, the fused gate one row
 a program, the grouped GEMMs on wgmma tiles of 64 rows or more (16-bit and fp8; MXFP4 W4A16 gives a row the same
-bits on every tile height), fp8 GEMM1 never split along K, the shared expert through the same kernels on the side
-stream. The batches below cross the sizes where the plans change tile height (64 -> 128 rows, the fp8 persistent
-kernels from 2,048 tokens on a GPU) and primes around them, with the token at the first, a middle and the last
-position, among adversarial neighbours (huge and tiny rows). Kernels run compiled on a GPU and through Triton's
-interpreter on the CPU (smaller batches there: the interpreter runs programs one by one).
+bits on every tile height), fp8 GEMM1 never split along K, the shared expert as one more slot of the grouped GEMMs
+at every size (where the layer cannot, on the side stream through kernels of one order). The batches below cross
+the sizes where the plans change tile height (64 -> 128 rows, the fp8 persistent kernels from 2,048 tokens on a GPU)
+and primes around them, with the token at the first, a middle and the last position, among adversarial neighbours
+(huge and tiny rows). Kernels run compiled on a GPU and through Triton's interpreter on the CPU (smaller batches
+there: the interpreter runs programs one by one).
 
 Without the switch the default kernels are only within tolerance of each other (``test_default_is_within_tolerance``):
 a token alone runs 16-row mma.sync tiles, in a large batch 128-row wgmma tiles.
@@ -26,6 +27,7 @@ from moefuse import MoELayer, _runtime
 from moefuse.config import MoEConfig
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import moe_experts, plan_block_m, rows_linear
+from moefuse.experts.op import rows_linear_tiles
 from moefuse.reference import moe_layer_torch
 from moefuse.route import moe_fused_gate, router_logits
 from moefuse.testing import rel_error
@@ -97,6 +99,24 @@ def test_padded_rows_and_decode_graphs_change_nothing(quant, activation_quant, d
             assert torch.equal(layer(batch, num_token_non_padded=real)[1], alone), (fmt, M, "padded")
             assert torch.equal(layer(batch)[1], alone), (fmt, M, "graph" if M <= 8 else "eager")
         assert torch.equal(layer(token)[0], alone)  # one token: a graph replay on a GPU
+
+
+@pytest.mark.parametrize("quant, activation_quant, dtype, fmt", FORMATS[:1] + FORMATS[3:4])  # MXFP4: bf16 shared
+def test_shared_slot_at_every_size_padded_rows_keep_it(quant, activation_quant, dtype, fmt, device, gen):
+    """The shared expert runs as a slot of the grouped GEMMs at every size, padded or not (one path; on the side
+    stream a small batch's launches trail the routed GEMMs), unless ``shared_slot_max_tokens=0``. Padded rows get the
+    shared expert alone, as the side stream gives them: within the format's tolerance of float64."""
+    layer = _layer(quant, activation_quant, dtype, device)
+    assert all(layer.uses_shared_slot(M, device, n) for M in (1, 7, 10**5) for n in (None, 3))
+    x = _neighbours(9, dtype, device, gen)
+    with torch.no_grad():
+        got = layer(x, num_token_non_padded=torch.tensor(5, device=device))
+        assert torch.equal(got[:5], layer(x)[:5])
+        want = moe_layer_torch(layer, x, 5, route_dtype=torch.float32)
+        tol = experts_tolerance(fmt, 128)[0]
+        assert rel_error(got[5:], want[5:]) <= tol and rel_error(got[:5], want[:5]) <= tol
+    layer.shared_slot_max_tokens = 0
+    assert not layer.uses_shared_slot(1, device)
 
 
 @pytest.mark.parametrize("quant, activation_quant, dtype, fmt", FORMATS[:1] + FORMATS[3:4])
@@ -192,7 +212,10 @@ def test_router_stages_alone_and_batched(x_dtype, w_dtype, device, gen):
         alone = moe_fused_gate(logits, None, 4, "softmax", backend="triton", batch_invariant=True)
         assert torch.equal(weights[M - 1], alone[0][0]) and torch.equal(ids[M - 1], alone[1][0])
     if x_dtype != torch.float16:
-        proj = torch.randn(96, H, generator=gen).to(x_dtype).to(device)
+        # 1,024 columns: one row runs 32-column blocks (a program per SM), 1,031 rows wider ones
+        proj = torch.randn(1024, H, generator=gen).to(x_dtype).to(device)
+        widths = [rows_linear_tiles(M, proj, x_dtype, None).gemm2.block_n for M in (1, 1031)]
+        assert widths[0] == 32 < widths[1], widths
         alone = rows_linear(row, proj, backend="triton")
         for M in sizes:
             batch = torch.randn(M, H, generator=gen).to(x_dtype).to(device)

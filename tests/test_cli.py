@@ -8,7 +8,7 @@ from moefuse.config import PRESETS
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_run_checks_the_layer(preset, capsys):
+def test_run_checks_the_layer(preset, capsys, full_size_gpu):
     assert main(["--preset", preset, "--tokens", "5", "--no-timing"]) == 0
     out = capsys.readouterr().out
     assert "layer vs float64 reference" in out and "NO" not in out
@@ -35,7 +35,7 @@ def test_warmup_needs_a_gpu(capsys):
         main(["warmup", "--quant", "int4"])
 
 
-def test_run_fp8_layer(capsys):
+def test_run_fp8_layer(capsys, full_size_gpu):
     assert main(["--quant", "fp8", "--tokens", "4", "--no-timing"]) == 0
     out = capsys.readouterr().out
     assert "fp8 experts" in out and "NO" not in out

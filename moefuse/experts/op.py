@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Optional, Union, cast
 
 import torch
@@ -343,7 +343,16 @@ def rows_linear_tiles(M: int, weight: torch.Tensor, dtype: torch.dtype, arch: Ar
     """The tiles :func:`rows_linear` launches for M rows of ``dtype`` times ``weight`` [N, K]^T on ``arch`` (warm-up
     keys on them): one expert holding every row, on plans of :func:`invariant_rows`."""
     N, K = weight.shape
-    return configs.heuristic(M, 1, N, K, 1, dtype, block_m=invariant_rows(weight, dtype), gpu=configs.gpu_of(arch))
+    gpu = configs.gpu_of(arch)
+    tiles = configs.heuristic(M, 1, N, K, 1, dtype, block_m=invariant_rows(weight, dtype), gpu=gpu)
+    # A few rows make one row of tiles, each program reading its columns' whole weight: narrower column blocks (to
+    # 32) until every SM has a program. The width changes no row's sums: wgmma adds the same K steps in one order.
+    block_n = tiles.gemm2.block_n
+    while block_n > 32 and -(-M // tiles.block_m) * -(-N // block_n) < gpu.sms:
+        block_n //= 2
+    if block_n == tiles.gemm2.block_n:
+        return tiles
+    return replace(tiles, gemm2=replace(tiles.gemm2, block_n=block_n, num_warps=4))
 
 
 def mlp_on_cublas(num_tokens: int, weight_type: type, hidden_size: int, width: int, hidden_dtype: torch.dtype,

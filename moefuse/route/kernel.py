@@ -575,7 +575,7 @@ def fused_gate(
     topk = weights.shape[1]
     if M == 0:
         return
-    scores = scores.contiguous()
+    scores = _runtime.laid_out_once(scores) if invariant else scores.contiguous()
     block_m, num_warps = (1, 1) if invariant else launch_config(M, E, num_expert_group)
     extra = {}
     if _runtime.pdl_enabled(None, scores.device):

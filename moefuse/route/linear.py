@@ -237,7 +237,8 @@ def router_logits_invariant(x: torch.Tensor, weight: torch.Tensor, out: torch.Te
     and H > 0. ``parts``: ``bf16_split(weight.float())`` where the caller keeps it (a layer, across calls)."""
     M, H = x.shape
     E = weight.shape[0]
-    if x.dtype != torch.bfloat16:
+    if x.dtype != torch.bfloat16:  # the row blocks' tl.sum: its order follows the layout, so one layout of x
+        x = _runtime.laid_out_once(x)
         block_m, block_k = block_shape(INVARIANT_ROWS, H)  # the decode kernel's shape for 16 rows, at every M
         _router_logits_kernel[(E, triton.cdiv(M, block_m))](
             x, weight, out, M, H, *x.stride(), *weight.stride(), *out.stride(),

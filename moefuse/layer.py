@@ -25,6 +25,7 @@ from moefuse._runtime import Backend
 from moefuse.config import MoEConfig
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import configs, experts_workspace, moe_experts, plan_block_m, rows_linear
+from moefuse.experts.common import rows_swiglu
 from moefuse.experts.op import check_experts_shapes, cublas_mlp, mlp_on_cublas
 from moefuse.experts.reference import swiglu_torch
 from moefuse.finalize import (
@@ -299,7 +300,7 @@ class SharedExpert(nn.Module):
         if not self.format.quantized:
             if invariant and self.backend != "reference":  # cuBLAS picks its kernel (and sum order) by M
                 project = lambda rows, proj: rows_linear(rows, proj.weight, backend=self.backend)  # noqa: E731
-                return project(swiglu_torch(project(x, self.gate_proj), project(x, self.up_proj), self.limit),
+                return project(rows_swiglu(project(x, self.gate_proj), project(x, self.up_proj), self.limit),
                                self.down_proj)
             return self.down_proj(swiglu_torch(self.gate_proj(x), self.up_proj(x), self.limit))
         gate_up, down = self.stacked_weights()

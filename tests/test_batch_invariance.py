@@ -27,6 +27,7 @@ from moefuse import MoELayer, _runtime
 from moefuse.config import MoEConfig
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import moe_experts, plan_block_m, rows_linear
+from moefuse.experts.common import rows_swiglu
 from moefuse.experts.op import rows_linear_tiles
 from moefuse.reference import moe_layer_torch
 from moefuse.route import moe_fused_gate, router_logits
@@ -225,6 +226,25 @@ def test_router_stages_alone_and_batched(x_dtype, w_dtype, device, gen):
             # accurate too: one rounding of fp32 sums to the output's dtype (the experts' GEMM2 tolerance)
             fmt = "fp32" if x_dtype == torch.float32 else "bf16"
             assert rel_error(got, batch.double() @ proj.double().T) <= experts_tolerance(fmt, 64)[0], M
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_rows_swiglu_alone_and_batched(dtype, limit, device, gen):
+    """The invariant shared expert's SwiGLU (the GEMM1 epilogue's, one rounding): a row alone is the bits it gets in
+    a batch (PyTorch's CPU silu is not: a vectorised body and a scalar tail differ), and within one rounding of
+    float64 (2^-8 relative in bf16, 2^-11 in fp16, a few fp32 ulps)."""
+    I = 1100  # two column blocks, the second partial
+    gate, up = (torch.randn(37, I, generator=gen).to(dtype).to(device) for _ in range(2))
+    got = rows_swiglu(gate, up, limit)
+    for row in (0, 17, 36):
+        assert torch.equal(rows_swiglu(gate[row:row + 1], up[row:row + 1], limit)[0], got[row])
+    g, u = gate.double(), up.double()
+    if limit is not None:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    want = torch.nn.functional.silu(g) * u
+    bound = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 1e-6}[dtype]
+    assert rel_error(got, want) <= bound
 
 
 @settings(max_examples=6 if not GPU else 40, deadline=None)

@@ -396,6 +396,7 @@ def layer_cases(draw: st.DrawFn, quant: str | None) -> dict:
         renormalize=draw(st.booleans()), scaling=draw(st.sampled_from((1.0, 2.5))), bias=draw(st.booleans()),
         limit=draw(st.one_of(st.none(), st.floats(0.1, 20.0))),
         slot=draw(st.sampled_from((None, 0, 1 << 20))),  # shared_slot_max_tokens: the table's, never, always
+        invariant=draw(st.booleans()),  # batch_invariant: then a row alone is checked for the same bits too
         M=M, batch=draw(st.sampled_from((1, 2))) if M % 2 == 0 else 1,
         hidden=hidden, hidden_pad=pad,
         non_padded=draw(st.one_of(st.none(), st.integers(0, M).map(lambda n: M - n))),  # hypothesis favours 0
@@ -419,6 +420,7 @@ def _layer_tolerance(c: dict, layer: MoELayer) -> float:
     routed = fmts[0]
     heights = {pick_block_m(M, E + s, H, I, K + s, tile_dtype(weight, DTYPES[c["dtype"]])) for s in (0, 1)}
     heights |= {128} if routed == "w4a8" else set()
+    heights |= {32 if routed == "fp32" else 64} if c["invariant"] and routed not in ("mxfp4", "w4a8") else set()
     heights.add(pick_block_m(M, 1, H, I * max(c["shared"], 1), 1, torch.float8_e4m3fn if layer.shared_quant else
                              DTYPES[c["dtype"]]))
     return max(experts_tolerance(f, h)[0] for f in fmts for h in heights)
@@ -438,7 +440,8 @@ def check_layer(c: dict) -> None:
     dtype = DTYPES[c["dtype"]]
     layer = MoELayer(config, dtype=dtype, device=DEVICE, backend="triton", quant=c["quant"],
                      shared_quant=c["shared_quant"], activation_quant=c["activation_quant"],
-                     shared_slot_max_tokens=c["slot"]).init_random_(c["seed"], std=1 / math.sqrt(c["H"]))
+                     shared_slot_max_tokens=c["slot"], batch_invariant=c["invariant"],
+                     ).init_random_(c["seed"], std=1 / math.sqrt(c["H"]))
     gen = torch.Generator(DEVICE).manual_seed(c["seed"])
     M, H = c["M"], c["H"]
     x = _hidden(gen, M, H, dtype, c["hidden"], c["hidden_pad"]).reshape(c["batch"], M // c["batch"], H)
@@ -455,3 +458,7 @@ def check_layer(c: dict) -> None:
         floor = _sum_order_floors(want, want32, tol, tol)[0]
     err = rel_error(got, want, floor)
     assert err <= tol, f"{c}: relative error {err:.3e} (max {tol:.0e})"
+    if c["invariant"] and M and (c["non_padded"] is None or c["non_padded"] > 0):  # the first token, alone
+        with torch.no_grad():
+            alone = layer(x.reshape(M, H)[:1])
+        assert torch.equal(alone[0], got.reshape(M, H)[0]), f"{c}: a token alone is not the bits it gets in its batch"

@@ -118,6 +118,37 @@ def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
     return gate * tl.sigmoid(gate) * up
 
 
+@triton.jit
+def _rows_swiglu_kernel(gate_ptr, up_ptr, out_ptr, I, limit, stride_gm, stride_um, stride_om,
+                        HAS_LIMIT: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK: tl.constexpr):
+    """``out[r] = _swiglu(gate[r], up[r])`` rounded once, program (r, c) taking row r's c-th BLOCK columns (unit
+    column strides): a row's values the same bits in any batch."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < I
+    gate = tl.load(gate_ptr + row * stride_gm + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_um + cols, mask=ok, other=0.0).to(tl.float32)
+    act = _swiglu(gate, up, limit, HAS_LIMIT)
+    tl.store(out_ptr + row * stride_om + cols, _round(act, out_ptr.dtype.element_ty, EMULATE_RTNE), mask=ok)
+
+
+def rows_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: Optional[float]) -> torch.Tensor:
+    """The grouped GEMM1 epilogue's SwiGLU (``_swiglu``, one rounding to gate's dtype) on [M, I] tensors with unit
+    column strides, row by row: the batch-invariant shared expert's activation. (PyTorch's CPU kernels give an
+    element other bits in a vectorised body than in a scalar tail, so ``swiglu_torch`` would not do.)"""
+    M, I = gate.shape
+    out = torch.empty_like(gate, memory_format=torch.contiguous_format)
+    if M == 0 or I == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(max(I, 16)))
+    _rows_swiglu_kernel[(M, triton.cdiv(I, block))](
+        gate, up, out, I, 0.0 if limit is None else float(limit), gate.stride(0), up.stride(0), out.stride(0),
+        HAS_LIMIT=limit is not None, EMULATE_RTNE=_runtime.interpreting() and out.dtype == torch.bfloat16, BLOCK=block,
+        num_warps=4,
+    )
+    return out
+
+
 def _tma_readable(weight: torch.Tensor, block_k: int) -> bool:
     """Whether TMA can read ``weight`` [E, R, C] as [E·R, C] rows: on a Hopper-class GPU (or the interpreter), the
     rows of all experts stacked with one stride (``stride(0) == R·stride(1)``), the last dim contiguous, the base

@@ -62,7 +62,27 @@ def test_fp8_peer_is_the_anchors_better_config():
         assert quant.peer_from_anchor(row["tokens"], "NVIDIA H100 80GB HBM3") is None
     assert quant.peer_from_anchor(3, "NVIDIA H200") is None
     other = report.anchors("NVIDIA H100 80GB HBM3")
-    assert all(not table["rows"] for table in other.values() if isinstance(table, dict) and "rows" in table)
+    assert all(not table["rows"] for name, table in other.items()
+               if isinstance(table, dict) and "rows" in table and name != "mxfp4_experts_triton_kernels")
+    assert other["mxfp4_experts_triton_kernels"]["rows"]
+    assert not report.anchors("NVIDIA H100 PCIe")["mxfp4_experts_triton_kernels"]["rows"]  # another H100 model
+
+
+def test_mxfp4_peer_is_triton_kernels_scaled_by_read_rate():
+    """``bench.quant.mxfp4_peer_from_anchor``: triton_kernels' best time from the H100 anchor, scaled by the anchor
+    run's read rate over this run's (a machine reading 10% faster expects the peer 10% faster), named with the
+    scale; nothing on the H200 (no triton_kernels anchor there) or at a token count the anchor lacks."""
+    from moefuse.bench import quant, report
+
+    gpu = "NVIDIA H100 80GB HBM3"
+    anchor = report.anchors(gpu)["mxfp4_experts_triton_kernels"]
+    for row in anchor["rows"]:
+        us, name = quant.mxfp4_peer_from_anchor(row["tokens"], gpu, anchor["read_TBps"] * 1.1)
+        assert us == pytest.approx(row["best_us"] / 1.1) and row["best_us"] <= min(row["nw4_us"], row["nw8_us"])
+        assert name.startswith("triton_kernels 2026-12-05") and "x0.909" in name
+    assert [r["tokens"] for r in anchor["rows"]] == [1, 16, 128, 1024, 4096]
+    assert quant.mxfp4_peer_from_anchor(3, gpu, 3.0) is None
+    assert quant.mxfp4_peer_from_anchor(1, "NVIDIA H200", 4.5) is None
 
 
 def test_peer_ratio_takes_our_time_on_the_peers_scope():

@@ -92,12 +92,13 @@ def _files_the_code_names() -> set[str]:
 
 
 def test_wheel_carries_the_files_the_package_opens(wheel_files: set[str]):
-    from moefuse.bench.report import ANCHORS
+    from moefuse.bench.report import ANCHOR_FILES
     from moefuse.experts.configs import TABLES
 
-    opened = {p.resolve().relative_to(REPO).as_posix() for p in (ANCHORS, *TABLES.values())}
+    opened = {p.resolve().relative_to(REPO).as_posix() for p in (*ANCHOR_FILES.values(), *TABLES.values())}
     named = _files_the_code_names()
-    assert {"moefuse/bench/anchors_h200.json", "moefuse/configs/experts_h200.json"} <= opened | named
+    assert {"moefuse/bench/anchors_h200.json", "moefuse/bench/anchors_h100.json",
+            "moefuse/configs/experts_h200.json"} <= opened | named
     assert not (opened | named) - wheel_files
     # and every other non-Python file of the package (py.typed, future data files)
     assert "moefuse/py.typed" in wheel_files

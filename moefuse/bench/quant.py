@@ -15,6 +15,10 @@ For each model and token count (softmax top-k of random N(0, 1) logits, as the a
   ``peer_anchor`` names the measurement). Not scaled by the two runs' read rates: the anchor's (3.73 TB/s)
   understates its machine (its own moefuse row at 16 tokens ran in 0.92x the floor it implies), and moefuse's
   128-token time on this scope (where GEMM1 takes no split) was within 0.5% of the anchor run's on 2026-12-05;
+- the peer of the MXFP4 rows (W4A16 and W4A8), on DeepSeek-V4-Flash: OpenAI's triton_kernels (tag v3.6.0, its
+  Hopper scale layout, the better of 4 and 8 warps) on the same scope, as measured on an H100 SXM
+  (``anchors_h100.json``), scaled by this run's read rate over the anchor run's (``peer_anchor`` says by how much);
+  nothing on other GPU models;
 - the whole layer (``MoELayer(quant=...)``: router, dispatch, experts, fp8 shared expert, finalize) and the bf16
   layer, with the layer's read floor (touched experts, shared expert, router weight);
 - the MMA precision the call ran: fp8's W8A8; MXFP4's W4A16 (the default) and, as its own rows ("w4a8"), W4A8
@@ -57,7 +61,7 @@ COLUMNS = [
     ("err_spec", "err vs f64 spec"), ("err_unquantized", "err vs unquantized"),
     ("us", "experts µs"), ("read_floor_us", "read floor µs"), ("x_floor", "× floor"),
     ("mma_floor_us", "fp8 MMA floor µs"), ("routed_us", "dispatch+experts+combine µs"),
-    ("peer_us", "vLLM fp8 µs (anchor)"), ("x_peer", "speedup vs vLLM"),
+    ("peer_us", "peer µs (anchor)"), ("x_peer", "speedup vs peer"),
     ("bf16_us", "bf16 experts µs"), ("x_bf16", "speedup vs bf16"),
     ("layer_us", "layer µs"), ("layer_floor_us", "layer floor µs"), ("x_layer_floor", "layer × floor"),
     ("bf16_layer_us", "bf16 layer µs"),
@@ -112,6 +116,7 @@ def _fp8_mma_tflops() -> float:
 
 
 PEER_MODEL = "deepseek-v3"  # the shapes the fp8 peer was measured on
+MXFP4_PEER_MODEL = "deepseek-v4-flash"  # the shapes the MXFP4 peer (triton_kernels) was measured on
 
 
 def peer_from_anchor(tokens: int, gpu: str) -> tuple[float, str] | None:
@@ -125,7 +130,21 @@ def peer_from_anchor(tokens: int, gpu: str) -> tuple[float, str] | None:
     return None
 
 
-def _routed_us(x: torch.Tensor, w1: BlockFP8, w2: BlockFP8, routings: list[torch.Tensor], block_m: int,
+def mxfp4_peer_from_anchor(tokens: int, gpu: str, read_tbps: float) -> tuple[float, str] | None:
+    """triton_kernels' MXFP4 experts at ``tokens`` tokens (dispatch, GEMMs and combine; the better of its warp
+    counts) as the committed anchor measured them on this GPU model, scaled to this run's machine by the two runs'
+    read rates (``read_tbps``, measured here, against the anchor's), and the anchor's name; None where the anchor
+    has no such row or another GPU model measured it (:func:`report.anchors`)."""
+    anchor = report.anchors(gpu)["mxfp4_experts_triton_kernels"]
+    for row in anchor["rows"]:
+        if row["tokens"] == tokens:
+            scale = anchor["read_TBps"] / read_tbps
+            return row["best_us"] * scale, (f"triton_kernels {anchor['measured'].split(',')[0]}, x{scale:.3f} "
+                                            f"(read {anchor['read_TBps']:.2f} -> {read_tbps:.2f} TB/s)")
+    return None
+
+
+def _routed_us(x: torch.Tensor, w1: BlockFP8 | MXFP4, w2: BlockFP8 | MXFP4, routings: list[torch.Tensor], block_m: int,
                quant: str | None) -> float:
     """Dispatch, the experts (``activation_quant=quant``, as the row's, with a workspace as a layer keeps) and the
     weighted combine over top-k (no shared expert) per routing: the peer's scope, under CUDA-graph replay."""
@@ -182,7 +201,9 @@ def _experts_row(fmt: str, model: str, M: int, weights: tuple, ceilings: timing.
     row["x_floor"] = row["us"] / row["read_floor_us"]
     if fmt == "fp8":
         row["mma_floor_us"] = 2 * M * K * 3 * H * I / (fp8_tflops * 1e12) * 1e6
-    peer = peer_from_anchor(M, torch.cuda.get_device_name()) if fmt == "fp8" and model == PEER_MODEL else None
+    gpu = torch.cuda.get_device_name()
+    peer = (peer_from_anchor(M, gpu) if fmt == "fp8" and model == PEER_MODEL else
+            mxfp4_peer_from_anchor(M, gpu, ceilings.read_tbps) if fmt != "fp8" and model == MXFP4_PEER_MODEL else None)
     if peer is not None:
         row["routed_us"] = _routed_us(x, w1, w2, [ids] + more, plan.block_m, quant)
         row["peer_us"], row["peer_anchor"] = peer

@@ -7,20 +7,26 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ANCHORS = Path(__file__).with_name("anchors_h200.json")
-ANCHOR_GPU = "H200"  # the GPU model the anchors were measured on (the file's ``measured`` field)
+# What the best public kernels measured, one file per GPU model (the file's ``measured`` field): the model's name as
+# torch.cuda.get_device_name() contains it, and the file.
+ANCHOR_FILES = {"H200": Path(__file__).with_name("anchors_h200.json"),
+                "H100 80GB HBM3": Path(__file__).with_name("anchors_h100.json")}
 
 
 def anchors(gpu: str) -> dict[str, Any]:
-    """What the best public kernels measured on one H200 (see the file's ``measured`` and ``how`` fields), for a run
-    on ``gpu`` (``torch.cuda.get_device_name()``): on another GPU model every table's rows are empty. An H100 reads
-    at 3.35 TB/s to the H200's 4.8, so its times beside the H200's would show a loss (or a gain) no kernel made."""
-    tables = json.loads(ANCHORS.read_text())
-    if ANCHOR_GPU not in gpu:
-        for table in tables.values():
-            if isinstance(table, dict) and "rows" in table:
-                table["rows"] = []
-    return tables
+    """What the best public kernels measured (each file's ``measured`` and ``how`` fields), every file's tables, for a
+    run on ``gpu`` (``torch.cuda.get_device_name()``): the tables measured on another GPU model have no rows. An H100
+    reads at 3.35 TB/s to the H200's 4.8, so its times beside the H200's would show a loss (or a gain) no kernel
+    made. The H200 file's own fields (``measured``, ``how``, ``ceilings``) are the top level's."""
+    merged: dict[str, Any] = {}
+    for model, path in reversed(ANCHOR_FILES.items()):  # the H200 file last: its top-level fields win
+        tables = json.loads(path.read_text())
+        if model not in gpu:
+            for table in tables.values():
+                if isinstance(table, dict) and "rows" in table:
+                    table["rows"] = []
+        merged.update(tables)
+    return merged
 
 
 def _cell(value: Any) -> str:

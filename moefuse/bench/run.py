@@ -79,6 +79,8 @@ SUMMARY: list[dict[str, Any]] = [
      "kind": "experts", "fmt": "fp8"},
     {"label": "routed experts, MXFP4 (V4-Flash)", "stage": "quant",
      "where": {"format": "mxfp4", "model": "deepseek-v4-flash"}, "us": "us", "floor": ("read_floor_us", "mma_floor_us"),
+     "peer": "peer_us", "ours_vs_peer": "routed_us",
+     "peer_name": "triton_kernels MXFP4 (dispatch + experts + combine, its H100 anchor scaled by read rate)",
      "kind": "experts", "fmt": "mxfp4"},
     {"label": "layer, bf16", "stage": "layer", "where": {"model": "deepseek-v3"}, "us": "us",
      "floor": ("mem_floor_us", "compute_floor_us"), "peer": "hf_grouped_mm_us",

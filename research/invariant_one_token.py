@@ -1,0 +1,99 @@
+"""What does batch invariance cost a one-token layer, stage by stage? (GPU.)
+
+For DeepSeek-V3 bf16 and fp8 and DeepSeek-V4-Flash MXFP4 at 1 and 16 tokens, default against ``batch_invariant``:
+the router linear, the gate (linear + fused gate), the shared expert alone, the layer; the routed experts alone
+(top-k experts) against the routed experts with the shared expert as one more slot (the grid the invariant layer
+runs: for fp8 GEMM1, 128-column blocks of 9 experts where the routed ones make 8); and the invariant router linear
+with K cut into other run counts (the bits change with the count, never with M). Prints one JSON object a line.
+
+    python -m research.invariant_one_token [--tokens 1 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from functools import partial
+
+import torch
+
+from moefuse.bench import timing
+from moefuse.config import preset
+from moefuse.layer import MoELayer, routed_experts
+from moefuse.route import linear
+
+CASES = (("deepseek-v3", None), ("deepseek-v3", "fp8"), ("deepseek-v4-flash", "mxfp4"))
+RUNS = ((16, 256), (28, 256), (32, 128), (56, 128))  # (INVARIANT_MAX_RUNS, INVARIANT_RUN_COLUMNS)
+
+
+def _us(call) -> float:  # noqa: ANN001 - a capturable closure
+    return round(timing.graph_time_us([call], replays=30), 1)
+
+
+def stages(layer: MoELayer, M: int, gen: torch.Generator) -> dict:
+    """Default and invariant times of the layer's stages at M tokens."""
+    c = layer.config
+    x = torch.randn(M, c.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+    gate_up, down = layer.experts.weights()
+    slot = layer.shared_slot_weights()
+    row: dict = {"M": M}
+    with torch.no_grad():
+        for invariant in (False, True):
+            key = "inv" if invariant else "default"
+            layer.batch_invariant = invariant
+            row[f"router_{key}"] = _us(partial(layer.gate.logits, x))
+            row[f"gate_{key}"] = _us(partial(layer.gate, x))
+            if layer.shared_experts is not None:
+                row[f"shared_{key}"] = _us(partial(layer.shared_experts, x))
+            weights, ids = layer.gate(x)
+            row[f"routed_{key}"] = _us(partial(routed_experts, x, gate_up, down, weights, ids,
+                                               swiglu_limit=c.swiglu_limit, activation_quant=layer.activation_quant,
+                                               batch_invariant=invariant))
+            if slot is not None:
+                weights, ids = layer.gate(x, num_fused_shared_experts=1)
+                row[f"routed_with_slot_{key}"] = _us(partial(
+                    routed_experts, x, *slot, weights, ids, swiglu_limit=c.swiglu_limit,
+                    activation_quant=layer.activation_quant, batch_invariant=invariant))
+            row[f"layer_{key}"] = _us(partial(layer, x))
+            row[f"slot_{key}"] = layer.uses_shared_slot(M, x.device)
+        layer.batch_invariant = None
+    return row
+
+
+def router_runs(H: int, E: int, M: int) -> dict:
+    """The invariant router linear (bf16 x, fp32 weight) with K cut into each of ``RUNS``."""
+    weight = torch.randn(E, H, device="cuda")
+    parts = linear.bf16_split(weight)
+    x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(M, E, device="cuda")
+    saved = linear.INVARIANT_MAX_RUNS, linear.INVARIANT_RUN_COLUMNS
+    row: dict = {"H": H, "E": E, "M": M}
+    try:
+        for most, columns in RUNS:
+            linear.INVARIANT_MAX_RUNS, linear.INVARIANT_RUN_COLUMNS = most, columns
+            row[f"runs_{linear.invariant_runs(H)}"] = _us(partial(linear.router_logits_invariant, x, weight, out,
+                                                                  parts))
+    finally:
+        linear.INVARIANT_MAX_RUNS, linear.INVARIANT_RUN_COLUMNS = saved
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
+    args = parser.parse_args(argv)
+    gen = torch.Generator("cuda").manual_seed(0)
+    for model, quant in CASES:
+        layer = MoELayer(preset(model), device="cuda", quant=quant).init_random_(0)
+        for M in args.tokens:
+            print(json.dumps({"model": model, "quant": quant, **stages(layer, M, gen)}), flush=True)
+        c = layer.config
+        del layer
+        torch.cuda.empty_cache()
+        if quant is None:
+            for M in (1, 4096):
+                print(json.dumps({"router": model, **router_runs(c.hidden_size, c.num_experts, M)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -247,6 +247,22 @@ def test_rows_swiglu_alone_and_batched(dtype, limit, device, gen):
     assert rel_error(got, want) <= bound
 
 
+def test_reductions_read_one_layout():
+    """``_runtime.laid_out_once``, what the invariant router linear (fp32 path) and gate read their input through:
+    Triton specialises a launch on strides and alignment, and the layout it then picks orders a ``tl.sum`` (a strided
+    row got other logits than the same row contiguous, on an H100). Contiguous and 16-byte aligned passes as is;
+    anything else (a column stride, a size-1 dim's odd stride, an offset start) becomes a contiguous aligned copy."""
+    x = torch.randn(6, 8)
+    assert _runtime.laid_out_once(x) is x
+    aligned = x[2:]  # 64 bytes in: kept
+    assert _runtime.laid_out_once(aligned) is aligned
+    misaligned = x.reshape(-1)[1:41].view(5, 8)  # 4 bytes in
+    for view in (x[:, ::2], x.t(), misaligned, torch.randn(1, 8).as_strided((1, 8), (11, 1))):
+        copy = _runtime.laid_out_once(view)
+        assert copy is not view and copy.stride() == (copy.shape[1], 1) and copy.data_ptr() % 16 == 0
+        assert torch.equal(copy, view)
+
+
 @settings(max_examples=6 if not GPU else 40, deadline=None)
 @given(M=st.integers(1, 90), H=st.integers(1, 300), E=st.integers(1, 80), at=st.integers(0, 89),
        dtype=st.sampled_from([torch.bfloat16, torch.float32]), strided=st.booleans(), seed=st.integers(0, 2**31 - 1))

@@ -200,12 +200,12 @@ def summary_plot(records: dict[str, Any], path: Path) -> bool:
     dates = sorted(e["date"] for e in envs if e.get("date"))
     gpus = ", ".join(sorted({e["gpu"] for e in envs if e.get("gpu")})) or "unknown GPU"
     when = (dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}") if dates else "undated"
-    fig.suptitle(f"moefuse on one {gpus}, runs of {when}: DeepSeek-V3 shapes (MXFP4: DeepSeek-V4-Flash), "
-                 "device time under CUDA-graph replay", fontsize=12)
-    fig.text(0.5, 0.01, "Peers: moefuse/bench/anchors_h200.json (the same GPU model, their own runs); cuBLAS and "
-             "torch's grouped GEMMs in the same run. Each stage's date and the full tables: results/RESULTS.md.",
+    fig.suptitle(f"moefuse on {gpus}, runs of {when}:\nDeepSeek-V3 shapes (MXFP4: DeepSeek-V4-Flash), "
+                 "device time under CUDA-graph replay; each stage on one GPU", fontsize=12)
+    fig.text(0.5, 0.01, "Peers: moefuse/bench/anchors_<gpu>.json (each stage's GPU model, their own runs); cuBLAS "
+             "and torch's grouped GEMMs in the same run. Each stage's GPU, date and full tables: results/RESULTS.md.",
              ha="center", fontsize=8, color="0.35")
-    fig.tight_layout(rect=(0, 0.03, 1, 0.96))
+    fig.tight_layout(rect=(0, 0.03, 1, 0.93))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

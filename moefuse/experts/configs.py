@@ -309,6 +309,14 @@ def weight_buffer_bytes(tiles: GemmTiles, operands: int, element_size: int) -> i
     return max(1, tiles.num_stages - 1) * operands * tiles.block_k * tiles.block_n * element_size
 
 
+def spread_columns(block_n: int, num_tiles: int, n: int, least: int, gpu: GPU) -> int:
+    """``block_n`` halved (not below ``least``) until ``num_tiles`` rows of tiles over ``n`` columns make a program
+    for each of ``gpu``'s SMs: a memory-bound GEMM streams from every SM."""
+    while block_n > least and num_tiles * -(-n // block_n) < gpu.sms:
+        block_n //= 2
+    return block_n
+
+
 def _fit(
     block_m: int, n: int, k: int, operands: int, element_size: int, num_tiles: int, *,
     block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int, spread: bool, gpu: GPU = HOPPER,
@@ -317,8 +325,8 @@ def _fit(
     block_n = min(block_n, max(16, _next_pow2(n)))
     block_k = min(block_k, max(16, _next_pow2(k)))
     # Memory-bound GEMMs need a program per SM in flight (deep pipelines keep each one streaming).
-    while spread and block_n > 64 and num_tiles * -(-n // block_n) < gpu.sms:
-        block_n //= 2
+    if spread:
+        block_n = spread_columns(block_n, num_tiles, n, 64, gpu)
     # Give up pipeline depth beyond 3 first, then long reduction steps, then the last stage, then width.
     budget = gpu.smem - SMEM_SLACK
     while smem_bytes(block_m, GemmTiles(block_n, block_k, group_m, num_warps, num_stages), operands,

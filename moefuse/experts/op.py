@@ -347,9 +347,7 @@ def rows_linear_tiles(M: int, weight: torch.Tensor, dtype: torch.dtype, arch: Ar
     tiles = configs.heuristic(M, 1, N, K, 1, dtype, block_m=invariant_rows(weight, dtype), gpu=gpu)
     # A few rows make one row of tiles, each program reading its columns' whole weight: narrower column blocks (to
     # 32) until every SM has a program. The width changes no row's sums: wgmma adds the same K steps in one order.
-    block_n = tiles.gemm2.block_n
-    while block_n > 32 and -(-M // tiles.block_m) * -(-N // block_n) < gpu.sms:
-        block_n //= 2
+    block_n = configs.spread_columns(tiles.gemm2.block_n, -(-M // tiles.block_m), N, 32, gpu)
     if block_n == tiles.gemm2.block_n:
         return tiles
     return replace(tiles, gemm2=replace(tiles.gemm2, block_n=block_n, num_warps=4))

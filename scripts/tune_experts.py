@@ -40,6 +40,7 @@ import itertools
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -222,8 +223,10 @@ def dense_candidates(M: int, name: str, fmt: str, table: dict[str, Any] | None =
 
 
 def time_dense(models: list[str], formats: list[str], grid: list[int], table: dict[str, Any] | None,
-               compile_only: tuple[int, int] | None = None) -> list[dict[str, Any]]:
-    """Time (or, with ``compile_only`` = (k, n), compile the k-th of n shares of) every dense candidate."""
+               compile_only: tuple[int, int] | None = None,
+               checkpoint: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """Time (or, with ``compile_only`` = (k, n), compile the k-th of n shares of) every dense candidate.
+    ``checkpoint`` gets the times so far after each model and format (a run cut short keeps what it measured)."""
     from moefuse import _runtime as runtime
     from moefuse.bench.sweep import _time_us
     from moefuse.dispatch import moe_dispatch
@@ -232,6 +235,8 @@ def time_dense(models: list[str], formats: list[str], grid: list[int], table: di
 
     rows: list[dict[str, Any]] = []
     job = 0
+    compiled: set[tuple] = set()  # a compile share launches each distinct kernel set once
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name in models:
         cfg = preset(name)
         small = replace(cfg, num_experts=2 * cfg.top_k, num_expert_group=1, topk_group=1)
@@ -240,6 +245,11 @@ def time_dense(models: list[str], formats: list[str], grid: list[int], table: di
             for M in grid:
                 for cand, (block_m, tiles, persistent) in dense_candidates(M, name, fmt, table).items():
                     if compile_only is not None:
+                        split = configs.fp8_split_k(M * cfg.top_k, cfg.intermediate_size, sms) if fmt == "fp8" else 0
+                        kernels = (fmt, block_m, tiles, persistent, split, M == 1)
+                        if kernels in compiled:
+                            continue
+                        compiled.add(kernels)
                         job += 1
                         if job % compile_only[1] != compile_only[0]:
                             continue
@@ -275,6 +285,8 @@ def time_dense(models: list[str], formats: list[str], grid: list[int], table: di
             _log(f"{'compiled' if compile_only else 'timed'} {name} {fmt}")
             del layer, w1, w2
             torch.cuda.empty_cache()
+            if checkpoint is not None and compile_only is None:
+                checkpoint(rows)
     return rows
 
 
@@ -336,18 +348,26 @@ def run_dense(args: argparse.Namespace, table: dict[str, Any], out: Path) -> int
         if args.jobs > 1:
             _log(f"compiling every candidate in {args.jobs} processes")
             common = [sys.executable, __file__, "--dense", "--compile-share", "", "--models", *args.models,
-                      "--formats", *args.formats, "--tokens", *map(str, grid)]
+                      "--formats", *args.formats, "--tokens", *map(str, grid), "--out", str(out)]
             procs = [subprocess.Popen([*common[:4], f"{k}/{args.jobs}", *common[5:]]) for k in range(args.jobs)]
             if any(proc.wait() for proc in procs):
                 _log("a compile process failed; its candidates compile while timed")
-        rows = time_dense(args.models, args.formats, grid, table)
-        if args.timings:
-            Path(args.timings).write_text(json.dumps(rows) + "\n")
-    here = torch.cuda.get_device_name() if torch.cuda.is_available() else f"an {table['gpu']['name']}"
-    merge_entries(table, dense_entries(rows, here, datetime.date.today().isoformat()))
-    _write(table, out)
+        rows = time_dense(args.models, args.formats, grid, table,
+                          checkpoint=lambda done: _write_dense(args, table, out, done))
+    _write_dense(args, table, out, rows)
     _log(f"wrote {out}")
     return 0
+
+
+def _write_dense(args: argparse.Namespace, table: dict[str, Any], out: Path, rows: list[dict[str, Any]]) -> None:
+    """The table with the entries of ``rows`` merged in (a copy of ``table``: entries measured later replace these),
+    and the raw times where ``--timings`` asks."""
+    if args.timings and not args.from_timings:
+        Path(args.timings).write_text(json.dumps(rows) + "\n")
+    here = torch.cuda.get_device_name() if torch.cuda.is_available() else f"an {table['gpu']['name']}"
+    merged = json.loads(json.dumps(table))
+    merge_entries(merged, dense_entries(rows, here, datetime.date.today().isoformat()))
+    _write(merged, out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,13 +388,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-timings", help="--dense: build the entries from this file of raw times (no GPU)")
     parser.add_argument("--compile-share", help=argparse.SUPPRESS)  # k/n: a compile process of --jobs
     args = parser.parse_args(argv)
-    if args.compile_share:
-        k, n = (int(v) for v in args.compile_share.split("/"))
-        time_dense(args.models, args.formats, list(args.tokens), None, compile_only=(k, n))
-        return 0
     here = _runtime.gpu(torch.device("cuda")) if torch.cuda.is_available() else None
     gpu = args.gpu or next((name for name in sorted(configs.TABLES) if here and name.upper() in here.name), "h200")
     out = args.out or configs.TABLES[gpu]
+    if args.compile_share:
+        k, n = (int(v) for v in args.compile_share.split("/"))
+        current = configs.load_table(out) if out.exists() else None
+        time_dense(args.models, args.formats, list(args.tokens), current, compile_only=(k, n))
+        return 0
     if args.seed:
         _write(seed_table(args.models, args.tokens, gpu), out)
         _log(f"wrote the untuned seed to {out}")

@@ -294,6 +294,16 @@ def dense_entries(rows: list[dict[str, Any]], gpu_name: str, date: str) -> list[
     """Table entries from dense timings: each bucket the candidate with the lowest median over it and its two
     neighbouring token counts (its own time where a neighbour lacks it); 16-bit buckets hold the config, the others
     the tile height. 16-bit's persistent kernels are not a table choice (they are opt-in)."""
+    return _dense_choice(rows, gpu_name, date)[0]
+
+
+def dense_choice_times(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The time of the candidate each bucket chose, one row per model, format and M (``model``, ``format``, ``M``,
+    ``us``): the experts' curve the table gives, which ``moefuse.bench.sweep.cliffs`` checks."""
+    return _dense_choice(rows, "", "")[1]
+
+
+def _dense_choice(rows: list[dict[str, Any]], gpu_name: str, date: str) -> tuple[list[dict[str, Any]], list[dict]]:
     import statistics
 
     times: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
@@ -301,7 +311,7 @@ def dense_entries(rows: list[dict[str, Any]], gpu_name: str, date: str) -> list[
     for row in rows:
         times.setdefault((row["model"], row["format"]), {}).setdefault(row["M"], {})[row["cand"]] = row["us"]
         chosen[(row["model"], row["format"], row["M"], row["cand"])] = row
-    entries = []
+    entries, curve = [], []
     for (name, fmt), by_m in times.items():
         cfg = preset(name)
         sizes = sorted(by_m)
@@ -313,13 +323,14 @@ def dense_entries(rows: list[dict[str, Any]], gpu_name: str, date: str) -> list[
                      for cand, us in by_m[M].items() if not (fmt == "bf16" and chosen[(name, fmt, M, cand)]["persist"])}
             best = chosen[(name, fmt, M, min(score, key=lambda cand: score[cand]))]
             buckets[str(M)] = best["config"] if fmt == "bf16" else {"block_m": best["block_m"]}
+            curve.append({"model": name, "format": fmt, "M": M, "us": best["us"]})
         entries.append({"model": name, "format": fmt, "E": cfg.num_experts, "H": cfg.hidden_size,
                         "I": cfg.intermediate_size, "K": cfg.top_k,
                         "status": f"tuned on {gpu_name}, {date}: scripts/tune_experts.py --dense (routed experts, "
                                   "GEMM1 + GEMM2 under CUDA-graph replay, uniform random routing; each bucket the "
                                   "candidate with the lowest median over it and its two neighbours)",
                         "buckets": buckets})
-    return entries
+    return entries, curve
 
 
 def merge_entries(table: dict[str, Any], entries: list[dict[str, Any]]) -> None:
@@ -356,6 +367,11 @@ def run_dense(args: argparse.Namespace, table: dict[str, Any], out: Path) -> int
                           checkpoint=lambda done: _write_dense(args, table, out, done))
     _write_dense(args, table, out, rows)
     _log(f"wrote {out}")
+    from moefuse.bench.sweep import cliffs
+
+    for cliff in cliffs(dense_choice_times(rows)):
+        _log(f"the table's choice is {cliff['drop']:.1%} faster at {cliff['M']} tokens than at {cliff['slower_M']}: "
+             f"{cliff['model']} {cliff['format']}")
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tolerances import experts_tolerance
 
 from moefuse import MoEConfig, MoELayer, _runtime
 from moefuse.testing import assert_rel_close
@@ -43,7 +44,10 @@ def test_quantized_layer_compiles_without_graph_breaks(quant, gen):
     with torch.no_grad():
         want = layer(x)
         got = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
-    assert torch.equal(got, want)
+    # Usually bit-equal, but aot_eager's decompositions may round an op before the activation quantization
+    # differently, which flips one e4m3 rounding (an H100 machine's CPU, torch 2.11, seed 4005251529, 2026-12-05):
+    # the bound is the format's own (tests/tolerances.py), far below an O(1) error.
+    assert_rel_close(got.float(), want.float(), experts_tolerance(quant, 16)[0])
 
 
 def test_dispatch_and_experts_ops_pass_opcheck(gen):

@@ -26,8 +26,11 @@ keeps what it measured. Entries a run did not touch keep their status ("untuned 
 32 tokens up to 1,024, every 512 up to 8,192) for every format (``--formats``): at each M, the experts op (GEMM1 +
 GEMM2, as a layer runs them) on each candidate (``dense_candidates``: the heuristic's config for each tile height
 near the rows per expert, the table's current config, 128-row tiles grouped by 4, the persistent kernels) under
-CUDA-graph replay. Each bucket takes the candidate with the lowest median over it and its two neighbours, so one
-noisy time does not flip a choice. ``--jobs N`` compiles every candidate first in N processes (on small copies of
+CUDA-graph replay. Each bucket takes the tallest tile whose median over it and its two neighbours (so one noisy time
+does not flip a choice) is within ``TALLER_WITHIN`` (2%) of the lowest: the tuning routes uniformly, but a layer's
+router loads some experts more, and there a short tile runs twice where a taller one runs once (on an H100 the
+layer sweep's bf16 cliffs of 3-6% at 384-992 tokens went with it, the experts' times within 2%).
+``--jobs N`` compiles every candidate first in N processes (on small copies of
 the weights: the kernels depend on the shapes' widths, not on E), so the timing run loads them from Triton's cache.
 ``--timings`` keeps the raw times (a JSON list) and ``--from-timings`` rebuilds the entries from such a file.
 """
@@ -57,6 +60,7 @@ TOKENS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 SEED_STATUS = "untuned seed: configs.heuristic() for Hopper, written by scripts/tune_experts.py --seed"
 MAX_ACC_REGS = 128  # fp32 accumulator registers per thread beyond which the compiler spills
 DENSE_GRID = (1, 4, 16, *range(32, 1025, 32), *range(1536, 8193, 512))
+TALLER_WITHIN = 0.02  # --dense: a taller tile wins when its time is within this share of the fastest (_dense_choice)
 DENSE_FORMATS = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "mxfp4": torch.uint8}
 
 
@@ -291,9 +295,9 @@ def time_dense(models: list[str], formats: list[str], grid: list[int], table: di
 
 
 def dense_entries(rows: list[dict[str, Any]], gpu_name: str, date: str) -> list[dict[str, Any]]:
-    """Table entries from dense timings: each bucket the candidate with the lowest median over it and its two
-    neighbouring token counts (its own time where a neighbour lacks it); 16-bit buckets hold the config, the others
-    the tile height. 16-bit's persistent kernels are not a table choice (they are opt-in)."""
+    """Table entries from dense timings: each bucket the tallest candidate within ``TALLER_WITHIN`` of the lowest
+    median over it and its two neighbouring token counts (its own time where a neighbour lacks it); 16-bit buckets
+    hold the config, the others the tile height. 16-bit's persistent kernels are not a table choice (opt-in)."""
     return _dense_choice(rows, gpu_name, date)[0]
 
 
@@ -321,14 +325,19 @@ def _dense_choice(rows: list[dict[str, Any]], gpu_name: str, date: str) -> tuple
             score = {cand: statistics.median([by_m[n][cand] for n in near])
                      if all(cand in by_m[n] for n in near) else us
                      for cand, us in by_m[M].items() if not (fmt == "bf16" and chosen[(name, fmt, M, cand)]["persist"])}
-            best = chosen[(name, fmt, M, min(score, key=lambda cand: score[cand]))]
+            # the tallest tile within TALLER_WITHIN of the fastest: the tuning routes uniformly, a layer's router
+            # loads some experts more, and a short tile then runs twice as often for them
+            near_best = [c for c in score if score[c] <= min(score.values()) * (1 + TALLER_WITHIN)]
+            tallest = max(chosen[(name, fmt, M, c)]["block_m"] for c in near_best)
+            best = chosen[(name, fmt, M, min((c for c in near_best if chosen[(name, fmt, M, c)]["block_m"] == tallest),
+                                             key=lambda cand: score[cand]))]
             buckets[str(M)] = best["config"] if fmt == "bf16" else {"block_m": best["block_m"]}
             curve.append({"model": name, "format": fmt, "M": M, "us": best["us"]})
         entries.append({"model": name, "format": fmt, "E": cfg.num_experts, "H": cfg.hidden_size,
                         "I": cfg.intermediate_size, "K": cfg.top_k,
                         "status": f"tuned on {gpu_name}, {date}: scripts/tune_experts.py --dense (routed experts, "
                                   "GEMM1 + GEMM2 under CUDA-graph replay, uniform random routing; each bucket the "
-                                  "candidate with the lowest median over it and its two neighbours)",
+                                  "tallest tile within 2% of the lowest median over it and its two neighbours)",
                         "buckets": buckets})
     return entries, curve
 
@@ -382,7 +391,7 @@ def _write_dense(args: argparse.Namespace, table: dict[str, Any], out: Path, row
         Path(args.timings).write_text(json.dumps(rows) + "\n")
     here = torch.cuda.get_device_name() if torch.cuda.is_available() else f"an {table['gpu']['name']}"
     merged = json.loads(json.dumps(table))
-    merge_entries(merged, dense_entries(rows, here, datetime.date.today().isoformat()))
+    merge_entries(merged, dense_entries(rows, here, args.measured_on or datetime.date.today().isoformat()))
     _write(merged, out)
 
 
@@ -402,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=8, help="--dense: processes that compile the candidates first")
     parser.add_argument("--timings", help="--dense: write the raw times to this JSON file")
     parser.add_argument("--from-timings", help="--dense: build the entries from this file of raw times (no GPU)")
+    parser.add_argument("--measured-on", help="--from-timings: the date the times were measured (the entries' status)")
     parser.add_argument("--compile-share", help=argparse.SUPPRESS)  # k/n: a compile process of --jobs
     args = parser.parse_args(argv)
     here = _runtime.gpu(torch.device("cuda")) if torch.cuda.is_available() else None

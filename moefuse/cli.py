@@ -217,9 +217,9 @@ def run_sweep(args: argparse.Namespace) -> int:
     name = f"sweep_{gpu}" + ("_invariant" if args.batch_invariant else "")
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tags = {**env, "batch_invariant": args.batch_invariant}
+    tags = {**env, "batch_invariant": args.batch_invariant, "passes": args.passes}
     rows = sweep.run(ceilings, quick=args.quick, models=args.models, formats=args.formats, progress=progress,
-                     batch_invariant=args.batch_invariant,
+                     batch_invariant=args.batch_invariant, passes=args.passes,
                      checkpoint=lambda done: sweep.write(done, out / f"{name}.json", tags))
     sweep.write(rows, out / f"{name}.json", tags)
     data = sweep.load(out / f"{name}.json")
@@ -277,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--formats", nargs="+", default=list(SWEEP_FORMATS), choices=list(SWEEP_FORMATS),
                        help="sweep: the expert weight formats")
     bench.add_argument("--batch-invariant", action="store_true", help="sweep: the batch-invariant layer")
+    bench.add_argument("--passes", type=_positive_int, default=1,
+                       help="sweep: passes over the grid, alternately forwards and backwards; each size's median")
     bench.add_argument("--quick", action="store_true", help="fewer sizes")
     bench.add_argument("--results-dir", default="results", help="where <stage>.json, RESULTS.md and the plot go")
     args = parser.parse_args(argv)

@@ -77,6 +77,21 @@ def test_summary_and_transformers_losses():
     assert [row["M"] for row in sweep.slower_than_transformers(rows)] == [64]
 
 
+def test_passes_alternate_direction_and_keep_every_time():
+    calls: list[int] = []
+
+    def time_at(m: int) -> float:
+        calls.append(m)
+        return float(m + len(calls))
+
+    times = sweep.over_passes(time_at, [1, 2, 3], 3)
+    assert calls == [1, 2, 3, 3, 2, 1, 1, 2, 3]  # a clock drift over a pass does not line up with the sizes
+    assert times == {1: [2.0, 7.0, 8.0], 2: [4.0, 7.0, 10.0], 3: [6.0, 7.0, 12.0]}
+    assert sweep._median([3.0, 1.0, 2.0]) == 2.0 and sweep._median([1.0, 4.0]) == 2.5
+    with pytest.raises(ValueError, match="passes"):
+        sweep.run(None, passes=0)
+
+
 @pytest.mark.parametrize("path", SWEEPS, ids=[p.stem for p in SWEEPS])
 def test_committed_sweeps_have_no_cliffs(path):
     data = sweep.load(path)

@@ -18,11 +18,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 GRID: tuple[int, ...] = (1, 16, *range(32, 1025, 32), *range(1280, 8193, 256))
+T = TypeVar("T")
 TOLERANCE = 0.03  # a later size may be this much faster than the slowest earlier one before it counts as a cliff
 FORMATS: dict[str, dict[str, Any]] = {  # the layer's arguments per format name
     "bf16": {"quant": None},
@@ -189,13 +190,34 @@ def hf_block(model: str, device: str = "cuda") -> torch.nn.Module | None:
     return block
 
 
+def over_passes(time_at: Callable[[int], T], grid: Sequence[int], passes: int) -> dict[int, list[T]]:
+    """``time_at(m)`` for every size of ``grid``, ``passes`` times: odd passes walk the grid backwards, so a drift
+    of the GPU's clock over a pass (its power cap engages as a sweep heats it) does not follow the size order.
+    Returns each size's results in pass order."""
+    times: dict[int, list[T]] = {m: [] for m in grid}
+    for p in range(passes):
+        for m in (grid if p % 2 == 0 else list(reversed(grid))):
+            times[m].append(time_at(m))
+    return times
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
 def run(ceilings: Any, quick: bool = False, models: Sequence[str] = MODELS, formats: Sequence[str] = tuple(FORMATS),
         grid: Sequence[int] = GRID, progress: Callable[[str], None] = print, compare_hf: bool = True,
-        batch_invariant: bool = False,
-        checkpoint: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
-    """Time each model and format over ``grid`` (``quick``: every fourth size); returns one row per size. With
-    ``batch_invariant`` the layers are built with ``batch_invariant=True``. ``checkpoint`` gets the rows so far after
-    each model and format (a long sweep cut short keeps what it measured)."""
+        batch_invariant: bool = False, checkpoint: Callable[[list[dict[str, Any]]], None] | None = None,
+        passes: int = 1) -> list[dict[str, Any]]:
+    """Time each model and format over ``grid`` (``quick``: every fourth size); returns one row per size, its time
+    the median of ``passes`` passes (:func:`over_passes`; the row keeps them all as ``us_passes``). Each size's
+    tokens are seeded by the size, so every pass sees the same input. With ``batch_invariant`` the layers are built
+    with ``batch_invariant=True``. ``checkpoint`` gets the rows so far after each model and format (a long sweep cut
+    short keeps what it measured)."""
+    if not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"passes must be a positive int, got {passes!r}")
     layer_kwargs: dict[str, Any] = {"batch_invariant": True} if batch_invariant else {}
     import moefuse
     from moefuse.config import preset
@@ -203,18 +225,30 @@ def run(ceilings: Any, quick: bool = False, models: Sequence[str] = MODELS, form
 
     grid = list(grid)[::4] if quick else list(grid)
     rows: list[dict[str, Any]] = []
-    gen = torch.Generator("cuda").manual_seed(0)
+
+    def tokens(m: int, width: int) -> torch.Tensor:
+        gen = torch.Generator("cuda").manual_seed(m)
+        return torch.randn(m, width, generator=gen, device="cuda", dtype=torch.bfloat16)
+
+    def timed(call: Callable[[torch.Tensor], object], width: int) -> Callable[[int], float]:
+        def time_at(m: int) -> float:
+            x = tokens(m, width)
+            with torch.no_grad():
+                return _time_us(lambda: call(x))
+        return time_at
+
     for model in models:
         for fmt in formats:
-            progress(f"sweep {model} {fmt}: {len(grid)} sizes")
+            progress(f"sweep {model} {fmt}: {len(grid)} sizes" + (f", {passes} passes" if passes > 1 else ""))
             layer = MoELayer(preset(model), device="cuda", **FORMATS[fmt], **layer_kwargs).init_random_(0)
+            width = layer.config.hidden_size
+            times = over_passes(timed(layer, width), grid, passes)
             for m in grid:
-                x = torch.randn(m, layer.config.hidden_size, generator=gen, device="cuda", dtype=torch.bfloat16)
+                us = _median(times[m])
                 with torch.no_grad():
-                    us = _time_us(lambda: layer(x))
-                    floor = floor_us(layer, x, ceilings)
+                    floor = floor_us(layer, tokens(m, width), ceilings)
                 rows.append({"model": model, "format": fmt, "M": m, "us": us, "floor_us": floor,
-                             "x_floor": us / floor})
+                             "x_floor": us / floor, **({"us_passes": times[m]} if passes > 1 else {})})
             del layer
             torch.cuda.empty_cache()
             if checkpoint is not None:
@@ -227,11 +261,12 @@ def run(ceilings: Any, quick: bool = False, models: Sequence[str] = MODELS, form
         progress(f"sweep {model}: transformers grouped_mm and moefuse.from_hf on its weights")
         ours = moefuse.from_hf(block, **layer_kwargs)
         by_m = {row["M"]: row for row in rows if row["model"] == model and row["format"] == "bf16"}
+        width = ours.config.hidden_size
+        theirs, mine = timed(lambda x: block(x[None]), width), timed(ours, width)
+        pairs = over_passes(lambda m: (theirs(m), mine(m)), grid, passes)  # side by side at each size
         for m in grid:
-            x = torch.randn(m, ours.config.hidden_size, generator=gen, device="cuda", dtype=torch.bfloat16)
-            with torch.no_grad():
-                by_m[m]["hf_us"] = _time_us(lambda: block(x[None]))
-                by_m[m]["from_hf_us"] = _time_us(lambda: ours(x))
+            by_m[m]["hf_us"] = _median([pair[0] for pair in pairs[m]])
+            by_m[m]["from_hf_us"] = _median([pair[1] for pair in pairs[m]])
         del block, ours
         torch.cuda.empty_cache()
         if checkpoint is not None:

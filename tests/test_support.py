@@ -89,14 +89,14 @@ def test_the_gpu_facts_are_read_from_the_device(monkeypatch):
 
 
 def test_the_h100_table_moves_fp8_to_the_persistent_kernels_where_it_measured_them_faster():
-    """DeepSeek-V3's fp8 experts on an H100 SXM follow its table (16-row tiles to 448 tokens, 64 at 480, the persistent
+    """DeepSeek-V3's fp8 experts on an H100 SXM follow its table (16-row tiles to 384 tokens, 64 at 416, the persistent
     kernels' 128-row plans from 512), which ``persistent="none"`` overrides; an H200 (no fp8 entries) keeps the
     heuristic's rule (64-row plans, 128 from 2,048 tokens)."""
     E, H, I, K = 256, 7168, 2048, 8
     values = torch.empty(1, 1, 1, dtype=torch.float8_e4m3fn).expand(E, 2 * I, H)  # only the shape is read
     weight = BlockFP8.unchecked(values, torch.empty(1, 1, 1).expand(E, 2 * I // 128, H // 128))
     h200 = _runtime.GPU("NVIDIA H200", (9, 0), 132, 232448)
-    assert [plan_block_m(M, weight, K, torch.bfloat16, arch=H100) for M in (1, 448, 480, 512, 4096)] == [
+    assert [plan_block_m(M, weight, K, torch.bfloat16, arch=H100) for M in (1, 384, 416, 512, 4096)] == [
         16, 16, 64, 128, 128]
     assert plan_block_m(1024, weight, K, torch.bfloat16, arch=H100, persistent="none") == 64
     assert [plan_block_m(M, weight, K, torch.bfloat16, arch=h200) for M in (448, 1024, 2048)] == [16, 64, 128]

@@ -26,10 +26,12 @@ keeps what it measured. Entries a run did not touch keep their status ("untuned 
 32 tokens up to 1,024, every 512 up to 8,192) for every format (``--formats``): at each M, the experts op (GEMM1 +
 GEMM2, as a layer runs them) on each candidate (``dense_candidates``: the heuristic's config for each tile height
 near the rows per expert, the table's current config, 128-row tiles grouped by 4, the persistent kernels) under
-CUDA-graph replay. Each bucket takes the tallest tile whose median over it and its two neighbours (so one noisy time
-does not flip a choice) is within ``TALLER_WITHIN`` (2%) of the lowest: the tuning routes uniformly, but a layer's
-router loads some experts more, and there a short tile runs twice where a taller one runs once (on an H100 the
-layer sweep's bf16 cliffs of 3-6% at 384-992 tokens went with it, the experts' times within 2%).
+CUDA-graph replay, the tokens routed by the layer's own gate on random weights (``--routing layer``, as the sweep
+runs the layer: some experts draw more rows than others) or uniformly (``--routing uniform``, how the committed H100
+times were measured). Each bucket takes the tallest tile whose median over it and its two neighbours (so one noisy
+time does not flip a choice) is within ``TALLER_WITHIN`` (2%) of the lowest: under skewed routing a short tile runs
+twice for the experts past its height where a taller one runs once (on an H100, uniformly tuned, this rule removed
+the layer sweep's bf16 cliffs of 3-6% at 384-992 tokens).
 ``--jobs N`` compiles every candidate first in N processes (on small copies of
 the weights: the kernels depend on the shapes' widths, not on E), so the timing run loads them from Triton's cache.
 ``--timings`` keeps the raw times (a JSON list) and ``--from-timings`` rebuilds the entries from such a file.
@@ -228,9 +230,12 @@ def dense_candidates(M: int, name: str, fmt: str, table: dict[str, Any] | None =
 
 def time_dense(models: list[str], formats: list[str], grid: list[int], table: dict[str, Any] | None,
                compile_only: tuple[int, int] | None = None,
-               checkpoint: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+               checkpoint: Callable[[list[dict[str, Any]]], None] | None = None,
+               routing: str = "layer") -> list[dict[str, Any]]:
     """Time (or, with ``compile_only`` = (k, n), compile the k-th of n shares of) every dense candidate.
-    ``checkpoint`` gets the times so far after each model and format (a run cut short keeps what it measured)."""
+    ``checkpoint`` gets the times so far after each model and format (a run cut short keeps what it measured).
+    ``routing``: "layer" routes each M's tokens through the layer's own gate (random weights, as ``moefuse bench
+    sweep`` runs it: some experts draw more rows than others), "uniform" draws K distinct experts a token."""
     from moefuse import _runtime as runtime
     from moefuse.bench.sweep import _time_us
     from moefuse.dispatch import moe_dispatch
@@ -266,8 +271,12 @@ def time_dense(models: list[str], formats: list[str], grid: list[int], table: di
             E = layer_cfg.num_experts
             gen = torch.Generator("cuda").manual_seed(1)
             for M, cand, block_m, tiles, persistent in todo:
-                ids = torch.rand(M, E, generator=gen, device="cuda").topk(cfg.top_k, dim=1).indices.int()
                 x = torch.randn(M, cfg.hidden_size, generator=gen, device="cuda", dtype=torch.bfloat16)
+                if routing == "layer" and compile_only is None:
+                    with torch.no_grad():
+                        ids = layer.gate(x)[1]
+                else:  # a compile share's small layer routes over other experts: its plans only need the shapes
+                    ids = torch.rand(M, E, generator=gen, device="cuda").topk(cfg.top_k, dim=1).indices.int()
                 plan = moe_dispatch(ids, E, block_m)
 
                 def call(tiles: TileConfig = tiles, plan: Any = plan, x: torch.Tensor = x) -> torch.Tensor:
@@ -285,7 +294,7 @@ def time_dense(models: list[str], formats: list[str], grid: list[int], table: di
                     _log(f"{name} {fmt} M={M} {cand}: {type(error).__name__}: {str(error)[:120]}")
                     continue
                 rows.append({"model": name, "format": fmt, "M": M, "cand": cand, "block_m": block_m,
-                             "config": tiles.to_dict(), "persist": persistent, "us": us})
+                             "config": tiles.to_dict(), "persist": persistent, "us": us, "routing": routing})
             _log(f"{'compiled' if compile_only else 'timed'} {name} {fmt}")
             del layer, w1, w2
             torch.cuda.empty_cache()
@@ -312,9 +321,13 @@ def _dense_choice(rows: list[dict[str, Any]], gpu_name: str, date: str) -> tuple
 
     times: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
     chosen: dict[tuple[str, str, int, str], dict[str, Any]] = {}
+    routings: dict[tuple[str, str], str] = {}
     for row in rows:
         times.setdefault((row["model"], row["format"]), {}).setdefault(row["M"], {})[row["cand"]] = row["us"]
         chosen[(row["model"], row["format"], row["M"], row["cand"])] = row
+        # times written before routing was recorded were all uniform
+        routings[(row["model"], row["format"])] = {"layer": "the layer's own", "uniform": "uniform random"}[
+            row.get("routing", "uniform")]
     entries, curve = [], []
     for (name, fmt), by_m in times.items():
         cfg = preset(name)
@@ -325,8 +338,8 @@ def _dense_choice(rows: list[dict[str, Any]], gpu_name: str, date: str) -> tuple
             score = {cand: statistics.median([by_m[n][cand] for n in near])
                      if all(cand in by_m[n] for n in near) else us
                      for cand, us in by_m[M].items() if not (fmt == "bf16" and chosen[(name, fmt, M, cand)]["persist"])}
-            # the tallest tile within TALLER_WITHIN of the fastest: the tuning routes uniformly, a layer's router
-            # loads some experts more, and a short tile then runs twice as often for them
+            # the tallest tile within TALLER_WITHIN of the fastest: a router that loads some experts more than the
+            # tuning did runs a short tile twice for them
             near_best = [c for c in score if score[c] <= min(score.values()) * (1 + TALLER_WITHIN)]
             tallest = max(chosen[(name, fmt, M, c)]["block_m"] for c in near_best)
             best = chosen[(name, fmt, M, min((c for c in near_best if chosen[(name, fmt, M, c)]["block_m"] == tallest),
@@ -336,7 +349,8 @@ def _dense_choice(rows: list[dict[str, Any]], gpu_name: str, date: str) -> tuple
         entries.append({"model": name, "format": fmt, "E": cfg.num_experts, "H": cfg.hidden_size,
                         "I": cfg.intermediate_size, "K": cfg.top_k,
                         "status": f"tuned on {gpu_name}, {date}: scripts/tune_experts.py --dense (routed experts, "
-                                  "GEMM1 + GEMM2 under CUDA-graph replay, uniform random routing; each bucket the "
+                                  f"GEMM1 + GEMM2 under CUDA-graph replay, {routings[(name, fmt)]} routing; each "
+                                  "bucket the "
                                   "tallest tile within 2% of the lowest median over it and its two neighbours)",
                         "buckets": buckets})
     return entries, curve
@@ -373,7 +387,7 @@ def run_dense(args: argparse.Namespace, table: dict[str, Any], out: Path) -> int
             if any(proc.wait() for proc in procs):
                 _log("a compile process failed; its candidates compile while timed")
         rows = time_dense(args.models, args.formats, grid, table,
-                          checkpoint=lambda done: _write_dense(args, table, out, done))
+                          checkpoint=lambda done: _write_dense(args, table, out, done), routing=args.routing)
     _write_dense(args, table, out, rows)
     _log(f"wrote {out}")
     from moefuse.bench.sweep import cliffs
@@ -411,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=8, help="--dense: processes that compile the candidates first")
     parser.add_argument("--timings", help="--dense: write the raw times to this JSON file")
     parser.add_argument("--from-timings", help="--dense: build the entries from this file of raw times (no GPU)")
+    parser.add_argument("--routing", choices=("layer", "uniform"), default="layer",
+                        help="--dense: tokens routed by the layer's own gate (as the sweep runs it) or uniformly")
     parser.add_argument("--measured-on", help="--from-timings: the date the times were measured (the entries' status)")
     parser.add_argument("--compile-share", help=argparse.SUPPRESS)  # k/n: a compile process of --jobs
     args = parser.parse_args(argv)

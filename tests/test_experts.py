@@ -308,6 +308,27 @@ def test_tuner_and_benchmark_import_on_cpu():
     assert callable(script("tune_experts").main)
 
 
+def test_dense_tuning_takes_the_tallest_tile_within_two_percent():
+    """``tune_experts --dense``: a taller tile within ``TALLER_WITHIN`` of the fastest wins (a skewed router runs a
+    short tile twice for its busiest experts), one further off does not; the status names the routing measured."""
+    tune = script("tune_experts")
+    short = configs.heuristic(384, 256, 7168, 2048, 8, torch.bfloat16, block_m=16)
+    tall = configs.heuristic(384, 256, 7168, 2048, 8, torch.bfloat16, block_m=32)
+
+    def rows(tall_us: float, routing: str) -> list[dict]:
+        return [{"model": "deepseek-v3", "format": "bf16", "M": M, "cand": cand, "block_m": cfg.block_m,
+                 "config": cfg.to_dict(), "persist": False, "us": us, "routing": routing}
+                for M in (352, 384, 416) for cand, cfg, us in (("h16", short, 100.0), ("h32", tall, tall_us))]
+
+    (near,) = tune.dense_entries(rows(101.9, "layer"), "an H100", "2026-12-06")
+    assert {bucket["block_m"] for bucket in near["buckets"].values()} == {32}
+    assert "the layer's own routing" in near["status"] and "2026-12-06" in near["status"]
+    (far,) = tune.dense_entries(rows(102.1, "uniform"), "an H100", "2026-12-06")
+    assert {bucket["block_m"] for bucket in far["buckets"].values()} == {16}
+    assert "uniform random routing" in far["status"]
+    assert [row["us"] for row in tune.dense_choice_times(rows(101.9, "layer"))] == [101.9] * 3
+
+
 # --- errors ---------------------------------------------------------------------------------------------
 
 def _good_args():

@@ -3,9 +3,11 @@
 The same plan timed again in the same process moves by up to 10% at 448-640 tokens (``research/mxfp4_spread.py``),
 where bf16's and fp8's do not. MXFP4 decode is bound by issuing the unpacking, so its time should scale with the SM
 clock, which the GPU lowers under power and heat; bf16's and fp8's are bound by DRAM and should not. This times
-DeepSeek-V4-Flash's routed experts (one plan at 640 tokens) in MXFP4 and in bf16, alternately, twelve times each,
-while ``nvidia-smi`` samples the SM clock, the power and the throttle reasons every 50 ms, and prints each time
-beside the mean clock of its window and the correlation of time with 1 / clock per format.
+DeepSeek-V4-Flash's routed experts (one plan at 640 tokens) in MXFP4 and in bf16, alternately, twelve times each
+(400 calls a time, so that a window holds several samples), while ``nvidia-smi`` samples the SM clock, the power
+and the throttle reasons every 50 ms, and prints each time beside the mean clock of its window and the correlation
+of time with 1 / clock per format. (Its first run timed each with ``sweep._time_us``, about 100 ms: one sample a
+window, too coarse.)
 
     python -m research.mxfp4_clocks
 """
@@ -21,7 +23,7 @@ import time
 
 import torch
 
-from moefuse.bench import sweep
+from moefuse.bench import timing
 from moefuse.config import preset
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import moe_experts, plan_block_m
@@ -65,7 +67,7 @@ def main() -> None:
         for rep in range(12):
             for name, call in calls.items():
                 start = time.time()
-                us = sweep._time_us(call)
+                us = timing.graph_time_us([call], replays=40)  # 0.5-2 s a window: several clock samples in each
                 windows.append({"format": name, "rep": rep, "us": round(us, 1), "start": start, "end": time.time()})
         time.sleep(0.2)
     finally:

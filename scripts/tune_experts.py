@@ -350,8 +350,8 @@ def _dense_choice(rows: list[dict[str, Any]], gpu_name: str, date: str) -> tuple
                         "I": cfg.intermediate_size, "K": cfg.top_k,
                         "status": f"tuned on {gpu_name}, {date}: scripts/tune_experts.py --dense (routed experts, "
                                   f"GEMM1 + GEMM2 under CUDA-graph replay, {routings[(name, fmt)]} routing; each "
-                                  "bucket the "
-                                  "tallest tile within 2% of the lowest median over it and its two neighbours)",
+                                  f"bucket the tallest tile within {TALLER_WITHIN:.0%} of the lowest median over it "
+                                  "and its two neighbours)",
                         "buckets": buckets})
     return entries, curve
 

@@ -87,7 +87,7 @@ def test_passes_alternate_direction_and_keep_every_time():
     times = sweep.over_passes(time_at, [1, 2, 3], 3)
     assert calls == [1, 2, 3, 3, 2, 1, 1, 2, 3]  # a clock drift over a pass does not line up with the sizes
     assert times == {1: [2.0, 7.0, 8.0], 2: [4.0, 7.0, 10.0], 3: [6.0, 7.0, 12.0]}
-    assert sweep._median([3.0, 1.0, 2.0]) == 2.0 and sweep._median([1.0, 4.0]) == 2.5
+    assert sweep.median([3.0, 1.0, 2.0]) == 2.0 and sweep.median([1.0, 4.0]) == 2.5  # what a size's row keeps
     with pytest.raises(ValueError, match="passes"):
         sweep.run(None, passes=0)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from statistics import median
 from typing import Any, TypeVar
 
 import torch
@@ -201,12 +202,6 @@ def over_passes(time_at: Callable[[int], T], grid: Sequence[int], passes: int) -
     return times
 
 
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def run(ceilings: Any, quick: bool = False, models: Sequence[str] = MODELS, formats: Sequence[str] = tuple(FORMATS),
         grid: Sequence[int] = GRID, progress: Callable[[str], None] = print, compare_hf: bool = True,
         batch_invariant: bool = False, checkpoint: Callable[[list[dict[str, Any]]], None] | None = None,
@@ -244,7 +239,7 @@ def run(ceilings: Any, quick: bool = False, models: Sequence[str] = MODELS, form
             width = layer.config.hidden_size
             times = over_passes(timed(layer, width), grid, passes)
             for m in grid:
-                us = _median(times[m])
+                us = median(times[m])
                 with torch.no_grad():
                     floor = floor_us(layer, tokens(m, width), ceilings)
                 rows.append({"model": model, "format": fmt, "M": m, "us": us, "floor_us": floor,
@@ -265,8 +260,8 @@ def run(ceilings: Any, quick: bool = False, models: Sequence[str] = MODELS, form
         theirs, mine = timed(lambda x: block(x[None]), width), timed(ours, width)
         pairs = over_passes(lambda m: (theirs(m), mine(m)), grid, passes)  # side by side at each size
         for m in grid:
-            by_m[m]["hf_us"] = _median([pair[0] for pair in pairs[m]])
-            by_m[m]["from_hf_us"] = _median([pair[1] for pair in pairs[m]])
+            by_m[m]["hf_us"] = median([pair[0] for pair in pairs[m]])
+            by_m[m]["from_hf_us"] = median([pair[1] for pair in pairs[m]])
         del block, ours
         torch.cuda.empty_cache()
         if checkpoint is not None:

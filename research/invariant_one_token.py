@@ -4,7 +4,8 @@ For DeepSeek-V3 bf16 and fp8 and DeepSeek-V4-Flash MXFP4 at 1 and 16 tokens, def
 the router linear, the gate (linear + fused gate), the shared expert alone, the layer; the routed experts alone
 (top-k experts) against the routed experts with the shared expert as one more slot (the grid the invariant layer
 runs: for fp8 GEMM1, 128-column blocks of 9 experts where the routed ones make 8); and the invariant router linear
-with K cut into other run counts (the bits change with the count, never with M). Prints one JSON object a line.
+with K cut into other run counts (the bits change with the count, never with M), its runs added by a second kernel
+or, with a workspace of counters, by the last program of each tile. Prints one JSON object a line.
 
     python -m research.invariant_one_token [--tokens 1 16]
 """
@@ -61,18 +62,22 @@ def stages(layer: MoELayer, M: int, gen: torch.Generator) -> dict:
 
 
 def router_runs(H: int, E: int, M: int) -> dict:
-    """The invariant router linear (bf16 x, fp32 weight) with K cut into each of ``RUNS``."""
+    """The invariant router linear (bf16 x, fp32 weight) with K cut into each of ``RUNS``, the runs added by a second
+    kernel (``runs_N``) or in the same launch (``runs_N_one_launch``)."""
     weight = torch.randn(E, H, device="cuda")
     parts = linear.bf16_split(weight)
     x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(M, E, device="cuda")
+    counters = torch.zeros(linear.invariant_arrivals(M, E), dtype=torch.int32, device="cuda")
     saved = linear.INVARIANT_MAX_RUNS, linear.INVARIANT_RUN_COLUMNS
     row: dict = {"H": H, "E": E, "M": M}
     try:
         for most, columns in RUNS:
             linear.INVARIANT_MAX_RUNS, linear.INVARIANT_RUN_COLUMNS = most, columns
-            row[f"runs_{linear.invariant_runs(H)}"] = _us(partial(linear.router_logits_invariant, x, weight, out,
-                                                                  parts))
+            runs = linear.invariant_runs(H)
+            row[f"runs_{runs}"] = _us(partial(linear.router_logits_invariant, x, weight, out, parts))
+            row[f"runs_{runs}_one_launch"] = _us(partial(linear.router_logits_invariant, x, weight, out, parts,
+                                                         counters))
     finally:
         linear.INVARIANT_MAX_RUNS, linear.INVARIANT_RUN_COLUMNS = saved
     return row

@@ -5,7 +5,10 @@ the router linear, the gate (linear + fused gate), the shared expert alone, the 
 (top-k experts) against the routed experts with the shared expert as one more slot (the grid the invariant layer
 runs: for fp8 GEMM1, 128-column blocks of 9 experts where the routed ones make 8); and the invariant router linear
 with K cut into other run counts (the bits change with the count, never with M), its runs added by a second kernel
-or, with a workspace of counters, by the last program of each tile. Prints one JSON object a line.
+or, with a workspace of counters, by the last program of each tile; and for fp8 the invariant routed experts with
+the shared slot at one token on GEMM1 launches of 2-5 stages and 4 or 8 warps (bits unchanged: a stage count or
+warp count does not order a sum; with 2 stages two of the 144 programs can share an SM, where 4 stages run 132 and
+then 12). Prints one JSON object a line.
 
     python -m research.invariant_one_token [--tokens 1 16]
 """
@@ -14,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict, replace
 from functools import partial
 
 import torch
 
 from moefuse.bench import timing
 from moefuse.config import preset
+from moefuse.experts import configs
 from moefuse.layer import MoELayer, routed_experts
 from moefuse.route import linear
 
@@ -61,6 +66,28 @@ def stages(layer: MoELayer, M: int, gen: torch.Generator) -> dict:
     return row
 
 
+def slot_launches(layer: MoELayer, gen: torch.Generator) -> dict:
+    """The invariant fp8 routed experts with the shared slot at one token, GEMM1 on each stage and warp count."""
+    c = layer.config
+    x = torch.randn(1, c.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+    slot = layer.shared_slot_weights()
+    layer.batch_invariant = True
+    with torch.no_grad():
+        weights, ids = layer.gate(x, num_fused_shared_experts=1)
+    layer.batch_invariant = None
+    base = configs.pick(1, c.num_experts + 1, c.hidden_size, c.intermediate_size, c.top_k + 1,
+                        torch.float8_e4m3fn, block_m=64)
+    row: dict = {"slot_launches": "fp8", "gemm1": asdict(base.gemm1)}
+    for stages in (2, 3, 4, 5):
+        for warps in (4, 8):
+            tiles = replace(base, gemm1=replace(base.gemm1, num_stages=stages, num_warps=warps))
+            with configs.override(tiles), torch.no_grad():
+                row[f"stages{stages}_warps{warps}"] = _us(partial(
+                    routed_experts, x, *slot, weights, ids, swiglu_limit=c.swiglu_limit,
+                    activation_quant=layer.activation_quant, batch_invariant=True))
+    return row
+
+
 def router_runs(H: int, E: int, M: int) -> dict:
     """The invariant router linear (bf16 x, fp32 weight) with K cut into each of ``RUNS``, the runs added by a second
     kernel (``runs_N``) or in the same launch (``runs_N_one_launch``)."""
@@ -92,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
         layer = MoELayer(preset(model), device="cuda", quant=quant).init_random_(0)
         for M in args.tokens:
             print(json.dumps({"model": model, "quant": quant, **stages(layer, M, gen)}), flush=True)
+        if quant == "fp8":
+            print(json.dumps(slot_launches(layer, gen)), flush=True)
         c = layer.config
         del layer
         torch.cuda.empty_cache()

@@ -77,15 +77,12 @@ class MoERouter(nn.Module):
         self.register_buffer("tid2eid", table)
         self.batch_invariant: bool | None = None  # None: the process default (moefuse.set_defaults)
         self._parts: tuple[tuple[int, int, torch.device], torch.Tensor] | None = None
-        self._arrivals = Workspace()  # the invariant launch's counters: its K runs added in one launch
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """[M, H] -> fp32 logits [M, E] (:func:`moefuse.route.router_logits`)."""
         invariant = _runtime.batch_invariant(self.batch_invariant)
         parts = self._weight_parts() if invariant and x.dtype == torch.bfloat16 and x.is_cuda else None
-        arrivals = self._arrivals.on(x.device) if parts is not None else None
-        return router_logits(x, self.weight, backend=self.backend, batch_invariant=invariant, weight_parts=parts,
-                             workspace=arrivals)
+        return router_logits(x, self.weight, backend=self.backend, batch_invariant=invariant, weight_parts=parts)
 
     def _weight_parts(self) -> torch.Tensor | None:
         """The router weight's exact bf16 split for the batch-invariant logits, made once per weight version (the

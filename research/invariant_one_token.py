@@ -4,11 +4,10 @@ For DeepSeek-V3 bf16 and fp8 and DeepSeek-V4-Flash MXFP4 at 1 and 16 tokens, def
 the router linear, the gate (linear + fused gate), the shared expert alone, the layer; the routed experts alone
 (top-k experts) against the routed experts with the shared expert as one more slot (the grid the invariant layer
 runs: for fp8 GEMM1, 128-column blocks of 9 experts where the routed ones make 8); and the invariant router linear
-with K cut into other run counts (the bits change with the count, never with M), its runs added by a second kernel
-or, with a workspace of counters, by the last program of each tile; and for fp8 the invariant routed experts with
-the shared slot at one token on GEMM1 launches of 2-5 stages and 4 or 8 warps (bits unchanged: a stage count or
-warp count does not order a sum; with 2 stages two of the 144 programs can share an SM, where 4 stages run 132 and
-then 12). Prints one JSON object a line.
+with K cut into other run counts (the bits change with the count, never with M); and for fp8 the invariant routed
+experts with the shared slot at one token on GEMM1 launches of 2-5 stages and 4 or 8 warps (bits unchanged: a stage
+count or warp count does not order a sum; with 2 stages two of the 144 programs can share an SM, where 4 stages run
+132 and then 12). Prints one JSON object a line.
 
     python -m research.invariant_one_token [--tokens 1 16]
 """
@@ -89,22 +88,18 @@ def slot_launches(layer: MoELayer, gen: torch.Generator) -> dict:
 
 
 def router_runs(H: int, E: int, M: int) -> dict:
-    """The invariant router linear (bf16 x, fp32 weight) with K cut into each of ``RUNS``, the runs added by a second
-    kernel (``runs_N``) or in the same launch (``runs_N_one_launch``)."""
+    """The invariant router linear (bf16 x, fp32 weight) with K cut into each of ``RUNS``."""
     weight = torch.randn(E, H, device="cuda")
     parts = linear.bf16_split(weight)
     x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(M, E, device="cuda")
-    counters = torch.zeros(linear.invariant_arrivals(M, E), dtype=torch.int32, device="cuda")
     saved = linear.INVARIANT_MAX_RUNS, linear.INVARIANT_RUN_COLUMNS
     row: dict = {"H": H, "E": E, "M": M}
     try:
         for most, columns in RUNS:
             linear.INVARIANT_MAX_RUNS, linear.INVARIANT_RUN_COLUMNS = most, columns
-            runs = linear.invariant_runs(H)
-            row[f"runs_{runs}"] = _us(partial(linear.router_logits_invariant, x, weight, out, parts))
-            row[f"runs_{runs}_one_launch"] = _us(partial(linear.router_logits_invariant, x, weight, out, parts,
-                                                         counters))
+            row[f"runs_{linear.invariant_runs(H)}"] = _us(partial(linear.router_logits_invariant, x, weight, out,
+                                                                  parts))
     finally:
         linear.INVARIANT_MAX_RUNS, linear.INVARIANT_RUN_COLUMNS = saved
     return row

@@ -201,13 +201,9 @@ def router(args: argparse.Namespace) -> list[str]:
     launches = [(c, 1) for c in route_linear.MMA_LAUNCHES] + [(route_linear.INVARIANT_MMA, r) for r in invariant]
     for c, split_k in launches:
         constexprs = {"stride_xk": 1, "stride_oe": 1, "UPCAST": False, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n,
-                      "BLOCK_K": c.block_k, "SPLIT_K": split_k, "LAST_SUMS": split_k > 1}
-        # the invariant launch as a layer runs it: its runs added by the last program of a tile
-        pointers = {"sums_ptr": "*fp32", "arrivals_ptr": "*i32"} if split_k > 1 else {}
-        if split_k == 1:
-            constexprs.update(sums_ptr=None, arrivals_ptr=None)
+                      "BLOCK_K": c.block_k, "SPLIT_K": split_k}
         signature = {"x_ptr": "*bf16", "parts_ptr": "*bf16", "out_ptr": "*fp32", "M": "i32", "E": "i32", "H": "i32",
-                     "stride_xm": "i32", "stride_om": "i32", **pointers, **{name: "constexpr" for name in constexprs}}
+                     "stride_xm": "i32", "stride_om": "i32", **{name: "constexpr" for name in constexprs}}
         # H a multiple of 16, as every model's (and as Triton specializes it at launch): the loads pipeline
         attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
                  for name in ("x_ptr", "parts_ptr", "out_ptr", "E", "H", "stride_xm", "stride_om")}

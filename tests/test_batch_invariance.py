@@ -30,7 +30,7 @@ from moefuse.experts import moe_experts, plan_block_m, rows_linear
 from moefuse.experts.common import rows_swiglu
 from moefuse.experts.op import rows_linear_tiles
 from moefuse.reference import moe_layer_torch
-from moefuse.route import linear, moe_fused_gate, router_logits
+from moefuse.route import moe_fused_gate, router_logits
 from moefuse.testing import rel_error
 
 GPU = torch.cuda.is_available()
@@ -261,29 +261,6 @@ def test_reductions_read_one_layout():
         copy = _runtime.laid_out_once(view)
         assert copy is not view and copy.stride() == (copy.shape[1], 1) and copy.data_ptr() % 16 == 0
         assert torch.equal(copy, view)
-
-
-@pytest.mark.parametrize("M, at", [(1, 0), (70, 69), (131, 3)])
-def test_invariant_router_runs_added_in_one_launch(M, at, device, gen, monkeypatch):
-    """With a workspace the invariant router linear's K runs are added by the last program of each tile to arrive,
-    in run order: the bits of the second kernel it replaces, a row's bits alone, and the counters left zeroed. A
-    workspace with too few counters for the batch falls back to the second kernel."""
-    H, E = 1100, 72  # 4 runs, the last one partial; two column blocks, the second partial
-    assert linear.invariant_runs(H) == 4
-    x = torch.randn(M, H, generator=gen).bfloat16().to(device)
-    weight = torch.randn(E, H, generator=gen).to(device)
-    two_launches = router_logits(x, weight, backend="triton", batch_invariant=True)
-    counters = torch.zeros(linear.invariant_arrivals(M, E), dtype=torch.int32, device=device)
-    sum_runs = linear._sum_runs_kernel
-    for workspace, second_kernel in ((counters, None), (counters[:-1], sum_runs)):
-        monkeypatch.setattr(linear, "_sum_runs_kernel", second_kernel)  # None: a launch of it would raise
-        got = router_logits(x, weight, backend="triton", batch_invariant=True, workspace=workspace)
-        assert torch.equal(got, two_launches)
-        assert not counters.any()
-    monkeypatch.setattr(linear, "_sum_runs_kernel", None)
-    alone = router_logits(x[at:at + 1], weight, backend="triton", batch_invariant=True, workspace=counters)
-    assert torch.equal(alone[0], got[at])
-    assert rel_error(got, x.double() @ weight.double().T) <= 1e-6
 
 
 @settings(max_examples=6 if not GPU else 40, deadline=None)

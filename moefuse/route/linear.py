@@ -124,14 +124,11 @@ def _operand(ptrs, mask, UPCAST: tl.constexpr):
 def _router_logits_mma_kernel(
     x_ptr, parts_ptr, out_ptr, M, E, H, stride_xm, stride_xk, stride_om, stride_oe,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr = 1, sums_ptr=None, arrivals_ptr=None, LAST_SUMS: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1,
 ):
     """out[m, e] = sum_k x[m, k] * (hi + mid + lo)[e, k] for a [BLOCK_M, BLOCK_N] tile; ``parts_ptr``:
     ``bf16_split``'s [3, E, H], contiguous. With ``SPLIT_K`` > 1, program (i, j, s) sums the s-th of SPLIT_K runs
-    of K steps into the s-th [M, E] of ``sums_ptr`` ([SPLIT_K, M, E] contiguous partial sums). Then either
-    ``_sum_runs_kernel`` adds them into ``out``, or (``LAST_SUMS``) the last of a tile's programs to arrive
-    (``arrivals_ptr``: an int32 counter per tile, zero at the launch, left zero) adds them in run order, as that
-    kernel does: the same bits whichever program arrives last, and one launch fewer."""
+    of K steps into the s-th [M, E] of ``out`` ([SPLIT_K, M, E] contiguous partial sums: ``_sum_runs_kernel``)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -160,24 +157,10 @@ def _router_logits_mma_kernel(
         acc = tl.fma(block, 1.0, acc)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K
-    ok = (rows[:, None] < M) & (cols[None, :] < E)
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_oe
     if SPLIT_K > 1:
-        run_elems = M.to(tl.int64) * E
-        sums = sums_ptr + rows[:, None].to(tl.int64) * E + cols[None, :]  # this tile in run 0's [M, E]
-        tl.store(sums + tl.program_id(2) * run_elems, acc, mask=ok)
-        if LAST_SUMS:
-            tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-            # acq_rel: this run's sums are visible to the last arriver, and the last sees every run's
-            if tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
-                tl.store(arrivals_ptr + tile, 0)  # every run has arrived: the counters stay zeroed
-                acc = tl.load(sums, mask=ok, other=0.0, cache_modifier=".cg")
-                # in run order, not arrival order; a loop kept rolled, so that no run's tile is loaded early
-                for r in tl.range(1, SPLIT_K, num_stages=1, loop_unroll_factor=1):
-                    acc += tl.load(sums + r * run_elems, mask=ok, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptrs, acc, mask=ok)
-    else:
-        tl.store(out_ptrs, acc, mask=ok)
+        out_ptrs += tl.program_id(2).to(tl.int64) * M * stride_om
+    tl.store(out_ptrs, acc, mask=(rows[:, None] < M) & (cols[None, :] < E))
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -248,17 +231,10 @@ def invariant_runs(H: int) -> int:
     return max(1, min(INVARIANT_MAX_RUNS, H // INVARIANT_RUN_COLUMNS))
 
 
-def invariant_arrivals(M: int, E: int) -> int:
-    """The int32 counters :func:`router_logits_invariant` counts its runs' arrivals in at M tokens: one a tile."""
-    return triton.cdiv(M, INVARIANT_MMA.block_m) * triton.cdiv(E, INVARIANT_MMA.block_n)
-
-
 def router_logits_invariant(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
-                            parts: torch.Tensor | None = None, arrivals: torch.Tensor | None = None) -> None:
+                            parts: torch.Tensor | None = None) -> None:
     """Write ``x @ weight^T`` (fp32) into ``out`` [M, E] with the same arithmetic for a row at every M (above); M, E
-    and H > 0. ``parts``: ``bf16_split(weight.float())`` where the caller keeps it (a layer, across calls).
-    ``arrivals``: int32 zeros, contiguous, where the caller keeps them; with at least :func:`invariant_arrivals`
-    of them the runs' sums are added by the last program of each tile (left zeroed), else by a second kernel."""
+    and H > 0. ``parts``: ``bf16_split(weight.float())`` where the caller keeps it (a layer, across calls)."""
     M, H = x.shape
     E = weight.shape[0]
     if x.dtype != torch.bfloat16:  # the row blocks' tl.sum: its order follows the layout, so one layout of x
@@ -272,15 +248,13 @@ def router_logits_invariant(x: torch.Tensor, weight: torch.Tensor, out: torch.Te
     if parts is None:
         parts = bf16_split(weight.float())
     c, runs = INVARIANT_MMA, invariant_runs(H)
-    sums = torch.empty(runs, M, E, dtype=torch.float32, device=x.device) if runs > 1 else None
-    last_sums = runs > 1 and arrivals is not None and arrivals.numel() >= invariant_arrivals(M, E)
+    sums = torch.empty(runs, M, E, dtype=torch.float32, device=x.device) if runs > 1 else out
     _router_logits_mma_kernel[(triton.cdiv(M, c.block_m), triton.cdiv(E, c.block_n), runs)](
-        x, parts, out, M, E, H, *x.stride(), *out.stride(),
+        x, parts, sums, M, E, H, *x.stride(), *sums.stride()[-2:],
         UPCAST=_runtime.interpreting(), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=runs,
-        sums_ptr=sums, arrivals_ptr=arrivals if last_sums else None, LAST_SUMS=last_sums,
         num_warps=c.warps, num_stages=c.stages,
     )
-    if runs > 1 and not last_sums:
+    if runs > 1:
         n = M * E
         _sum_runs_kernel[(triton.cdiv(n, 1024),)](sums, out, n, E, *out.stride(), RUNS=runs, BLOCK=1024,
                                                   num_warps=4)

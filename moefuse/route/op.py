@@ -272,7 +272,6 @@ def _(scores, bias, weights, ids, *args) -> None:
 def router_logits(
     x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None, backend: str = "auto",
     batch_invariant: bool | None = None, weight_parts: torch.Tensor | None = None,
-    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The router linear: fp32 logits ``x @ weight^T`` for :func:`moe_fused_gate`.
 
@@ -290,10 +289,6 @@ def router_logits(
             batch.
         weight_parts: with ``batch_invariant`` and bf16 ``x``, ``linear.bf16_split(weight.float())`` if the caller
             keeps it across calls (a layer does); None splits the weight on each call.
-        workspace: with ``batch_invariant`` and bf16 ``x``, int32 zeros (1-D, contiguous) that the launch counts
-            its K runs' arrivals in and leaves zeroed, where the caller keeps them (a layer does): with at least
-            ``linear.invariant_arrivals(M, E)`` of them the runs are added in the same launch, else by a second
-            kernel (the same bits either way).
 
     Returns:
         ``out``: fp32 [M, E]. Products and sums are fp32 on every backend; only the summation order differs.
@@ -305,14 +300,10 @@ def router_logits(
     if weight_parts is not None:
         _checks.check_tensor("weight_parts", weight_parts, dtypes=(torch.bfloat16,),
                              shape=(3, *weight.shape), device=x.device)
-    if workspace is not None:
-        _checks.check_tensor("workspace", workspace, dtypes=(torch.int32,), ndim=1, device=x.device)
-        if not workspace.is_contiguous():
-            raise ValueError(f"workspace must be contiguous, got strides {workspace.stride()}")
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
     op = _router_logits_impl if _runtime.direct_call() else torch.ops.moefuse.router_logits
-    op(x, weight, resolved, _runtime.batch_invariant(batch_invariant), weight_parts, workspace, out)
+    op(x, weight, resolved, _runtime.batch_invariant(batch_invariant), weight_parts, out)
     return out
 
 
@@ -331,12 +322,11 @@ def _validate_logits(x, weight, out, backend) -> str:
 
 
 def _router_logits_impl(x: torch.Tensor, weight: torch.Tensor, backend: str, invariant: bool,
-                        weight_parts: torch.Tensor | None, workspace: torch.Tensor | None,
-                        out: torch.Tensor) -> None:
+                        weight_parts: torch.Tensor | None, out: torch.Tensor) -> None:
     """Write the logits into ``out`` (arguments already validated)."""
     if backend == "triton" and x.numel() and weight.numel():  # empty shapes: the reference's zeros (or nothing)
         if invariant:
-            linear.router_logits_invariant(x, weight, out, weight_parts, workspace)
+            linear.router_logits_invariant(x, weight, out, weight_parts)
             return
         if x.shape[0] <= linear.MAX_TOKENS:
             linear.router_logits_triton(x, weight, out)
@@ -347,10 +337,9 @@ def _router_logits_impl(x: torch.Tensor, weight: torch.Tensor, backend: str, inv
     reference.router_logits_torch(x, weight, out=out)
 
 
-_router_logits = torch.library.custom_op("moefuse::router_logits", _router_logits_impl,
-                                        mutates_args=("workspace", "out"))
+_router_logits = torch.library.custom_op("moefuse::router_logits", _router_logits_impl, mutates_args=("out",))
 
 
 @_router_logits.register_fake
-def _(x, weight, backend, invariant, weight_parts, workspace, out) -> None:
+def _(x, weight, backend, invariant, weight_parts, out) -> None:
     return None

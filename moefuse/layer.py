@@ -652,16 +652,18 @@ class MoELayer(nn.Module):
             padded = torch.arange(x.shape[0], device=x.device) >= num_token_non_padded
             weights[:, c.top_k] = torch.where(padded, 1.0, weights[:, c.top_k])
             ids[:, c.top_k] = c.num_experts
-        # 16-bit weights: the routed shape's tiles, the shape the table was tuned for (one more slot barely moves
-        # them). The other formats' tiles come from the heuristic, which must count the slot: fp8 GEMM1 keeps 5
-        # stages only while its programs fit one wave (DeepSeek-V3 at one token: 144 programs with the slot, 128
-        # without). Batch-invariant: the routed shape's plan height (its table's, so fp8's persistent kernels where
-        # the table runs them), which the slot's shape has no table entry to choose.
+        # The plan's height is the routed shape's (its table's, so fp8's persistent kernels where the table runs
+        # them): the slot's shape has no table entry, and the heuristic's 16-row tiles there, where the table runs
+        # the persistent kernels, made Kimi-K2's fp8 layer 249-352 us slower than its gate and routed experts alone
+        # at 544-672 tokens (105-125 from 704; H100). 16-bit weights: the routed shape's whole config, the shape the
+        # table was tuned for (one more slot barely moves it). The other formats' launches come from the heuristic
+        # at that height, which must count the slot: fp8 GEMM1's stages follow its waves of programs (DeepSeek-V3 at
+        # one token: 144 programs with the slot, 128 without).
         arch = configs.arch_of(x.device)
         dtype = tile_dtype(gate_up_proj, x.dtype)
         slot = 0 if dtype in configs.TABLE_DTYPES else 1
-        block_m = (plan_block_m(x.shape[0], self.experts.weights()[0], c.top_k, x.dtype, self.activation_quant, arch,
-                                batch_invariant=True, persistent=self.persistent) if invariant else None)
+        block_m = plan_block_m(x.shape[0], self.experts.weights()[0], c.top_k, x.dtype, self.activation_quant, arch,
+                               batch_invariant=invariant, persistent=self.persistent)
         tiles = configs.pick(x.shape[0], c.num_experts + slot, c.hidden_size, c.intermediate_size, c.top_k + slot,
                              dtype, arch, block_m=block_m)
         with configs.override(tiles):

@@ -17,13 +17,9 @@ from functools import partial
 
 import torch
 
-from moefuse.bench import timing
 from moefuse.config import preset
 from moefuse.layer import MoELayer, routed_experts
-
-
-def _us(call) -> float:  # noqa: ANN001 - a capturable closure
-    return round(timing.graph_time_us([call], replays=20), 1)
+from research.invariant_one_token import _us
 
 
 def stages(layer: MoELayer, M: int, gen: torch.Generator) -> dict:

@@ -264,6 +264,17 @@ def test_heuristic_without_arch_and_forced_block_m():
     assert tiny.gemm1.block_n <= 64 and tiny.gemm1.block_k <= 64  # capped by the tiny dims
 
 
+def test_fp8_tall_decode_stages_follow_the_gemm1_waves():
+    """fp8 64-row GEMM1 on a few rows (a batch-invariant token): 5 stages where its programs (tiles x 128-column
+    blocks) fit the SMs once, 2 where they need up to two an SM (two share one: the invariant DeepSeek-V3 token with
+    its shared slot, 9 x 16 = 144 programs on 132 SMs, 179.3 -> 170.2 us on an H100), 4 beyond."""
+    fp8 = torch.float8_e4m3fn
+    stages = {tiles: configs.heuristic(1, 256, 7168, 2048, tiles, fp8, block_m=64).gemm1.num_stages
+              for tiles in (8, 9, 16, 17)}  # one tile per routed expert (and the slot) at one token
+    assert stages == {8: 5, 9: 2, 16: 2, 17: 4}, stages
+    assert configs.heuristic(1, 256, 7168, 2048, 9, fp8, block_m=16).gemm1.num_stages == configs.FP8_PAIR_STAGES
+
+
 def test_mxfp4_tile_heights_follow_the_measured_limits():
     """MXFP4 (uint8) tiles by rows per touched expert (``configs.MXFP4_HEIGHTS``): each height up to its limit, the
     next one row past it, 128 beyond the last (DeepSeek-V4-Flash: E 256, top-6, so M tokens are 6M/256 rows an

@@ -11,9 +11,11 @@ from tolerances import experts_tolerance
 import moefuse
 from moefuse import MoEConfig, MoELayer, moe_layer_torch
 from moefuse.experts import op as experts_op
+from moefuse.experts import pick_block_m, plan_block_m
 from moefuse.experts.fp8 import kernels as fp8_kernels
 from moefuse.experts.reference import expert_mlp_torch
 from moefuse.formats import BlockFP8
+from moefuse.layer import routed_experts
 from moefuse.testing import assert_rel_close, rms_rel_error
 
 # I a multiple of 128 (a shared expert's gate and up blocks are separate); H not one (partial blocks and groups)
@@ -55,6 +57,32 @@ def test_shared_expert_as_slot_and_as_its_own_gemm(backend, gen, device):
     assert_rel_close(padded.float(), slot.float(), FP8_MAX, "one-expert GEMM vs slot")
     want = moe_layer_torch(layer, x, num_token_non_padded=4, route_dtype=torch.float32)
     assert_rel_close(partly.float(), want, FP8_MAX, "padded")
+
+
+def test_shared_slot_plan_takes_the_routed_shapes_height(gen, device, monkeypatch):
+    """The slot's plan has the routed shape's tile height (its table's where one is tuned), not the heuristic's for
+    the shape with the slot counted, which has no table entry: at 48 tokens the routed shape has 16 rows an expert
+    (16-row tiles), the slot's shape 21 (64-row tiles). On the slot shape's heights Kimi-K2's fp8 layer ran 16-row
+    tiles at 544-672 tokens where its table runs the persistent kernels: 249-352 us over its gate and routed experts
+    alone, against 105-125 from 704 tokens (H100)."""
+    layer = _layer("triton", int(torch.randint(1 << 30, (), generator=gen)), device)
+    x = torch.randn(48, CONFIG.hidden_size, generator=gen).to(device, torch.bfloat16)
+    heights = []
+
+    def spy(*args, block_m=None, **kwargs):
+        heights.append(block_m)
+        return routed_experts(*args, block_m=block_m, **kwargs)
+
+    monkeypatch.setattr(moefuse.layer, "routed_experts", spy)
+    with torch.no_grad():
+        got = layer(x)
+    assert layer.uses_shared_slot(48, x.device)
+    routed = plan_block_m(48, layer.experts.weights()[0], CONFIG.top_k, torch.bfloat16)
+    assert heights == [routed] == [16], heights
+    slot_shape = pick_block_m(48, CONFIG.num_experts + 1, CONFIG.hidden_size, CONFIG.intermediate_size,
+                              CONFIG.top_k + 1, torch.float8_e4m3fn, None)
+    assert slot_shape == 64  # what the slot's shape alone would take
+    assert_rel_close(got.float(), moe_layer_torch(layer, x, route_dtype=torch.float32), FP8_MAX)
 
 
 def test_checkpoint_names_load(gen):

@@ -33,9 +33,12 @@ KNOWN_CLIFFS: dict[str, set[tuple[str, str, int]]] = {
         # tuning's times there, compute-bound, differ by up to 15% between launches that differ only in grouping
         # (GLM-4.5-Air at 3,584 tokens: 2,298 against 1,988 µs), so its choice between them is noise.
         ("glm-4.5-air", "bf16", 3328), ("glm-4.5-air", "bf16", 5888),
-        # Kimi-K2 fp8 runs the persistent kernels from 544 tokens on both sides; its layer rises 3.6% from 544 to
-        # 672 tokens and falls back at 704, where the experts alone (tuning) rise steadily, 0.8% from 544 to 704: the
-        # cause is outside the routed experts and not measured.
+        # Kimi-K2 fp8: the layer rises 3.6% from 544 to 672 tokens and falls back at 704. Its stages timed apart
+        # (research/layer_rise.py, H100): the gate and the routed experts alone rise steadily, but the layer took
+        # 249-352 us more than both at 544-672 against 105-125 from 704. The layer's shared-expert slot planned the
+        # grouped GEMMs at the heuristic's heights for the shape with the slot counted: 16-row tiles up to 16 rows
+        # an expert (672 tokens), 64-row ones from 704, where the routed shape's table runs the persistent kernels
+        # from 544. The layer now takes the table's height; this sweep predates that and is to be measured again.
         ("kimi-k2", "fp8", 704), ("kimi-k2", "fp8", 736), ("kimi-k2", "fp8", 768), ("kimi-k2", "fp8", 800),
         ("kimi-k2", "fp8", 832), ("kimi-k2", "fp8", 1024),
     },

@@ -375,8 +375,9 @@ def heuristic(
        16-row tiles step through K two K-adjacent boxes at a time (BLOCK_K 256), on ``FP8_PAIR_STAGES`` in both
        GEMMs (each box still promoted on its own: the same sums). 64-row tiles: GEMM1 8 warps where the plan has a
        few rows (``FP8_FEW_ROWS``) or the tiles are tall, else 4; GEMM1 5 stages where it is one wave of programs
-       on the SMs, else 4; GEMM2 4 warps and 4 stages; tall tiles grouped per expert. 32-row fp8 tiles would run
-       on mma.sync, slower than 64-row wgmma tiles at every size measured, so they are never chosen.
+       on the SMs, 2 where a few rows make up to two programs an SM (two then share an SM), else 4; GEMM2 4 warps
+       and 4 stages; tall tiles grouped per expert. 32-row fp8 tiles would run on mma.sync, slower than 64-row
+       wgmma tiles at every size measured, so they are never chosen.
     7. MXFP4 weights (``dtype`` uint8, ``experts/mxfp4/kernels.py``): short tiles [128, 128] on 8 warps, 3 stages;
        for a few tokens (at most ``MXFP4_FEW_ROWS`` rows) [64, 256] on 4 warps, 4 stages; tall tiles as for bf16
        with 3 stages. Tile heights by the rows per touched expert (``MXFP4_HEIGHTS``), not item 1's power of two:
@@ -419,12 +420,17 @@ def heuristic(
     elif fp8:
         tall = block_m >= 64
         few = rows <= FP8_FEW_ROWS
-        deep = few and num_tiles * -(-I // 128) <= gpu.sms  # 5 stages only where GEMM1 is one wave of programs
+        programs = num_tiles * -(-I // 128)
+        deep = few and programs <= gpu.sms  # 5 stages only where GEMM1 is one wave of programs
+        # 2 stages where its programs fill the SMs once and a few twice (a batch-invariant token with the shared slot:
+        # 144 programs on 132 SMs), so that two share an SM in one wave instead of a second wave running alone
+        shared = few and gpu.sms < programs <= 2 * gpu.sms
         # short tiles step through K two 128-deep boxes at a time (BLOCK_K 256: fp8.kernels' BOXES)
         block_k = 128 if tall else 256
         gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=block_k, group_m=0 if tall else 1,
-                     num_warps=8 if tall or few else 4, num_stages=(5 if deep else 4) if tall else FP8_PAIR_STAGES,
-                     spread=False, gpu=gpu)
+                     num_warps=8 if tall or few else 4,
+                     num_stages=(5 if deep else 2 if shared else 4) if tall else FP8_PAIR_STAGES, spread=False,
+                     gpu=gpu)
         gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=128, block_k=block_k, group_m=0 if tall else 1,
                      num_warps=4, num_stages=4 if tall else FP8_PAIR_STAGES, spread=not tall, gpu=gpu)
     elif block_m <= 32:

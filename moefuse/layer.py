@@ -614,6 +614,29 @@ class MoELayer(nn.Module):
             stack_gate_up(shared, self.shared_format)
         return module
 
+    def expert_tiles(self, num_tokens: int, device: torch.device, slot: bool) -> tuple[int, configs.TileConfig]:
+        """The routed GEMMs' plan height and launch for a call on ``num_tokens`` tokens on ``device``, with the
+        shared expert as one more slot or not (forward and warm-up ask this).
+
+        The height is the routed shape's (its table's, so fp8's persistent kernels where the table runs them): the
+        slot's shape has no table entry, and the heuristic's 16-row tiles there, where the table runs the persistent
+        kernels, made Kimi-K2's fp8 layer 249-352 us slower than its gate and routed experts alone at 544-672 tokens
+        (105-125 from 704; H100). 16-bit weights take the routed shape's whole config, the shape the table was tuned
+        for (one more slot barely moves it). The other formats' launches come from the heuristic at that height,
+        which must count the slot: fp8 GEMM1's stages follow its waves of programs (DeepSeek-V3 at one token: 144
+        programs with the slot, 128 without)."""
+        c = self.config
+        gate_up = self.experts.weights()[0]
+        arch = configs.arch_of(device)
+        dtype = tile_dtype(gate_up, self.activation_dtype)
+        extra = 1 if slot and dtype not in configs.TABLE_DTYPES else 0
+        block_m = plan_block_m(num_tokens, gate_up, c.top_k, self.activation_dtype, self.activation_quant, arch,
+                               batch_invariant=_runtime.batch_invariant(self.batch_invariant),
+                               persistent=self.persistent)
+        tiles = configs.pick(num_tokens, c.num_experts + extra, c.hidden_size, c.intermediate_size, c.top_k + extra,
+                             dtype, arch, block_m=block_m)
+        return block_m, tiles
+
     def uses_shared_slot(self, num_tokens: int, device: torch.device, num_token_non_padded: object = None) -> bool:
         """Whether a call on ``num_tokens`` tokens on ``device`` runs the shared expert as a slot of the grouped
         GEMMs (see ``shared_slot_max_tokens``)."""
@@ -652,20 +675,7 @@ class MoELayer(nn.Module):
             padded = torch.arange(x.shape[0], device=x.device) >= num_token_non_padded
             weights[:, c.top_k] = torch.where(padded, 1.0, weights[:, c.top_k])
             ids[:, c.top_k] = c.num_experts
-        # The plan's height is the routed shape's (its table's, so fp8's persistent kernels where the table runs
-        # them): the slot's shape has no table entry, and the heuristic's 16-row tiles there, where the table runs
-        # the persistent kernels, made Kimi-K2's fp8 layer 249-352 us slower than its gate and routed experts alone
-        # at 544-672 tokens (105-125 from 704; H100). 16-bit weights: the routed shape's whole config, the shape the
-        # table was tuned for (one more slot barely moves it). The other formats' launches come from the heuristic
-        # at that height, which must count the slot: fp8 GEMM1's stages follow its waves of programs (DeepSeek-V3 at
-        # one token: 144 programs with the slot, 128 without).
-        arch = configs.arch_of(x.device)
-        dtype = tile_dtype(gate_up_proj, x.dtype)
-        slot = 0 if dtype in configs.TABLE_DTYPES else 1
-        block_m = plan_block_m(x.shape[0], self.experts.weights()[0], c.top_k, x.dtype, self.activation_quant, arch,
-                               batch_invariant=invariant, persistent=self.persistent)
-        tiles = configs.pick(x.shape[0], c.num_experts + slot, c.hidden_size, c.intermediate_size, c.top_k + slot,
-                             dtype, arch, block_m=block_m)
+        block_m, tiles = self.expert_tiles(x.shape[0], x.device, slot=True)
         with configs.override(tiles):
             routed = routed_experts(x, gate_up_proj, down_proj, weights, ids, swiglu_limit=c.swiglu_limit,
                                     defer=True, activation_quant=self.activation_quant, backend=self.backend,

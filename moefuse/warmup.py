@@ -64,14 +64,10 @@ def launch_signature(layer: MoELayer, num_tokens: int) -> tuple:
     top_k = c.top_k + slot
     arch = configs.arch_of(device)
     gate_up = layer.experts.weights()[0]
-    experts_dtype = tile_dtype(gate_up, dtype)
-    # The plan's tile height as the layer's routed_experts picks it (MXFP4 with fp8 activations: the W4A8
-    # kernels' 128 rows at every size), and the tiles the experts op then picks for it.
+    # The plan's tile height and launch as the layer picks them (MXFP4 with fp8 activations: the W4A8 kernels' 128
+    # rows at every size; with the shared expert as a slot, the quantized formats' launch counts it).
     invariant = _runtime.batch_invariant(layer.batch_invariant)
-    block_m = plan_block_m(num_tokens, gate_up, c.top_k, dtype, layer.activation_quant, arch,
-                           batch_invariant=invariant, persistent=layer.persistent)
-    tiles = configs.pick(num_tokens, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, experts_dtype, arch,
-                         block_m=block_m)
+    _, tiles = layer.expert_tiles(num_tokens, device, slot)
     # What else the experts op keys its kernels on (its weights' format decides: experts.launch_variant).
     variant = launch_variant(gate_up, num_tokens * top_k, layer.activation_quant, invariant)
     # A quantized shared expert not run as one more slot of the routed GEMMs (MoELayer.uses_shared_slot): cuBLAS,

@@ -4,10 +4,11 @@ For DeepSeek-V3 bf16 and fp8 and DeepSeek-V4-Flash MXFP4 at 1 and 16 tokens, def
 the router linear, the gate (linear + fused gate), the shared expert alone, the layer; the routed experts alone
 (top-k experts) against the routed experts with the shared expert as one more slot (the grid the invariant layer
 runs: for fp8 GEMM1, 128-column blocks of 9 experts where the routed ones make 8); and the invariant router linear
-with K cut into other run counts (the bits change with the count, never with M); and for fp8 the invariant routed
-experts with the shared slot at one token on GEMM1 launches of 2-5 stages and 4 or 8 warps (bits unchanged: a stage
-count or warp count does not order a sum; with 2 stages two of the 144 programs can share an SM, where 4 stages run
-132 and then 12). Prints one JSON object a line.
+with K cut into other run counts and on other tiles (the bits change with the count and the tile, never with M); and
+for fp8 the invariant routed experts with the shared slot at one token on GEMM1 launches of 2-5 stages and 4 or 8
+warps (bits unchanged: a stage count or warp count does not order a sum; with 2 stages two of the 144 programs can
+share an SM, where 4 stages run 132 and then 12).
+Prints one JSON object a line.
 
     python -m research.invariant_one_token [--tokens 1 16]
 """
@@ -29,6 +30,10 @@ from moefuse.route import linear
 
 CASES = (("deepseek-v3", None), ("deepseek-v3", "fp8"), ("deepseek-v4-flash", "mxfp4"))
 RUNS = ((16, 256), (28, 256), (32, 128), (56, 128))  # (INVARIANT_MAX_RUNS, INVARIANT_RUN_COLUMNS)
+# Tiles of the invariant router launch (bits change with the tile's columns and K block, never with M); 16 runs
+ROUTER_TILES = (linear.MmaLaunch(64, 32, 64, 4, 4, 1.0), linear.MmaLaunch(64, 64, 128, 4, 3, 1.0),
+                linear.MmaLaunch(64, 32, 128, 4, 3, 1.0), linear.MmaLaunch(64, 128, 64, 4, 3, 1.0),
+                linear.MmaLaunch(64, 64, 64, 4, 2, 1.0))
 
 
 def _us(call) -> float:  # noqa: ANN001 - a capturable closure
@@ -88,7 +93,8 @@ def slot_launches(layer: MoELayer, gen: torch.Generator) -> dict:
 
 
 def router_runs(H: int, E: int, M: int) -> dict:
-    """The invariant router linear (bf16 x, fp32 weight) with K cut into each of ``RUNS``."""
+    """The invariant router linear (bf16 x, fp32 weight) with K cut into each of ``RUNS``, and on each of
+    ``ROUTER_TILES`` at the committed run count."""
     weight = torch.randn(E, H, device="cuda")
     parts = linear.bf16_split(weight)
     x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
@@ -102,6 +108,14 @@ def router_runs(H: int, E: int, M: int) -> dict:
                                                                   parts))
     finally:
         linear.INVARIANT_MAX_RUNS, linear.INVARIANT_RUN_COLUMNS = saved
+    committed = linear.INVARIANT_MMA
+    try:
+        for tile in ROUTER_TILES:
+            linear.INVARIANT_MMA = tile
+            row[f"tile_{tile.block_n}x{tile.block_k}_s{tile.stages}"] = _us(partial(
+                linear.router_logits_invariant, x, weight, out, parts))
+    finally:
+        linear.INVARIANT_MMA = committed
     return row
 
 

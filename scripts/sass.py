@@ -193,7 +193,7 @@ def router(args: argparse.Namespace) -> list[str]:
             print(f"{'':34s} {M:7d} {H:6d} {s['regs']:4d} {s['stack']:5d} {smem:6d}", flush=True)
             if smem > configs.HOPPER_SMEM:
                 problems.append(f"router linear M={M} H={H}: {smem} bytes of shared memory")
-    print(f"\n{'router linear, tensor cores (prefill)':34s} {'tile':>11s} {'regs':>4s} {'stack':>5s} {'smem':>6s} "
+    print(f"\n{'router linear, tensor cores (prefill)':34s} {'tile':>26s} {'regs':>4s} {'stack':>5s} {'smem':>6s} "
           f"{'HGMMA':>5s}")
     fn = route_linear._router_logits_mma_kernel
     # each launch the op picks, and the batch-invariant launch with K in the runs each preset's width takes
@@ -216,7 +216,7 @@ def router(args: argparse.Namespace) -> list[str]:
         smem = compiled.metadata.shared
         tile = (f"{c.block_m}x{c.block_n}x{c.block_k}" + (f", {split_k} runs" if split_k > 1 else "")
                 + (", fp32 w" if weight_fp32 else ""))
-        print(f"{'':34s} {tile:>11s} {st['regs']:4d} {st['stack']:5d} {smem:6d} {st['hgmma']:5d}", flush=True)
+        print(f"{'':34s} {tile:>26s} {st['regs']:4d} {st['stack']:5d} {smem:6d} {st['hgmma']:5d}", flush=True)
         if smem > configs.HOPPER_SMEM or st["stack"] or not st["hgmma"]:
             problems.append(f"router linear {tile}: {smem} bytes of shared memory, {st['stack']} of stack, "
                             f"{st['hgmma']} wgmma")

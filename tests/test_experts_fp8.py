@@ -233,28 +233,6 @@ def test_two_box_steps_sum_as_one_box_steps(shape, M, gen, device):
     assert not outs[1][:n].isnan().any() and outs[1][n:].isnan().all()
 
 
-@pytest.mark.parametrize("I", [136, 256, 384], ids=["unaligned", "one-tile", "half-tile-past-I"])
-@pytest.mark.parametrize("block_m, split_k", [(16, 1), (16, 2), (64, 1)], ids=["16-rows", "16-rows-split", "64-rows"])
-def test_gemm1_256_columns_give_the_bits_of_128(I, block_m, split_k, gen, device):
-    """GEMM1 on 256-column tiles (two weight blocks and two intermediate scale groups a tile, each scaled and
-    quantized as a 128-column tile's): the same bits as 128-column tiles, with I not a multiple of 128 (the up
-    tile's scales straddle blocks, the second group partial), of 256, and of 128 only (a tile's second group wholly
-    past I: its scale is not stored), rows few or many, split along K or not."""
-    x, w1, w2, ids = _inputs(gen, 40, 2, 3, 264, I, invalid=0.2, device=device)
-    plan = moe_dispatch(ids, 3, block_m, backend="triton")
-    n = int(plan.expert_offsets[-1])
-    outs = []
-    for block_n in (128, 256):
-        out = torch.full((plan.num_rows, 264), float("nan"), dtype=x.dtype, device=device)
-        experts_fp8(x, w1, w2, plan, out, GemmTiles(block_n, 128, 1, 8, 2), GemmTiles(128, 128, 1, 4, 2), 1.5,
-                    split_k=split_k)
-        outs.append(out)
-    assert torch.equal(outs[0].isnan(), outs[1].isnan()) and torch.equal(outs[0].nan_to_num(), outs[1].nan_to_num())
-    assert not outs[1][:n].isnan().any() and outs[1][n:].isnan().all()
-    ref = moe_experts_fp8_torch(x, w1, w2, plan, swiglu_limit=1.5, dtype=torch.float64)[:n]
-    assert_rel_close(outs[1][:n], ref, experts_tolerance("fp8", block_m)[0], "fp8 256-column GEMM1")
-
-
 @pytest.mark.parametrize("split_k", [2, 3])
 def test_split_k_counts_in_the_workspace_and_leaves_it_zeroed(split_k, gen, device):
     """Given a workspace, split GEMM1 counts its arrivals there (so no zeroing kernel runs) and its last arrivers

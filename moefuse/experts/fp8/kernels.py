@@ -28,13 +28,13 @@ How:
   tile the same quantization, written as e4m3 plus one scale per row.
 
 Grid and tile order are the bf16 kernels' (``common._program_tile``); at a token or two GEMM1 also splits along K
-(``configs.fp8_split_k``: its grid would leave SMs idle or a short second wave). BLOCK_K is 128 (one scale step; the
-tile of one operand for one such step is a *box*, the block one TMA load copies); short tiles' pipelined steps load
-two K-adjacent boxes (``BOXES``), which the DRAM serves like one box of 256-byte rows, and promote each box on its
-own, so the sums are those of one-box steps. GEMM1's BLOCK_N is 128 (one intermediate scale group per tile row) or
-256 (two); GEMM2's BLOCK_N is at most 128, so a tile's columns lie in one weight block. Weights go through TMA on
-sm90+ where their layout allows, as in ``bf16.py``. The quantization itself, and its rounding under the interpreter,
-are in ``quantize.py``.
+(``configs.fp8_split_k``: its grid would leave SMs idle or a short second wave). BLOCK_K is 128 (one scale step;
+the tile of one operand for one such step is a *box*, the block one TMA load copies); short tiles' pipelined steps
+load two K-adjacent boxes (``BOXES``), which the DRAM serves like one box of 256-byte rows, and promote each box on
+its own, so the sums are those of one-box steps. GEMM1's BLOCK_N is 128 (one intermediate scale group per tile
+row); GEMM2's BLOCK_N is at most 128, so a tile's columns lie in one weight block. Weights go through TMA on sm90+
+where their layout allows, as in ``bf16.py``. The quantization itself, and its rounding under the interpreter, are
+in ``quantize.py``.
 """
 
 from __future__ import annotations
@@ -56,13 +56,10 @@ WGMMA_MIN_ROWS = 64  # GEMM2's shorter tiles swap their MMA's operands (``_add_s
 
 
 @triton.jit
-def _add_scaled(acc, a, w, a_scale, w_scale, ONE_BLOCK: tl.constexpr, SWAP: tl.constexpr,
-                GROUPED: tl.constexpr = False):
+def _add_scaled(acc, a, w, a_scale, w_scale, ONE_BLOCK: tl.constexpr, SWAP: tl.constexpr):
     """``acc + (a @ w) · a_scale[row] · w_scale``: one step's fp32 product of the activation tile ``a`` [BLOCK_M,
     BLOCK_K] and the weight tile ``w`` [BLOCK_K, BLOCK_N], scaled by its rows' activation scales and its weight-block
-    scale (``ONE_BLOCK``: a scalar; else [BLOCK_N], for a tile that straddles two blocks). ``GROUPED`` with
-    ``ONE_BLOCK``: ``w_scale`` is [BLOCK_N], one block's scale for each 128 columns of a GEMM1 tile of several
-    blocks, applied as ``ONE_BLOCK`` applies its scalar (the same bits as 128-column tiles).
+    scale (``ONE_BLOCK``: a scalar; else [BLOCK_N], for a tile that straddles two blocks).
 
     ``SWAP``: ``acc`` is transposed, [BLOCK_N, BLOCK_M], and the product is ``w^T @ a^T``, so that a decode tile's few
     rows are the MMA's N and the weights its M: wgmma (64 rows or more) reads the fp8 weights from shared memory
@@ -77,8 +74,6 @@ def _add_scaled(acc, a, w, a_scale, w_scale, ONE_BLOCK: tl.constexpr, SWAP: tl.c
             acc += tl.dot(w.T, a.T) * (a_scale * w_scale)[None, :]
         else:
             acc += tl.dot(w.T, a.T) * a_scale[None, :] * w_scale[:, None]
-    elif ONE_BLOCK and GROUPED:
-        acc += tl.dot(a, w) * (a_scale[:, None] * w_scale[None, :])
     elif ONE_BLOCK:
         acc += tl.dot(a, w) * (a_scale * w_scale)[:, None]  # one multiply per row, one FMA per element
     else:
@@ -140,8 +135,6 @@ def _gemm1_fp8_kernel(
     given to ``experts_fp8`` needs no zeroing before the next launch.
 
     ``UP_ALIGNED``: N is a multiple of 128, so the up tile's rows N + cols start a weight block as the gate tile's do.
-    ``BLOCK_N`` 128 or 256: a tile of one or two weight blocks and intermediate scale groups, with the same bits
-    (each group's scales and quantization as a 128-column tile's).
     ``BOXES``: K-adjacent 128-deep boxes a pipelined step (1 or 2; ``fp8_tiles``), each promoted on its own in K
     order, so the sums are the same whatever the count; a split's runs hold whole steps.
     """
@@ -161,14 +154,10 @@ def _gemm1_fp8_kernel(
     # The weight-block scale of the tile's columns: one scalar per step for the gate tile (BLOCK_N is one block, and
     # wrapped columns past N are never stored), and for the up tile when its rows N + cols start a block too.
     s_expert = ws_ptr + expert.to(tl.int64) * stride_se
-    GROUPED: tl.constexpr = BLOCK_N > 128  # [BLOCK_N] scales, constant over each block's 128 columns
-    if GROUPED:
-        gate_scale_ptrs = s_expert + (wrapped // 128) * stride_sn
-    else:
-        gate_scale_ptrs = s_expert + col_block * stride_sn
-    if UP_ALIGNED and not GROUPED:
+    gate_scale_ptrs = s_expert + col_block * stride_sn
+    if UP_ALIGNED:
         up_scale_ptrs = s_expert + (N // 128 + col_block) * stride_sn
-    else:  # [BLOCK_N]: the up tile's blocks (it straddles two where N is not aligned)
+    else:  # [BLOCK_N]: the up tile straddles two weight blocks
         up_scale_ptrs = s_expert + ((N + wrapped) // 128) * stride_sn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -184,10 +173,8 @@ def _gemm1_fp8_kernel(
                 gate_w = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
                 up_w = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
             step = group * stride_sk
-            acc_gate = _add_scaled(acc_gate, a, gate_w, a_scale, tl.load(gate_scale_ptrs + step), True, False,
-                                   GROUPED)
-            acc_up = _add_scaled(acc_up, a, up_w, a_scale, tl.load(up_scale_ptrs + step), UP_ALIGNED, False,
-                                 GROUPED)
+            acc_gate = _add_scaled(acc_gate, a, gate_w, a_scale, tl.load(gate_scale_ptrs + step), True, False)
+            acc_up = _add_scaled(acc_up, a, up_w, a_scale, tl.load(up_scale_ptrs + step), UP_ALIGNED, False)
             gate_ptrs += BLOCK_K * stride_wk
             up_ptrs += BLOCK_K * stride_wk
 
@@ -209,20 +196,10 @@ def _gemm1_fp8_kernel(
 
     act = _swiglu(acc_gate, acc_up, limit, HAS_LIMIT)
     act = tl.where(col_ok[None, :], act, 0.0)  # a partial last group: its missing columns must not set the amax
-    scale_ptrs = is_ptr + rows.to(tl.int64) * stride_ism
-    if GROUPED:  # two groups: each quantized as a 128-column tile's
-        first, second = tl.split(act.reshape(BLOCK_M, 2, 128).permute(0, 2, 1))
-        q0, scale0 = _quantize(first, EMULATE_RTNE)
-        q1, scale1 = _quantize(second, EMULATE_RTNE)
-        q = tl.join(q0, q1).permute(0, 2, 1).reshape(BLOCK_M, BLOCK_N)
-        tl.store(scale_ptrs + 2 * col_block * stride_isg, scale0, mask=row_ok)
-        second = (2 * col_block + 1) * 128 + tl.zeros_like(rows)  # its first column, a row each
-        tl.store(scale_ptrs + (2 * col_block + 1) * stride_isg, scale1, mask=row_ok & (second < N))
-    else:
-        q, scale = _quantize(act, EMULATE_RTNE)
-        tl.store(scale_ptrs + col_block * stride_isg, scale, mask=row_ok)
+    q, scale = _quantize(act, EMULATE_RTNE)
     out_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_in
     tl.store(out_ptrs, q, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(is_ptr + rows.to(tl.int64) * stride_ism + col_block * stride_isg, scale, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["num_tiles"])
@@ -276,14 +253,13 @@ def fp8_tiles(tiles: GemmTiles, block_m: int, gemm1: bool, a_bytes: int, split_k
               budget: int = SMEM_BUDGET) -> GemmTiles:
     """The tile choice adapted to the format: steps of one 128-deep box (one scale step), or of two K-adjacent boxes
     where the choice asks for steps of 256 or more (``configs.heuristic``, item 6: short tiles); GEMM1's BLOCK_N 128
-    (one intermediate scale group per tile row), or 256 where the choice asks for 256 or more (two groups, the same
-    bits), GEMM2's BLOCK_N at most 128; pipeline stages cut until the operand
+    (one intermediate scale group per tile row), GEMM2's BLOCK_N at most 128; pipeline stages cut until the operand
     buffers fit in shared memory, and for a GEMM1 split along K (``split_k`` > 1) to at most
     ``FP8_SPLIT_STAGES`` (``FP8_SPLIT_PAIR_STAGES`` of two-box steps), so that two programs share an SM. The model
     counts the activation tile at ``a_bytes`` an element for one-box steps, the stage counts every such launch was
     timed with (GEMM1 passes hidden's width), and at its e4m3 byte for two-box steps (counted at 2 bytes, GEMM1's 3
     stages on 16 rows would be cut to 2)."""
-    block_n = (256 if tiles.block_n >= 256 else 128) if gemm1 else min(tiles.block_n, 128)
+    block_n = 128 if gemm1 else min(tiles.block_n, 128)
     operands = 2 if gemm1 else 1
     paired = tiles.block_k >= 2 * BLOCK
     depth, cap = (2 * BLOCK, FP8_SPLIT_PAIR_STAGES) if paired else (BLOCK, FP8_SPLIT_STAGES)

@@ -4,11 +4,10 @@ For DeepSeek-V3 bf16 and fp8 and DeepSeek-V4-Flash MXFP4 at 1 and 16 tokens, def
 the router linear, the gate (linear + fused gate), the shared expert alone, the layer; the routed experts alone
 (top-k experts) against the routed experts with the shared expert as one more slot (the grid the invariant layer
 runs: for fp8 GEMM1, 128-column blocks of 9 experts where the routed ones make 8); and the invariant router linear
-with K cut into other run counts and on other tiles (the bits change with the count and the tile, never with M),
-reading bf16_split's parts or splitting the fp32 weight in registers; and for fp8 the invariant routed experts with
-the shared slot at one token on GEMM1 launches of 2-5 stages and 4 or 8 warps (bits unchanged: a stage count or warp
-count does not order a sum; with 2 stages two of the 144 programs can share an SM, where 4 stages run 132 and then
-12).
+with K cut into other run counts and on other tiles (the bits change with the count and the tile, never with M); and
+for fp8 the invariant routed experts with the shared slot at one token on GEMM1 launches of 2-5 stages and 4 or 8
+warps (bits unchanged: a stage count or warp count does not order a sum; with 2 stages two of the 144 programs can
+share an SM, where 4 stages run 132 and then 12).
 Prints one JSON object a line.
 
     python -m research.invariant_one_token [--tokens 1 16]
@@ -111,20 +110,12 @@ def router_runs(H: int, E: int, M: int) -> dict:
         linear.INVARIANT_MAX_RUNS, linear.INVARIANT_RUN_COLUMNS = saved
     committed = linear.INVARIANT_MMA
     try:
-        for in_kernel in (False, True):
-            linear.INVARIANT_SPLIT_IN_KERNEL = in_kernel
-            key = "_split_in_kernel" if in_kernel else ""
-            for tile in (committed, *ROUTER_TILES):
-                linear.INVARIANT_MMA = tile
-                row[f"tile_{tile.block_n}x{tile.block_k}_s{tile.stages}{key}"] = _us(partial(
-                    linear.router_logits_invariant, x, weight, out, parts))
-                if tile == committed:  # the same MMAs on the same bf16 parts: the same bits, or the split differs
-                    linear.router_logits_invariant(x, weight, out, parts)
-                    row[f"bits{key}"] = out.clone()
-        row["split_in_kernel_same_bits"] = torch.equal(row.pop("bits"), row.pop("bits_split_in_kernel"))
+        for tile in ROUTER_TILES:
+            linear.INVARIANT_MMA = tile
+            row[f"tile_{tile.block_n}x{tile.block_k}_s{tile.stages}"] = _us(partial(
+                linear.router_logits_invariant, x, weight, out, parts))
     finally:
         linear.INVARIANT_MMA = committed
-        linear.INVARIANT_SPLIT_IN_KERNEL = False
     return row
 
 

@@ -193,30 +193,27 @@ def router(args: argparse.Namespace) -> list[str]:
             print(f"{'':34s} {M:7d} {H:6d} {s['regs']:4d} {s['stack']:5d} {smem:6d}", flush=True)
             if smem > configs.HOPPER_SMEM:
                 problems.append(f"router linear M={M} H={H}: {smem} bytes of shared memory")
-    print(f"\n{'router linear, tensor cores (prefill)':34s} {'tile':>26s} {'regs':>4s} {'stack':>5s} {'smem':>6s} "
+    print(f"\n{'router linear, tensor cores (prefill)':34s} {'tile':>20s} {'regs':>4s} {'stack':>5s} {'smem':>6s} "
           f"{'HGMMA':>5s}")
     fn = route_linear._router_logits_mma_kernel
     # each launch the op picks, and the batch-invariant launch with K in the runs each preset's width takes
     invariant = sorted({route_linear.invariant_runs(c.hidden_size) for c in PRESETS.values()} - {1})
-    launches = [(c, 1, False) for c in route_linear.MMA_LAUNCHES]
-    launches += [(route_linear.INVARIANT_MMA, r, fp32) for r in invariant for fp32 in (False, True)]
-    for c, split_k, weight_fp32 in launches:
-        constexprs = {"stride_xk": 1, "stride_oe": 1, "stride_wk": 1, "UPCAST": False, "BLOCK_M": c.block_m,
-                      "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "SPLIT_K": split_k, "WEIGHT_FP32": weight_fp32}
-        signature = {"x_ptr": "*bf16", "parts_ptr": "*fp32" if weight_fp32 else "*bf16", "out_ptr": "*fp32",
-                     "M": "i32", "E": "i32", "H": "i32", "stride_xm": "i32", "stride_om": "i32", "stride_we": "i32",
-                     **{name: "constexpr" for name in constexprs}}
+    launches = [(c, 1) for c in route_linear.MMA_LAUNCHES] + [(route_linear.INVARIANT_MMA, r) for r in invariant]
+    for c, split_k in launches:
+        constexprs = {"stride_xk": 1, "stride_oe": 1, "UPCAST": False, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n,
+                      "BLOCK_K": c.block_k, "SPLIT_K": split_k}
+        signature = {"x_ptr": "*bf16", "parts_ptr": "*bf16", "out_ptr": "*fp32", "M": "i32", "E": "i32", "H": "i32",
+                     "stride_xm": "i32", "stride_om": "i32", **{name: "constexpr" for name in constexprs}}
         # H a multiple of 16, as every model's (and as Triton specializes it at launch): the loads pipeline
         attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
-                 for name in ("x_ptr", "parts_ptr", "out_ptr", "E", "H", "stride_xm", "stride_om", "stride_we")}
+                 for name in ("x_ptr", "parts_ptr", "out_ptr", "E", "H", "stride_xm", "stride_om")}
         compiled = triton.compile(triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs,
                                                             attrs=attrs),
                                   target=SM90, options={"num_warps": c.warps, "num_stages": c.stages})
         _, st = sass_stats(compiled.asm["cubin"])
         smem = compiled.metadata.shared
-        tile = (f"{c.block_m}x{c.block_n}x{c.block_k}" + (f", {split_k} runs" if split_k > 1 else "")
-                + (", fp32 w" if weight_fp32 else ""))
-        print(f"{'':34s} {tile:>26s} {st['regs']:4d} {st['stack']:5d} {smem:6d} {st['hgmma']:5d}", flush=True)
+        tile = f"{c.block_m}x{c.block_n}x{c.block_k}" + (f", {split_k} runs" if split_k > 1 else "")
+        print(f"{'':34s} {tile:>20s} {st['regs']:4d} {st['stack']:5d} {smem:6d} {st['hgmma']:5d}", flush=True)
         if smem > configs.HOPPER_SMEM or st["stack"] or not st["hgmma"]:
             problems.append(f"router linear {tile}: {smem} bytes of shared memory, {st['stack']} of stack, "
                             f"{st['hgmma']} wgmma")

@@ -86,26 +86,18 @@ def block_shape(M: int, H: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _split(w, UPCAST: tl.constexpr = False):
-    """bf16 hi, mid and lo of fp32 ``w`` with hi + mid + lo == w exactly (fp32 values of them with ``UPCAST``).
-    Each part rounds what the previous ones left, and that remainder is exact whatever the rounding (the difference
-    of two floats within a factor of two); 24 significant bits fit in three parts of 8. A non-finite weight leaves
-    no remainder (inf stays inf, NaN stays NaN)."""
+def _bf16_split_kernel(w_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """``out[0..2, i]`` (bf16): hi, mid and lo with hi + mid + lo == w[i] exactly. Each part rounds what the
+    previous ones left, and that remainder is exact whatever the rounding (the difference of two floats within a
+    factor of two); 24 significant bits fit in three parts of 8. A non-finite weight leaves no remainder (inf
+    stays inf, NaN stays NaN)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0)
     hi = w.to(tl.bfloat16)
     rest = tl.where(w == hi.to(tl.float32), 0.0, w - hi.to(tl.float32))
     mid = rest.to(tl.bfloat16)
     lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-    if UPCAST:
-        return hi.to(tl.float32), mid.to(tl.float32), lo.to(tl.float32)
-    return hi, mid, lo
-
-
-@triton.jit
-def _bf16_split_kernel(w_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    """``out[0..2, i]`` (bf16): ``_split(w[i])``."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n
-    hi, mid, lo = _split(tl.load(w_ptr + offs, mask=ok, other=0.0))
     tl.store(out_ptr + offs, hi, mask=ok)
     tl.store(out_ptr + n + offs, mid, mask=ok)
     tl.store(out_ptr + 2 * n + offs, lo, mask=ok)
@@ -130,23 +122,18 @@ def _operand(ptrs, mask, UPCAST: tl.constexpr):
 # Integers that vary with the token count are not specialised: no new variant per batch size (moefuse.warmup).
 @triton.jit(do_not_specialize=["M"])
 def _router_logits_mma_kernel(
-    x_ptr, parts_ptr, out_ptr, M, E, H, stride_xm, stride_xk, stride_om, stride_oe, stride_we, stride_wk,
+    x_ptr, parts_ptr, out_ptr, M, E, H, stride_xm, stride_xk, stride_om, stride_oe,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr = 1, WEIGHT_FP32: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1,
 ):
     """out[m, e] = sum_k x[m, k] * (hi + mid + lo)[e, k] for a [BLOCK_M, BLOCK_N] tile; ``parts_ptr``:
-    ``bf16_split``'s [3, E, H], contiguous, or with ``WEIGHT_FP32`` the fp32 weight [E, H] (strides ``stride_we``,
-    ``stride_wk``), split in registers the same way. With ``SPLIT_K`` > 1, program (i, j, s) sums the s-th of
-    SPLIT_K runs of K steps into the s-th [M, E] of ``out`` ([SPLIT_K, M, E] contiguous partial sums:
-    ``_sum_runs_kernel``)."""
+    ``bf16_split``'s [3, E, H], contiguous. With ``SPLIT_K`` > 1, program (i, j, s) sums the s-th of SPLIT_K runs
+    of K steps into the s-th [M, E] of ``out`` ([SPLIT_K, M, E] contiguous partial sums: ``_sum_runs_kernel``)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk
-    if WEIGHT_FP32:
-        w_ptrs = parts_ptr + cols[:, None] * stride_we + ks[None, :] * stride_wk
-    else:
-        w_ptrs = parts_ptr + cols[:, None] * H + ks[None, :]
+    w_ptrs = parts_ptr + cols[:, None] * H + ks[None, :]
     part = E * H  # elements between parts
     precision: tl.constexpr = "ieee" if UPCAST else "tf32"  # 16-bit operands: the option is not used
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -157,26 +144,19 @@ def _router_logits_mma_kernel(
         first = tl.program_id(2) * per_run
         last = tl.minimum(first + per_run, H)
         x_ptrs += first * stride_xk
-        w_ptrs += first * stride_wk if WEIGHT_FP32 else first
+        w_ptrs += first
     for k0 in range(first, last, BLOCK_K):
         k_ok = ks[None, :] < H - k0
         x = _operand(x_ptrs, (rows[:, None] < M) & k_ok, UPCAST)
         w_ok = (cols[:, None] < E) & k_ok
-        if WEIGHT_FP32:
-            hi, mid, lo = _split(tl.load(w_ptrs, mask=w_ok, other=0.0).to(tl.float32), UPCAST)
-            w_ptrs += BLOCK_K * stride_wk
-        else:
-            hi = _operand(w_ptrs, w_ok, UPCAST)
-            mid = _operand(w_ptrs + part, w_ok, UPCAST)
-            lo = _operand(w_ptrs + 2 * part, w_ok, UPCAST)
-            w_ptrs += BLOCK_K
         # This block's products, summed by the MMA (lo and mid first, the smallest), then added to acc by an
         # FMA: an add here would be folded into the MMA's accumulator, which is what this avoids.
-        block = tl.dot(x, tl.trans(lo), input_precision=precision)
-        block = tl.dot(x, tl.trans(mid), block, input_precision=precision)
-        block = tl.dot(x, tl.trans(hi), block, input_precision=precision)
+        block = tl.dot(x, tl.trans(_operand(w_ptrs + 2 * part, w_ok, UPCAST)), input_precision=precision)
+        block = tl.dot(x, tl.trans(_operand(w_ptrs + part, w_ok, UPCAST)), block, input_precision=precision)
+        block = tl.dot(x, tl.trans(_operand(w_ptrs, w_ok, UPCAST)), block, input_precision=precision)
         acc = tl.fma(block, 1.0, acc)
         x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_oe
     if SPLIT_K > 1:
         out_ptrs += tl.program_id(2).to(tl.int64) * M * stride_om
@@ -229,7 +209,7 @@ def router_logits_mma(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) 
     E = weight.shape[0]
     c = mma_launch(M, E, _sms(x.device))
     _router_logits_mma_kernel[(triton.cdiv(M, c.block_m), triton.cdiv(E, c.block_n))](
-        x, bf16_split(weight), out, M, E, H, *x.stride(), *out.stride(), 0, 0,
+        x, bf16_split(weight), out, M, E, H, *x.stride(), *out.stride(),
         UPCAST=_runtime.interpreting(), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         num_warps=c.warps, num_stages=c.stages,
     )
@@ -244,8 +224,6 @@ INVARIANT_MMA = MmaLaunch(64, 64, 64, 4, 4, 1.0)
 INVARIANT_RUN_COLUMNS = 256  # the fewest columns of H a run of the invariant launch takes
 INVARIANT_MAX_RUNS = 16
 INVARIANT_ROWS = 16
-# Split the weight in the kernel's registers (reads 4 bytes a weight) instead of reading bf16_split's parts (6).
-INVARIANT_SPLIT_IN_KERNEL = False
 
 
 def invariant_runs(H: int) -> int:
@@ -267,15 +245,14 @@ def router_logits_invariant(x: torch.Tensor, weight: torch.Tensor, out: torch.Te
             BLOCK_M=block_m, BLOCK_K=block_k, ROW_BLOCKS=True, num_warps=NUM_WARPS,
         )
         return
-    in_kernel = INVARIANT_SPLIT_IN_KERNEL
-    if not in_kernel and parts is None:
+    if parts is None:
         parts = bf16_split(weight.float())
     c, runs = INVARIANT_MMA, invariant_runs(H)
     sums = torch.empty(runs, M, E, dtype=torch.float32, device=x.device) if runs > 1 else out
     _router_logits_mma_kernel[(triton.cdiv(M, c.block_m), triton.cdiv(E, c.block_n), runs)](
-        x, weight if in_kernel else parts, sums, M, E, H, *x.stride(), *sums.stride()[-2:], *weight.stride(),
+        x, parts, sums, M, E, H, *x.stride(), *sums.stride()[-2:],
         UPCAST=_runtime.interpreting(), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=runs,
-        WEIGHT_FP32=in_kernel, num_warps=c.warps, num_stages=c.stages,
+        num_warps=c.warps, num_stages=c.stages,
     )
     if runs > 1:
         n = M * E

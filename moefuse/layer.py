@@ -52,6 +52,10 @@ from moefuse.route.linear import bf16_split
 from moefuse.route.reference import hash_gate_torch
 
 GRAPH_MAX_TOKENS = 16  # default of MoELayer.graph_max_tokens: eager decode batches replay a captured graph
+# A quantized layer's shared-expert slot on plans of short tiles: at most this many tiles of the shared expert's rows
+# (MoELayer._short_tiles_cut_shared); plans of SLOT_TALL_ROWS rows or more (wgmma, persistent) keep it at any size.
+SLOT_SHORT_TILES = 2
+SLOT_TALL_ROWS = 64
 
 
 class MoERouter(nn.Module):
@@ -449,7 +453,8 @@ class MoELayer(nn.Module):
             fp8 beside fp8 or MXFP4 routed experts, as DeepSeek-V3 and V4 ship; None beside unquantized ones).
             Any routed format goes with either; only where both are the same (None and None, fp8 and fp8) can
             the shared expert run as a slot of the routed GEMMs (``shared_slot_max_tokens``; for fp8, by default
-            at every batch size cuBLAS does not take), else it runs on the side stream.
+            at every batch size cuBLAS does not take, except where the plan's 16- or 32-row tiles would cut the
+            shared expert's rows into more than two tiles), else it runs on the side stream.
         activation_quant: the routed experts' activations (:func:`moefuse.moe_experts`), the same at every batch
             size, so a token's output never depends on its batch: ``"default"``, the format's own (None for
             unquantized and MXFP4 experts: W4A16; ``"fp8"`` for fp8 ones: W8A8); None (unquantized; refused with
@@ -466,12 +471,13 @@ class MoELayer(nn.Module):
         backend: ``"auto"`` (Triton on CUDA tensors, the PyTorch reference elsewhere), ``"triton"`` or
             ``"reference"``; passed to every stage.
         shared_slot_max_tokens: batches of at most this many tokens run the shared expert as one more slot of the
-            grouped GEMMs (router ``num_fused_shared_experts=1``, weight 1) instead of on the side stream. None:
-            the tile table's measured value for this shape on this GPU (0, never, without one). It applies when
-            the layer has one shared expert as wide as a routed one, ``renormalize`` is on (so the slot's weight
-            is 1), no ``num_token_non_padded`` is given (padded tokens keep their shared expert), outside
-            ``torch.compile``, and while :meth:`shared_slot_weights` finds the shared weights where this layer
-            put them: right behind the routed experts' (not after ``from_hf``, or once ``.to()`` copied them).
+            grouped GEMMs (router ``num_fused_shared_experts=1``, weight 1) instead of on the side stream. None: the
+            tile table's measured value for this shape on this GPU (0, never, without one); for fp8 layers, as
+            ``shared_quant`` says. It applies when the layer has one shared expert as wide as a routed one,
+            ``renormalize`` is on (so the slot's weight is 1), no ``num_token_non_padded`` is given (padded tokens
+            keep their shared expert), outside ``torch.compile``, and while :meth:`shared_slot_weights` finds the
+            shared weights where this layer put them: right behind the routed experts' (not after ``from_hf``, or
+            once ``.to()`` copied them).
         graph_max_tokens: eager calls on CUDA with at most this many tokens, outside autograd, replay a CUDA
             graph the layer captured of itself on the first call with that token count (``moefuse.graphs``: when
             it re-captures, the memory it holds). An eager decode step then costs the host a copy in, one replay
@@ -657,12 +663,29 @@ class MoELayer(nn.Module):
             return self.shared_slot_weights() if num_tokens > 0 and limit != 0 else None
         if num_token_non_padded is not None:
             return None  # padded tokens keep their shared expert: the side stream runs it
-        if limit is None and self.experts.format.quantized:  # the grouped GEMMs, unless cuBLAS takes it (prefill)
-            limit = 0 if self.shared_experts.runs_on_cublas(num_tokens, self.activation_dtype, device) else sys.maxsize
+        if limit is None and self.experts.format.quantized:
+            # The grouped GEMMs, unless cuBLAS takes it (prefill) or the plan's short tiles cut the shared expert's
+            # rows into many tiles, each reading its weight again
+            if (self.shared_experts.runs_on_cublas(num_tokens, self.activation_dtype, device)
+                    or self._short_tiles_cut_shared(num_tokens, device)):
+                limit = 0
+            else:
+                limit = sys.maxsize
         elif limit is None:
             limit = configs.shared_slot_max_tokens(c.num_experts, c.hidden_size, c.intermediate_size, c.top_k,
                                                    configs.arch_of(device))
         return self.shared_slot_weights() if 0 < num_tokens <= limit else None
+
+    def _short_tiles_cut_shared(self, num_tokens: int, device: torch.device) -> bool:
+        """Whether the routed shape's plan (:meth:`expert_tiles`' height) runs short tiles (16 or 32 rows) that
+        would cut the shared expert's ``num_tokens`` rows into more than ``SLOT_SHORT_TILES`` of them. On the side
+        stream it then runs as one expert of its own; as a slot it cost fp8 DeepSeek-V4-Flash 0.9-4% at 64-608
+        tokens, DeepSeek-V3 1.1-1.3% at 128-256, GLM-4.5-Air 1.1% at 128, where at 16 tokens the slot was 3.4%
+        faster, even at 24-32 and faster by 0.3-1.2% on 64- and 128-row plans (H100, layer under graph replay)."""
+        c = self.config
+        block_m = plan_block_m(num_tokens, self.experts.weights()[0], c.top_k, self.activation_dtype,
+                               self.activation_quant, configs.arch_of(device), persistent=self.persistent)
+        return block_m < SLOT_TALL_ROWS and num_tokens > SLOT_SHORT_TILES * block_m
 
     def _forward_shared_slot(self, x: torch.Tensor, gate_up_proj: ExpertWeight, down_proj: ExpertWeight,
                              num_token_non_padded: int | torch.Tensor | None = None) -> torch.Tensor:

@@ -66,6 +66,7 @@ def test_shared_slot_plan_takes_the_routed_shapes_height(gen, device, monkeypatc
     tiles at 544-672 tokens where its table runs the persistent kernels: 249-352 us over its gate and routed experts
     alone, against 105-125 from 704 tokens (H100)."""
     layer = _layer("triton", int(torch.randint(1 << 30, (), generator=gen)), device)
+    layer.shared_slot_max_tokens = 48  # by default 16-row tiles leave the shared expert's 48 rows to the side stream
     x = torch.randn(48, CONFIG.hidden_size, generator=gen).to(device, torch.bfloat16)
     heights = []
 
@@ -83,6 +84,21 @@ def test_shared_slot_plan_takes_the_routed_shapes_height(gen, device, monkeypatc
                               CONFIG.top_k + 1, torch.float8_e4m3fn, None)
     assert slot_shape == 64  # what the slot's shape alone would take
     assert_rel_close(got.float(), moe_layer_torch(layer, x, route_dtype=torch.float32), FP8_MAX)
+
+
+def test_short_tiles_leave_a_many_row_shared_expert_to_the_side_stream(device):
+    """By default the fp8 slot runs where the plan's tiles take the shared expert's rows in at most two tiles, or
+    are 64 rows or more: up to 32 tokens on 16-row plans, then the side stream until the plan is 64 rows tall (a
+    slot on 16-row tiles cost fp8 DeepSeek-V4-Flash 0.9-4% at 64-608 tokens, and was 3.4% faster at 16; H100).
+    An explicit ``shared_slot_max_tokens`` is kept as given."""
+    layer = _layer("triton", 0, device)
+    w = layer.experts.weights()[0]
+    slot = {M: layer.uses_shared_slot(M, torch.device(device)) for M in (1, 32, 33, 48, 200)}
+    heights = {M: plan_block_m(M, w, CONFIG.top_k, torch.bfloat16) for M in slot}
+    assert heights == {1: 16, 32: 16, 33: 16, 48: 16, 200: 64}, heights
+    assert slot == {1: True, 32: True, 33: False, 48: False, 200: True}, slot
+    layer.shared_slot_max_tokens = 48
+    assert layer.uses_shared_slot(48, torch.device(device)) and not layer.uses_shared_slot(49, torch.device(device))
 
 
 def test_checkpoint_names_load(gen):

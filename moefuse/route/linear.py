@@ -220,7 +220,9 @@ def router_logits_mma(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) 
 # then added to the row's sum by an FMA, in K order), with K cut into runs fixed by H alone (``invariant_runs``: at
 # decode the programs of one run would not fill the GPU) and the runs' sums added in run order. Other activations
 # run the decode kernel over row blocks of INVARIANT_ROWS (its per-row arithmetic is fixed by the block shape).
-INVARIANT_MMA = MmaLaunch(64, 64, 64, 4, 4, 1.0)
+# 32 columns a program: twice the programs at decode (one token, DeepSeek-V3 widths: 8.1 us against 9.4 on 64
+# columns), 188.0 against 185.2 us at 4,096 tokens (H100; research/invariant_one_token)
+INVARIANT_MMA = MmaLaunch(64, 32, 64, 4, 4, 1.0)
 INVARIANT_RUN_COLUMNS = 256  # the fewest columns of H a run of the invariant launch takes
 INVARIANT_MAX_RUNS = 16
 INVARIANT_ROWS = 16

@@ -55,6 +55,7 @@ GRAPH_MAX_TOKENS = 16  # default of MoELayer.graph_max_tokens: eager decode batc
 # A quantized layer's shared-expert slot on plans of short tiles: at most this many tiles of the shared expert's rows
 # (MoELayer._short_tiles_cut_shared); plans of SLOT_TALL_ROWS rows or more (wgmma, persistent) keep it at any size.
 SLOT_SHORT_TILES = 2
+SLOT_SHORTEST_ROWS = 16  # the shortest plan's tile
 SLOT_TALL_ROWS = 64
 
 
@@ -682,6 +683,8 @@ class MoELayer(nn.Module):
         stream it then runs as one expert of its own; as a slot it cost fp8 DeepSeek-V4-Flash 0.9-4% at 64-608
         tokens, DeepSeek-V3 1.1-1.3% at 128-256, GLM-4.5-Air 1.1% at 128, where at 16 tokens the slot was 3.4%
         faster, even at 24-32 and faster by 0.3-1.2% on 64- and 128-row plans (H100, layer under graph replay)."""
+        if num_tokens <= SLOT_SHORT_TILES * SLOT_SHORTEST_ROWS:  # within two of any plan's tiles: no plan to ask
+            return False
         c = self.config
         block_m = plan_block_m(num_tokens, self.experts.weights()[0], c.top_k, self.activation_dtype,
                                self.activation_quant, configs.arch_of(device), persistent=self.persistent)

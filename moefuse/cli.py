@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from moefuse import formats
+from moefuse import __version__, formats
 from moefuse._runtime import defaults
 from moefuse.bench.report import format_table
 from moefuse.bench.run import STAGES as BENCH_STAGES
@@ -217,12 +217,19 @@ def run_sweep(args: argparse.Namespace) -> int:
     name = f"sweep_{gpu}" + ("_invariant" if args.batch_invariant else "")
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tags = {**env, "batch_invariant": args.batch_invariant, "passes": args.passes}
+    tags = {**env, "batch_invariant": args.batch_invariant, "passes": args.passes, "moefuse": __version__}
+    path = out / f"{name}.json"
+    # A sweep of some models and formats replaces those series of this GPU's sweep and keeps the rest
+    base = sweep.load(path) if path.exists() else None
+
+    def save(done: list[dict]) -> None:
+        merged, series = sweep.merge(base, done, tags)
+        sweep.write(merged, path, {**{k: v for k, v in tags.items() if k != "passes"}, "series": series})
+
     rows = sweep.run(ceilings, quick=args.quick, models=args.models, formats=args.formats, progress=progress,
-                     batch_invariant=args.batch_invariant, passes=args.passes,
-                     checkpoint=lambda done: sweep.write(done, out / f"{name}.json", tags))
-    sweep.write(rows, out / f"{name}.json", tags)
-    data = sweep.load(out / f"{name}.json")
+                     batch_invariant=args.batch_invariant, passes=args.passes, checkpoint=save)
+    save(rows)
+    data = sweep.load(path)
     try:
         sweep.plot(data, out / f"{name}.png")
     except ImportError:
@@ -236,7 +243,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     if losses:
         print()
         print(format_table(losses, sweep.COLUMNS, "sizes where transformers' grouped_mm block was faster"))
-    progress(f"wrote {out / name}.json")
+    progress(f"wrote {path}" + (f" (other series kept from {base['date']})" if base is not None
+                                and len(data["rows"]) > len(rows) else ""))
     return 0
 
 
@@ -273,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                        help=f"any of {', '.join(BENCH_STAGES)} (default: all); or sweep alone: the layer over a "
                             "dense grid of token counts per preset and format, and the cliffs found")
     bench.add_argument("--models", nargs="+", default=list(SWEEP_MODELS), choices=sorted(PRESETS),
-                       help="sweep: the presets")
+                       help="sweep: the presets (with --formats, the series it replaces in this GPU's sweep file; "
+                            "the others are kept)")
     bench.add_argument("--formats", nargs="+", default=list(SWEEP_FORMATS), choices=list(SWEEP_FORMATS),
                        help="sweep: the expert weight formats")
     bench.add_argument("--batch-invariant", action="store_true", help="sweep: the batch-invariant layer")

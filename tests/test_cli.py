@@ -64,3 +64,33 @@ def test_activation_quant_without_kernels_is_refused(capsys):
     assert "activation_quant=None" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--activation-quant", "int8"])
+
+
+def test_bench_sweep_of_some_series_keeps_the_others(tmp_path, monkeypatch, capsys):
+    """``moefuse bench sweep --models ... --formats ...`` rewrites only those series of the GPU's sweep file (the GPU
+    part stubbed: the timing, the ceilings, the plot), and the file says which run measured each series."""
+    from moefuse.bench import sweep, timing
+
+    env = {"date": "d", "gpu": "NVIDIA H100 80GB HBM3", "torch": "t", "triton": "tr", "python": "p"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(timing, "measure_ceilings", lambda: None)
+    monkeypatch.setattr(timing, "environment", lambda: dict(env))
+    monkeypatch.setattr(sweep, "plot", lambda data, path: None)
+
+    def fake_run(ceilings, models, formats, passes, checkpoint, **kwargs):
+        rows = [{"model": m, "format": f, "M": M, "us": float(M + passes), "floor_us": 1.0, "x_floor": 1.0}
+                for m in models for f in formats for M in (32, 64)]
+        checkpoint(rows[:2])
+        return rows
+
+    monkeypatch.setattr(sweep, "run", fake_run)
+    args = ["bench", "sweep", "--results-dir", str(tmp_path), "--formats", "fp8"]
+    assert main([*args, "--models", "kimi-k2", "qwen3-30b-a3b"]) == 0
+    env["date"] = "e"
+    assert main([*args, "--models", "qwen3-30b-a3b", "--passes", "3"]) == 0
+    data = sweep.load(tmp_path / "sweep_h100.json")
+    assert [(r["model"], r["us"]) for r in data["rows"]] == [
+        ("kimi-k2", 33.0), ("kimi-k2", 65.0), ("qwen3-30b-a3b", 35.0), ("qwen3-30b-a3b", 67.0)]
+    assert {name: (s["date"], s["passes"]) for name, s in data["series"].items()} == {
+        "kimi-k2 fp8": ("d", 1), "qwen3-30b-a3b fp8": ("e", 3)}
+    assert "other series kept from" in capsys.readouterr().err

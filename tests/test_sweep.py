@@ -95,11 +95,32 @@ def test_passes_alternate_direction_and_keep_every_time():
         sweep.run(None, passes=0)
 
 
+def test_a_partial_sweep_replaces_its_series_and_keeps_the_rest():
+    """A sweep of some models and formats merges into the GPU's committed one: the series it measured are replaced,
+    the others kept with the run that measured them (a base without a series record: its own tags), rows in grid
+    order; a base of another GPU or of the invariant layer is never mixed in."""
+    old = {"date": "d0", "gpu": "G", "torch": "t0", "batch_invariant": False, "passes": 1,
+           "rows": _rows({32: 1.0, 64: 2.0}, "qwen3-30b-a3b", "fp8") + _rows({32: 3.0, 64: 4.0}, "kimi-k2", "bf16")}
+    tags = {"date": "d1", "gpu": "G", "torch": "t1", "batch_invariant": False, "passes": 3, "python": "3"}
+    new = _rows({64: 5.0, 32: 6.0}, "qwen3-30b-a3b", "fp8")
+    rows, series = sweep.merge(old, new, tags)
+    assert [(r["model"], r["M"], r["us"]) for r in rows] == [
+        ("kimi-k2", 32, 3.0), ("kimi-k2", 64, 4.0), ("qwen3-30b-a3b", 32, 6.0), ("qwen3-30b-a3b", 64, 5.0)]
+    assert series == {"kimi-k2 bf16": {"date": "d0", "torch": "t0", "passes": 1},
+                      "qwen3-30b-a3b fp8": {"date": "d1", "torch": "t1", "passes": 3}}
+    again, series = sweep.merge({**old, "rows": rows, "series": series}, _rows({32: 7.0}, "kimi-k2", "bf16"), tags)
+    assert [r["us"] for r in again] == [7.0, 6.0, 5.0] and series["qwen3-30b-a3b fp8"]["passes"] == 3
+    for other in ({**tags, "gpu": "H"}, {**tags, "batch_invariant": True}):
+        assert sweep.merge(old, new, other)[0] == sorted(new, key=lambda r: r["M"])
+    assert sweep.merge(None, new, tags)[1] == {"qwen3-30b-a3b fp8": {"date": "d1", "torch": "t1", "passes": 3}}
+
+
 @pytest.mark.parametrize("path", SWEEPS, ids=[p.stem for p in SWEEPS])
 def test_committed_sweeps_have_no_cliffs(path):
     data = sweep.load(path)
     assert {"gpu", "date", "torch", "triton", "rows"} <= set(data)
     rows = data["rows"]
+    assert set(data.get("series", {})) in ({f"{r['model']} {r['format']}" for r in rows}, set())
     models = {row["model"] for row in rows}
     assert models == set(sweep.MODELS), f"{path.name} sweeps {sorted(models)}"
     assert {row["M"] for row in rows} == set(sweep.GRID)

@@ -269,7 +269,36 @@ def run(ceilings: Any, quick: bool = False, models: Sequence[str] = MODELS, form
     return rows
 
 
-def write(rows: list[dict[str, Any]], path: Path, environment: dict[str, str]) -> None:
+# What a series of rows (one model and format) records of the run that measured it
+SERIES_KEYS = ("date", "torch", "triton", "moefuse", "passes")
+
+
+def merge(base: dict[str, Any] | None, rows: list[dict[str, Any]], tags: dict[str, Any]
+          ) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The rows of a sweep that measured some models and formats, merged into ``base`` (a sweep :func:`load` read,
+    or None): ``base``'s other series are kept, those measured again replaced. Returns the rows in grid order and the
+    ``series`` record, each series' run (:data:`SERIES_KEYS` of its ``tags``). A base of another GPU (its ``gpu``)
+    or of the other layer kind (``batch_invariant``) is not merged: its rows never mix with these."""
+    def key(row: dict[str, Any]) -> str:
+        return f"{row['model']} {row['format']}"
+
+    run = {k: tags[k] for k in SERIES_KEYS if k in tags}
+    measured = {key(row) for row in rows}
+    series = {name: run for name in sorted(measured)}
+    kept: list[dict[str, Any]] = []
+    if base is not None and all(base.get(k) == tags.get(k) for k in ("gpu", "batch_invariant")):
+        kept = [row for row in base["rows"] if key(row) not in measured]
+        before = base.get("series") or {}
+        for row in kept:  # a base written before series were recorded: its whole run
+            series.setdefault(key(row), before.get(key(row)) or {k: base[k] for k in SERIES_KEYS if k in base})
+    models = {m: i for i, m in enumerate(MODELS)}
+    formats = {f: i for i, f in enumerate(FORMATS)}
+    merged = sorted(kept + rows, key=lambda r: (models.get(r["model"], len(models)), r["model"],
+                                                formats.get(r["format"], len(formats)), r["M"]))
+    return merged, dict(sorted(series.items()))
+
+
+def write(rows: list[dict[str, Any]], path: Path, environment: dict[str, Any]) -> None:
     """The sweep as JSON: the run's environment, the grid's rows, and the cliffs and transformers losses found."""
     data = {**environment, "tolerance": TOLERANCE, "rows": rows, "cliffs": cliffs(rows),
             "slower_than_transformers": slower_than_transformers(rows)}

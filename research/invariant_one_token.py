@@ -6,8 +6,8 @@ the router linear, the gate (linear + fused gate), the shared expert alone, the 
 runs: for fp8 GEMM1, 128-column blocks of 9 experts where the routed ones make 8); and the invariant router linear
 with K cut into other run counts and on other tiles (the bits change with the count and the tile, never with M); and
 for fp8 the invariant routed experts with the shared slot at one token on GEMM1 launches of 2-5 stages and 4 or 8
-warps (bits unchanged: a stage count or warp count does not order a sum; with 2 stages two of the 144 programs can
-share an SM, where 4 stages run 132 and then 12).
+warps, and on steps of two boxes (bits unchanged: a stage count, a warp count or a step's boxes order no sum; with
+2 stages two of the 144 programs can share an SM, where 4 stages run 132 and then 12).
 Prints one JSON object a line.
 
     python -m research.invariant_one_token [--tokens 1 16]
@@ -71,7 +71,8 @@ def stages(layer: MoELayer, M: int, gen: torch.Generator) -> dict:
 
 
 def slot_launches(layer: MoELayer, gen: torch.Generator) -> dict:
-    """The invariant fp8 routed experts with the shared slot at one token, GEMM1 on each stage and warp count."""
+    """The invariant fp8 routed experts with the shared slot at one token, GEMM1 on each stage and warp count, and
+    on steps of two boxes (256 deep; the same bits: each box is promoted on its own), which cuts its stages to 2."""
     c = layer.config
     x = torch.randn(1, c.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
     slot = layer.shared_slot_weights()
@@ -82,13 +83,14 @@ def slot_launches(layer: MoELayer, gen: torch.Generator) -> dict:
     base = configs.pick(1, c.num_experts + 1, c.hidden_size, c.intermediate_size, c.top_k + 1,
                         torch.float8_e4m3fn, block_m=64)
     row: dict = {"slot_launches": "fp8", "gemm1": asdict(base.gemm1)}
-    for stages in (2, 3, 4, 5):
-        for warps in (4, 8):
-            tiles = replace(base, gemm1=replace(base.gemm1, num_stages=stages, num_warps=warps))
-            with configs.override(tiles), torch.no_grad():
-                row[f"stages{stages}_warps{warps}"] = _us(partial(
-                    routed_experts, x, *slot, weights, ids, swiglu_limit=c.swiglu_limit,
-                    activation_quant=layer.activation_quant, batch_invariant=True))
+    launches = [(128, stages, warps) for stages in (2, 3, 4, 5) for warps in (4, 8)]
+    launches += [(256, 2, warps) for warps in (4, 8)]
+    for depth, stages, warps in launches:
+        tiles = replace(base, gemm1=replace(base.gemm1, block_k=depth, num_stages=stages, num_warps=warps))
+        with configs.override(tiles), torch.no_grad():
+            row[f"stages{stages}_warps{warps}" + ("_two_boxes" if depth == 256 else "")] = _us(partial(
+                routed_experts, x, *slot, weights, ids, swiglu_limit=c.swiglu_limit,
+                activation_quant=layer.activation_quant, batch_invariant=True))
     return row
 
 

@@ -3,8 +3,9 @@
 The H100 layer sweep has Kimi-K2 fp8 rise 3.6% from 544 to 672 tokens and fall back at 704 while the routed experts
 alone (the tuning's times) rise 0.8%, on the same persistent kernels throughout (``tests/test_sweep.py``). This
 times the layer's stages at each token count, default settings, under CUDA-graph replay: the gate (router linear +
-fused gate), the routed experts (dispatch, both GEMMs, combine), the shared expert alone, and the whole layer. Prints
-one JSON object a line.
+fused gate), the routed experts (dispatch, both GEMMs, combine), the shared expert alone, and the whole layer; and the
+layer with its shared expert forced each way, as a slot of the grouped GEMMs (``slot_us``) and on the side stream
+(``side_us``), where it has a slot. Prints one JSON object a line.
 
     python -m research.layer_rise [--model kimi-k2] [--quant fp8] [--tokens 512 544 ... 1024]
 """
@@ -34,6 +35,11 @@ def stages(layer: MoELayer, M: int, gen: torch.Generator) -> dict:
                                      activation_quant=layer.activation_quant)),
                "shared": _us(partial(layer.shared_experts, x)) if layer.shared_experts is not None else None,
                "layer": _us(partial(layer, x)), "slot": layer.uses_shared_slot(M, x.device)}
+        if layer.shared_slot_weights() is not None:
+            for name, limit in (("slot_us", M), ("side_us", 0)):
+                layer.shared_slot_max_tokens = limit
+                row[name] = _us(partial(layer, x))
+            layer.shared_slot_max_tokens = None
     return row
 
 

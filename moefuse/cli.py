@@ -214,7 +214,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     ceilings = timing.measure_ceilings()
     env = timing.environment()
     gpu = env["gpu"].removeprefix("NVIDIA ").split()[0].lower()
-    name = f"sweep_{gpu}" + ("_invariant" if args.batch_invariant else "")
+    # a quick sweep (every fourth size) is kept apart: merged into the dense one it would leave holes in its grid
+    name = f"sweep_{gpu}" + ("_invariant" if args.batch_invariant else "") + ("_quick" if args.quick else "")
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
     tags = {**env, "batch_invariant": args.batch_invariant, "passes": args.passes, "moefuse": __version__}

@@ -94,3 +94,6 @@ def test_bench_sweep_of_some_series_keeps_the_others(tmp_path, monkeypatch, caps
     assert {name: (s["date"], s["passes"]) for name, s in data["series"].items()} == {
         "kimi-k2 fp8": ("d", 1), "qwen3-30b-a3b fp8": ("e", 3)}
     assert "other series kept from" in capsys.readouterr().err
+    assert main([*args, "--models", "kimi-k2", "--quick"]) == 0  # apart from the dense sweep
+    assert sweep.load(tmp_path / "sweep_h100.json") == data
+    assert [r["model"] for r in sweep.load(tmp_path / "sweep_h100_quick.json")["rows"]] == ["kimi-k2"] * 2

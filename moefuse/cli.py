@@ -222,6 +222,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     path = out / f"{name}.json"
     # A sweep of some models and formats replaces those series of this GPU's sweep and keeps the rest
     base = sweep.load(path) if path.exists() else None
+    if base is not None and base.get("gpu") != env["gpu"]:
+        progress(f"{path} holds a sweep of another GPU ({base.get('gpu')}): this one replaces it")
 
     def save(done: list[dict]) -> None:
         merged, series = sweep.merge(base, done, tags)

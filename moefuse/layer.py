@@ -633,16 +633,18 @@ class MoELayer(nn.Module):
         which must count the slot: fp8 GEMM1's stages follow its waves of programs (DeepSeek-V3 at one token: 144
         programs with the slot, 128 without)."""
         c = self.config
-        gate_up = self.experts.weights()[0]
-        arch = configs.arch_of(device)
-        dtype = tile_dtype(gate_up, self.activation_dtype)
+        dtype = tile_dtype(self.experts.weights()[0], self.activation_dtype)
         extra = 1 if slot and dtype not in configs.TABLE_DTYPES else 0
-        block_m = plan_block_m(num_tokens, gate_up, c.top_k, self.activation_dtype, self.activation_quant, arch,
-                               batch_invariant=_runtime.batch_invariant(self.batch_invariant),
-                               persistent=self.persistent)
+        block_m = self._plan_height(num_tokens, device)
         tiles = configs.pick(num_tokens, c.num_experts + extra, c.hidden_size, c.intermediate_size, c.top_k + extra,
-                             dtype, arch, block_m=block_m)
+                             dtype, configs.arch_of(device), block_m=block_m)
         return block_m, tiles
+
+    def _plan_height(self, num_tokens: int, device: torch.device) -> int:
+        """The routed shape's plan height for a call on ``num_tokens`` tokens on ``device`` (:func:`plan_block_m`)."""
+        return plan_block_m(num_tokens, self.experts.weights()[0], self.config.top_k, self.activation_dtype,
+                            self.activation_quant, configs.arch_of(device),
+                            batch_invariant=_runtime.batch_invariant(self.batch_invariant), persistent=self.persistent)
 
     def uses_shared_slot(self, num_tokens: int, device: torch.device, num_token_non_padded: object = None) -> bool:
         """Whether a call on ``num_tokens`` tokens on ``device`` runs the shared expert as a slot of the grouped
@@ -685,9 +687,7 @@ class MoELayer(nn.Module):
         faster, even at 24-32 and faster by 0.3-1.2% on 64- and 128-row plans (H100, layer under graph replay)."""
         if num_tokens <= SLOT_SHORT_TILES * SLOT_SHORTEST_ROWS:  # within two of any plan's tiles: no plan to ask
             return False
-        c = self.config
-        block_m = plan_block_m(num_tokens, self.experts.weights()[0], c.top_k, self.activation_dtype,
-                               self.activation_quant, configs.arch_of(device), persistent=self.persistent)
+        block_m = self._plan_height(num_tokens, device)
         return block_m < SLOT_TALL_ROWS and num_tokens > SLOT_SHORT_TILES * block_m
 
     def _forward_shared_slot(self, x: torch.Tensor, gate_up_proj: ExpertWeight, down_proj: ExpertWeight,

@@ -36,10 +36,11 @@ def stages(layer: MoELayer, M: int, gen: torch.Generator) -> dict:
                "shared": _us(partial(layer.shared_experts, x)) if layer.shared_experts is not None else None,
                "layer": _us(partial(layer, x)), "slot": layer.uses_shared_slot(M, x.device)}
         if layer.shared_slot_weights() is not None:
+            saved = layer.shared_slot_max_tokens
             for name, limit in (("slot_us", M), ("side_us", 0)):
                 layer.shared_slot_max_tokens = limit
                 row[name] = _us(partial(layer, x))
-            layer.shared_slot_max_tokens = None
+            layer.shared_slot_max_tokens = saved
     return row
 
 

@@ -357,16 +357,24 @@ def _dense_choice(rows: list[dict[str, Any]], gpu_name: str, date: str) -> tuple
 
 
 def merge_entries(table: dict[str, Any], entries: list[dict[str, Any]]) -> None:
-    """Replace the table's entries of the same format and shapes by ``entries`` (a 16-bit entry keeps its
-    ``shared_slot_max_tokens``), and add the rest."""
+    """Put ``entries`` into the table: an entry of the same format and shapes is replaced over the token range the
+    new one measured (its first to its last bucket), and keeps its buckets outside it, with their status after the
+    new one's; a 16-bit entry keeps its ``shared_slot_max_tokens``. Entries of other shapes are added."""
     def key(e: dict[str, Any]) -> tuple:
         return (e.get("format", "bf16"), e["E"], e["H"], e["I"], e["K"])
 
     old = {key(e): e for e in table["entries"]}
     for entry in entries:
         previous = old.get(key(entry))
-        if previous is not None and "shared_slot_max_tokens" in previous:
-            entry["shared_slot_max_tokens"] = previous["shared_slot_max_tokens"]
+        if previous is not None:
+            if "shared_slot_max_tokens" in previous:
+                entry["shared_slot_max_tokens"] = previous["shared_slot_max_tokens"]
+            measured = [int(m) for m in entry["buckets"]]
+            kept = {m: c for m, c in previous["buckets"].items() if not min(measured) <= int(m) <= max(measured)}
+            if kept:
+                entry["status"] += (f"; buckets outside {min(measured)}-{max(measured)} tokens: "
+                                    f"{previous['status']}")
+                entry["buckets"] = dict(sorted({**kept, **entry["buckets"]}.items(), key=lambda mc: int(mc[0])))
         old[key(entry)] = entry
     table["entries"] = list(old.values())
 

@@ -1,5 +1,6 @@
 """Experts: the Triton grouped GEMMs against the float64 reference, tile configs, and every error path."""
 
+import json
 import math
 
 import pytest
@@ -339,6 +340,27 @@ def test_dense_tuning_takes_the_tallest_tile_within_two_percent():
     assert "uniform random routing" in far["status"]
     assert [row["us"] for row in tune.dense_choice_times(rows(101.9, "layer"))] == [101.9] * 3
 
+
+
+def test_dense_tuning_over_part_of_the_grid_keeps_the_other_buckets():
+    """``tune_experts --dense --tokens ...``: the buckets the run measured replace the table's over that range; the
+    table's buckets outside it stay, and the status says which measurement each range comes from."""
+    tune = script("tune_experts")
+    old = {"model": "deepseek-v3", "format": "mxfp4", "E": 256, "H": 7168, "I": 2048, "K": 8, "status": "before",
+           "buckets": {str(m): {"block_m": h} for m, h in ((1, 16), (256, 16), (400, 16), (512, 32), (2048, 128))}}
+    new = {**{k: v for k, v in old.items() if k != "buckets"}, "status": "retuned",
+           "buckets": {"256": {"block_m": 16}, "384": {"block_m": 32}, "512": {"block_m": 32}}}
+    other = {**new, "H": 4096, "buckets": {"1": {"block_m": 16}}}
+    table = {"entries": [json.loads(json.dumps(old))]}
+    tune.merge_entries(table, [json.loads(json.dumps(new)), other])
+    merged, added = table["entries"]
+    assert merged["buckets"] == {"1": {"block_m": 16}, "256": {"block_m": 16}, "384": {"block_m": 32},
+                                 "512": {"block_m": 32}, "2048": {"block_m": 128}}  # 400 was inside 256-512
+    assert merged["status"] == "retuned; buckets outside 256-512 tokens: before"
+    assert added == other
+    whole = {**new, "buckets": {str(m): {"block_m": 16} for m in (1, 4096)}}
+    tune.merge_entries(table, [whole])
+    assert table["entries"][0] == whole  # a run over the whole range replaces the entry
 
 # --- errors ---------------------------------------------------------------------------------------------
 

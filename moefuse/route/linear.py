@@ -30,8 +30,9 @@ import triton.language as tl
 from .. import _runtime
 
 MAX_TOKENS = 16  # the decode kernel's batches; larger ones go to cuBLAS's fp32 GEMM, which has the tiles for them,
-MMA_MIN_TOKENS = 1024  # or from here on to the tensor-core kernel (bf16 x, fp32 weight): at 512 tokens it and
-# cuBLAS are about even (a program's K loop is serial: 39 µs for H = 4,096, 68 for 7,168, at any M; H200, 2026-12-02)
+MMA_MIN_TOKENS = 768  # or from here on to the tensor-core kernel (bf16 x, fp32 weight), whose time hardly grows
+# below 1,024 tokens (a program's K loop is serial: 38 µs for H = 4,096, 67 for 7,168) while cuBLAS's does: from 768
+# it is faster for every preset, from 384-640 for all but GLM-4.5-Air (H100, 2026-12-06, research/router_switch)
 _ELEMS = 8192  # accumulator elements per program: 32 fp32 registers per thread at NUM_WARPS warps
 NUM_WARPS = 8
 

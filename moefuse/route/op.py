@@ -281,7 +281,7 @@ def router_logits(
         out: optional fp32 [M, E] to write into.
         backend: ``"auto"``, ``"reference"`` or ``"triton"``. With ``"triton"``, batches of at most
             ``moefuse.route.linear.MAX_TOKENS`` (16) tokens run the Triton kernel, which reads 16-bit inputs
-            without an upcast copy; from ``linear.MMA_MIN_TOKENS`` (1,024) tokens of bf16 ``x`` with an fp32
+            without an upcast copy; from ``linear.MMA_MIN_TOKENS`` (768) tokens of bf16 ``x`` with an fp32
             ``weight``, a tensor-core kernel on the weight's exact bf16 split (SPEC, router GEMM); other batches
             run cuBLAS's fp32 GEMM on upcast inputs, as the reference does.
         batch_invariant: None (the process default, ``moefuse.set_defaults``) or a bool. True: with ``"triton"``

@@ -31,8 +31,8 @@ from moefuse.route import linear
 CASES = (("deepseek-v3", None), ("deepseek-v3", "fp8"), ("deepseek-v4-flash", "mxfp4"))
 RUNS = ((16, 256), (28, 256), (32, 128), (56, 128))  # (INVARIANT_MAX_RUNS, INVARIANT_RUN_COLUMNS)
 # Tiles of the invariant router launch (bits change with the tile's columns and K block, never with M); 16 runs
-ROUTER_TILES = (linear.MmaLaunch(64, 64, 64, 4, 4, 1.0), linear.MmaLaunch(64, 64, 128, 4, 3, 1.0),
-                linear.MmaLaunch(64, 32, 128, 4, 3, 1.0), linear.MmaLaunch(64, 128, 64, 4, 3, 1.0),
+ROUTER_TILES = (linear.MmaLaunch(64, 64, 64, 4, 4, 1.0), linear.MmaLaunch(64, 32, 64, 4, 4, 1.0),
+                linear.MmaLaunch(64, 32, 64, 4, 3, 1.0), linear.MmaLaunch(64, 32, 64, 4, 2, 1.0),
                 linear.MmaLaunch(64, 64, 64, 4, 2, 1.0))
 
 

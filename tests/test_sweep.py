@@ -19,29 +19,10 @@ SWEEPS = sorted(RESULTS.glob("sweep_*.json"))
 # The cliffs a committed sweep still has, each with what was measured about it (docs/PERF-NOTES.md, tile tables).
 # The check is exact, so a sweep that adds a cliff fails and one that loses a cliff must say so here.
 KNOWN_CLIFFS: dict[str, set[tuple[str, str, int]]] = {
-    "sweep_h100": {
-        # A tile choice under skewed routing: the tuning routes uniformly, where DeepSeek-V3's MXFP4 16-row tiles at
-        # 416 tokens are 3.8% faster than 32-row ones (outside the 2% the table prefers taller tiles by); the
-        # layer's router loads some experts past 16 rows.
-        ("deepseek-v3", "mxfp4", 448),
-        # The same launch on both sides, within what two sweeps of one H100 measured apart at unchanged launches: up
-        # to 12% at compute-bound sizes (DeepSeek-V4-Flash fp8 at 7,168 tokens), and 3.6% over 12 repeats of one
-        # MXFP4 plan, with the SM clock at 1,755-1,980 MHz under the software power cap. One pass; the series swept
-        # again in three lost theirs of this kind.
-        ("qwen3-30b-a3b", "fp8", 1024),
-        # 128-row tiles on both sides, grouped by four at 3,072 and 5,632 tokens and not at the next sizes: the
-        # tuning's times there, compute-bound, differ by up to 15% between launches that differ only in grouping
-        # (GLM-4.5-Air at 3,584 tokens: 2,298 against 1,988 µs), so its choice between them is noise.
-        ("glm-4.5-air", "bf16", 3328), ("glm-4.5-air", "bf16", 5888),
-        # DeepSeek-V4-Flash fp8: 2,390 µs at 608 tokens, 2,288-2,317 from 640 (six passes). Stage by stage
-        # (research/layer_rise.py) the gate and the routed experts alone rise steadily; the layer took 148-172 µs
-        # more than both at 544-608, 58 from 640: up to 608 the table plans 16-row tiles, and the shared expert as a
-        # slot had its 608 rows cut into 38 of them. On the side stream the layer took 2,267 / 2,271 / 2,301 µs at
-        # 544 / 576 / 608 tokens, against 2,303 at 640 with the slot (H100). fp8 layers now leave the shared expert
-        # to the side stream there (MoELayer._short_tiles_cut_shared); this sweep predates that.
-        ("deepseek-v4-flash", "fp8", 640), ("deepseek-v4-flash", "fp8", 672), ("deepseek-v4-flash", "fp8", 704),
-        ("deepseek-v4-flash", "fp8", 736), ("deepseek-v4-flash", "fp8", 768), ("deepseek-v4-flash", "fp8", 1024),
-    },
+    # None left (docs/PERF-NOTES.md, tile tables): the last ones went with the fp8 shared expert off short-tile slots,
+    # DeepSeek-V3 MXFP4 retuned under the layer's routing, GLM-4.5-Air bf16's 5,632 bucket ungrouped and the router
+    # linear on the tensor cores from 768 tokens.
+    "sweep_h100": set(),
 }
 
 

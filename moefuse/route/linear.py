@@ -222,8 +222,9 @@ def router_logits_mma(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) 
 # decode the programs of one run would not fill the GPU) and the runs' sums added in run order. Other activations
 # run the decode kernel over row blocks of INVARIANT_ROWS (its per-row arithmetic is fixed by the block shape).
 # 32 columns a program: twice the programs at decode (one token, DeepSeek-V3 widths: 8.1 us against 9.4 on 64
-# columns), 188.0 against 185.2 us at 4,096 tokens (H100; research/invariant_one_token)
-INVARIANT_MMA = MmaLaunch(64, 32, 64, 4, 4, 1.0)
+# columns); 3 stages: 168.4 against 191.2 us on 4 at 4,096 tokens, 8.1 either way at one (H100;
+# research/invariant_one_token). Stages and warps order no sum: the tile's columns and K block fix the bits.
+INVARIANT_MMA = MmaLaunch(64, 32, 64, 4, 3, 1.0)
 INVARIANT_RUN_COLUMNS = 256  # the fewest columns of H a run of the invariant launch takes
 INVARIANT_MAX_RUNS = 16
 INVARIANT_ROWS = 16

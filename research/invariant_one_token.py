@@ -5,9 +5,10 @@ the router linear, the gate (linear + fused gate), the shared expert alone, the 
 (top-k experts) against the routed experts with the shared expert as one more slot (the grid the invariant layer
 runs: for fp8 GEMM1, 128-column blocks of 9 experts where the routed ones make 8); and the invariant router linear
 with K cut into other run counts and on other tiles (the bits change with the count and the tile, never with M); and
-for fp8 the invariant routed experts with the shared slot at one token on GEMM1 launches of 2-5 stages and 4 or 8
-warps, and on steps of two boxes (bits unchanged: a stage count, a warp count or a step's boxes order no sum; with
-2 stages two of the 144 programs can share an SM, where 4 stages run 132 and then 12).
+for fp8 the invariant routed experts with the shared slot at one token on GEMM1 launches of 2-4 stages and 4 or 8
+warps, in gate and up halves or not, and on steps of two boxes (bits unchanged: a stage count, a warp count, the
+halves or a step's boxes order no sum; with 2 stages two of the 144 programs can share an SM, where 4 stages run 132
+and then 12).
 Prints one JSON object a line.
 
     python -m research.invariant_one_token [--tokens 1 16]
@@ -25,6 +26,7 @@ import torch
 from moefuse.bench import timing
 from moefuse.config import preset
 from moefuse.experts import configs
+from moefuse.experts.fp8 import kernels as fp8_kernels
 from moefuse.layer import MoELayer, routed_experts
 from moefuse.route import linear
 
@@ -71,8 +73,9 @@ def stages(layer: MoELayer, M: int, gen: torch.Generator) -> dict:
 
 
 def slot_launches(layer: MoELayer, gen: torch.Generator) -> dict:
-    """The invariant fp8 routed experts with the shared slot at one token, GEMM1 on each stage and warp count, and
-    on steps of two boxes (256 deep; the same bits: each box is promoted on its own), which cuts its stages to 2."""
+    """The invariant fp8 routed experts with the shared slot at one token, GEMM1 on each stage and warp count, on
+    steps of two boxes (256 deep; the same bits: each box is promoted on its own), which cuts its stages to 2, and
+    in gate and up halves (``experts_fp8``'s ``halves``: twice the programs, the same bits) or not."""
     c = layer.config
     x = torch.randn(1, c.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
     slot = layer.shared_slot_weights()
@@ -83,14 +86,22 @@ def slot_launches(layer: MoELayer, gen: torch.Generator) -> dict:
     base = configs.pick(1, c.num_experts + 1, c.hidden_size, c.intermediate_size, c.top_k + 1,
                         torch.float8_e4m3fn, block_m=64)
     row: dict = {"slot_launches": "fp8", "gemm1": asdict(base.gemm1)}
-    launches = [(128, stages, warps) for stages in (2, 3, 4, 5) for warps in (4, 8)]
-    launches += [(256, 2, warps) for warps in (4, 8)]
-    for depth, stages, warps in launches:
-        tiles = replace(base, gemm1=replace(base.gemm1, block_k=depth, num_stages=stages, num_warps=warps))
-        with configs.override(tiles), torch.no_grad():
-            row[f"stages{stages}_warps{warps}" + ("_two_boxes" if depth == 256 else "")] = _us(partial(
-                routed_experts, x, *slot, weights, ids, swiglu_limit=c.swiglu_limit,
-                activation_quant=layer.activation_quant, batch_invariant=True))
+    launches = [(128, stages, warps, halves) for halves in (False, True) for stages in (2, 3, 4)
+                for warps in (4, 8)]
+    launches += [(256, 2, warps, False) for warps in (4, 8)]
+    rule = fp8_kernels.default_halves
+    try:
+        for depth, stages, warps, halves in launches:
+            fp8_kernels.default_halves = lambda *args, on=halves: on  # type: ignore[misc]
+            tiles = replace(base, gemm1=replace(base.gemm1, block_k=depth, num_stages=stages, num_warps=warps))
+            with configs.override(tiles), torch.no_grad():
+                row[f"stages{stages}_warps{warps}" + ("_two_boxes" if depth == 256 else "")
+                    + ("_halves" if halves else "")] = _us(partial(
+                        routed_experts, x, *slot, weights, ids, swiglu_limit=c.swiglu_limit,
+                        activation_quant=layer.activation_quant, batch_invariant=True))
+    finally:
+        fp8_kernels.default_halves = rule
+    row["halves_by_rule"] = rule(int(ids.numel()), c.intermediate_size, 1, x.device)
     return row
 
 

@@ -23,6 +23,7 @@ from moefuse.experts import (
     pick_block_m,
     plan_block_m,
 )
+from moefuse.experts.fp8 import kernels as fp8_kernels
 from moefuse.experts.fp8.kernels import experts_fp8
 from moefuse.experts.reference import dequantize_rows, moe_experts_fp8_torch, quantize_rows
 from moefuse.formats import BlockFP8, tile_dtype, ue8m0_to_float
@@ -278,6 +279,64 @@ def test_workspace_is_checked_before_any_launch(device):
     for workspace, error in bad:
         with pytest.raises(error, match="workspace"):
             moe_experts(x, w1, w2, plan, workspace=workspace, backend="triton")
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("shape", [(520, 256), (392, 384)], ids=["pointer-rows", "tma-rows"])
+@pytest.mark.parametrize("M", [3, 40], ids=["few-rows", "many-rows"])
+def test_gate_and_up_halves_give_the_unsplit_bits(M, shape, block_m, gen, device):
+    """GEMM1's gate and up tiles as programs of their own (``halves``, the batch-invariant layer's decode): each sums
+    its tile over all of K in the unsplit order and the second to arrive runs the epilogue, so the bits are those of
+    the unsplit launch: with -1 slots, the clamp, a NaN token, rows read by pointers (H = 520: not 16-byte rows, a
+    last box of 8 columns) or through TMA, one-box (64 rows) and two-box steps (16), and I of two and three scale
+    groups. On a GPU, where the halves race, twice. A given workspace holds the counters and is left zeroed."""
+    H, I = shape
+    x, w1, w2, ids = _inputs(gen, M, 2, 4, H, I, invalid=0.2, device=device)
+    x[1, 100] = float("nan")
+    ids[1] = torch.tensor([0, 3], dtype=ids.dtype)  # the NaN token has rows
+    plan = moe_dispatch(ids, 4, block_m, backend="triton")
+    tiles = configs.heuristic(M, 4, H, I, 2, torch.float8_e4m3fn, block_m=block_m)
+    workspace = experts_workspace(device)
+
+    def run(halves, workspace=None):
+        out = torch.full((plan.num_rows, H), float("nan"), dtype=x.dtype, device=device)
+        experts_fp8(x, w1, w2, plan, out, tiles.gemm1, tiles.gemm2, 1.5, split_k=1, halves=halves,
+                    workspace=workspace)
+        return out
+
+    want = run(False)
+    for got in [run(True) for _ in range(2 if torch.device(device).type == "cuda" else 1)] + [run(True, workspace)]:
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert not workspace.any()
+    n = int(plan.expert_offsets[-1])
+    assert want[:n].isnan().any() and not want[:n].isnan().all()  # the NaN token's rows, and the others finite
+
+
+def test_halves_are_checked_before_any_launch(gen, device):
+    """``halves`` is a bool (or None), and True needs GEMM1 unsplit along K and I a multiple of 128 (each tile's
+    weight-block scale one scalar a step)."""
+    x, w1, w2, ids = _inputs(gen, 3, 2, 4, 256, 136, device=device)
+    plan = moe_dispatch(ids, 4, 16, backend="triton")
+    out = torch.empty(plan.num_rows, 256, dtype=x.dtype, device=device)
+    tiles = GemmTiles(128, 128, 1, 4, 2)
+    with pytest.raises(TypeError, match="halves"):
+        experts_fp8(x, w1, w2, plan, out, tiles, tiles, halves=1)
+    with pytest.raises(ValueError, match="halves"):  # I = 136
+        experts_fp8(x, w1, w2, plan, out, tiles, tiles, halves=True)
+    x, w1, w2, ids = _inputs(gen, 3, 2, 4, 256, 128, device=device)
+    with pytest.raises(ValueError, match="halves"):
+        experts_fp8(x, w1, w2, plan, out, tiles, tiles, split_k=2, halves=True)
+
+
+def test_halves_where_an_unsplit_grid_leaves_sms_idle():
+    """The halves run where GEMM1 must not split K (``split_k`` 1, as a batch-invariant layer asks) and its grid
+    fills at most two programs an SM: DeepSeek-V3's token with its shared slot (144 programs on 132 SMs), not from 16
+    tokens; never where the default may split K instead, nor under the interpreter or off CUDA."""
+    assert configs.fp8_halves(9, 2048, 132) and configs.fp8_halves(8, 2048, 132)
+    assert not configs.fp8_halves(16 * 9, 2048, 132)
+    assert configs.fp8_halves(33, 1024, 132) == (33 * 8 <= 264)
+    cpu = torch.device("cpu")
+    assert not fp8_kernels.default_halves(9, 2048, 1, cpu) and not fp8_kernels.default_halves(9, 2048, None, cpu)
 
 
 def test_split_k_where_the_grid_leaves_sms_idle():

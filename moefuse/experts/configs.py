@@ -446,6 +446,15 @@ def heuristic(
     return TileConfig(block_m, gemm1, gemm2)
 
 
+def fp8_halves(rows: int, width: int, sms: int) -> bool:
+    """Whether unsplit fp8 GEMM1 (``experts_fp8``'s ``halves``) on a plan of ``rows`` token rows (M·K) and
+    intermediate width I = ``width`` runs its gate and up tiles as programs of their own on a GPU of ``sms`` SMs:
+    where its grid (a program per row and 128 columns at most: rows · ceil(I / 128)) fills at most two programs an
+    SM, as where :func:`fp8_split_k` would split it (a batch-invariant layer may not: DeepSeek-V3's token with its
+    shared slot is 144 programs on 132 SMs, twelve of them running two)."""
+    return rows * -(-width // 128) <= 2 * sms
+
+
 def fp8_split_k(rows: int, width: int, sms: int) -> int:
     """GEMM1's split along K for fp8 block-scale experts (``experts_fp8``) on a plan of ``rows`` token rows (M·K)
     and intermediate width I = ``width`` on a GPU of ``sms`` SMs.

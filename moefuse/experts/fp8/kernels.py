@@ -49,7 +49,15 @@ from ... import _runtime
 from ...dispatch import DispatchPlan
 from ...formats import BLOCK, BlockFP8
 from ..common import _program_start, _round, _swiglu, _tile_span, rows_descriptor, weight_descriptor
-from ..configs import FP8_SPLIT_PAIR_STAGES, FP8_SPLIT_STAGES, SMEM_BUDGET, SMEM_SLACK, GemmTiles, fp8_split_k
+from ..configs import (
+    FP8_SPLIT_PAIR_STAGES,
+    FP8_SPLIT_STAGES,
+    SMEM_BUDGET,
+    SMEM_SLACK,
+    GemmTiles,
+    fp8_halves,
+    fp8_split_k,
+)
 from .quantize import _quantize, quantize_rows_into, quantized_rows
 
 WGMMA_MIN_ROWS = 64  # GEMM2's shorter tiles swap their MMA's operands (``_add_scaled``)
@@ -122,7 +130,7 @@ def _gemm1_fp8_kernel(
     stride_im, stride_in, stride_ism, stride_isg,
     HAS_LIMIT: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr, USE_PDL: tl.constexpr,
-    UP_ALIGNED: tl.constexpr, SPLIT_K: tl.constexpr, BOXES: tl.constexpr,
+    UP_ALIGNED: tl.constexpr, SPLIT_K: tl.constexpr, BOXES: tl.constexpr, HALVES: tl.constexpr = False,
 ):
     """intermediate[rows, n] = quant(SwiGLU(deq(a) @ deq(W)[e, n]^T, ... [e, N + n]^T)). N = I, K = H; ``a``: the
     activations quantized in the plan's row order (``a_ptr``/``a_desc``, scales ``as_ptr``, from
@@ -133,6 +141,11 @@ def _gemm1_fp8_kernel(
     a tile's programs to arrive (``arrivals_ptr``, zero at the launch) adds the runs in split order and runs the
     epilogue: the same bits whichever program arrives last. It sets its counter back to zero, so that a workspace
     given to ``experts_fp8`` needs no zeroing before the next launch.
+
+    ``HALVES`` (with SPLIT_K 1 and UP_ALIGNED; decode, where the unsplit grid leaves SMs idle but K must not be
+    split, as in a batch-invariant layer): program (p, 0) sums the gate tile and (p, 1) the up tile over all of K,
+    each into ``part_ptr`` [num_rows, 2N] (fp32), and the second to arrive runs the epilogue on both: twice the
+    programs, each reading half the weights, and a row's sums and their order unchanged, so the same bits.
 
     ``UP_ALIGNED``: N is a multiple of 128, so the up tile's rows N + cols start a weight block as the gate tile's do.
     ``BOXES``: K-adjacent 128-deep boxes a pipelined step (1 or 2; ``fp8_tiles``), each promoted on its own in K
@@ -159,24 +172,50 @@ def _gemm1_fp8_kernel(
         up_scale_ptrs = s_expert + (N // 128 + col_block) * stride_sn
     else:  # [BLOCK_N]: the up tile straddles two weight blocks
         up_scale_ptrs = s_expert + ((N + wrapped) // 128) * stride_sn
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k_step in range(k_begin, k_end, BOXES * BLOCK_K):
-        for box in tl.static_range(BOXES):
-            k0 = k_step + box * BLOCK_K
-            group, k_ok, a, a_scale = _load_box(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, K, ks, stride_am,
-                                                stride_ak, stride_asm, stride_asg, A_TMA, BLOCK_K, BOXES)
-            if W_TMA:  # zero-filled past K
-                gate_w = w_desc.load([gate_row, k0]).T
-                up_w = w_desc.load([gate_row + N, k0]).T
-            else:
-                gate_w = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
-                up_w = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
-            step = group * stride_sk
-            acc_gate = _add_scaled(acc_gate, a, gate_w, a_scale, tl.load(gate_scale_ptrs + step), True, False)
-            acc_up = _add_scaled(acc_up, a, up_w, a_scale, tl.load(up_scale_ptrs + step), UP_ALIGNED, False)
-            gate_ptrs += BLOCK_K * stride_wk
-            up_ptrs += BLOCK_K * stride_wk
+    if HALVES:  # one of the two tiles: its weight rows and (UP_ALIGNED) its scalar block scale, one accumulator
+        half = tl.program_id(1)
+        w_row = gate_row + half * N
+        w_ptrs = gate_ptrs + half * N * stride_wn
+        scale_ptrs = gate_scale_ptrs + half * (N // 128) * stride_sn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k_step in range(k_begin, k_end, BOXES * BLOCK_K):
+            for box in tl.static_range(BOXES):
+                k0 = k_step + box * BLOCK_K
+                group, k_ok, a, a_scale = _load_box(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, K, ks, stride_am,
+                                                    stride_ak, stride_asm, stride_asg, A_TMA, BLOCK_K, BOXES)
+                if W_TMA:
+                    w = w_desc.load([w_row, k0]).T
+                else:
+                    w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+                acc = _add_scaled(acc, a, w, a_scale, tl.load(scale_ptrs + group * stride_sk), True, False)
+                w_ptrs += BLOCK_K * stride_wk
+        done = row_ok[:, None] & col_ok[None, :]
+        part = part_ptr + rows.to(tl.int64)[:, None] * (2 * N) + cols[None, :]
+        tl.store(part + half * N, acc, mask=done)
+        if tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel") < 1:  # acq_rel: as for SPLIT_K below
+            return
+        tl.store(arrivals_ptr + tl.program_id(0), 0)
+        acc_gate = tl.load(part, mask=done, other=0.0, cache_modifier=".cg")
+        acc_up = tl.load(part + N, mask=done, other=0.0, cache_modifier=".cg")
+    else:
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k_step in range(k_begin, k_end, BOXES * BLOCK_K):
+            for box in tl.static_range(BOXES):
+                k0 = k_step + box * BLOCK_K
+                group, k_ok, a, a_scale = _load_box(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, K, ks, stride_am,
+                                                    stride_ak, stride_asm, stride_asg, A_TMA, BLOCK_K, BOXES)
+                if W_TMA:  # zero-filled past K
+                    gate_w = w_desc.load([gate_row, k0]).T
+                    up_w = w_desc.load([gate_row + N, k0]).T
+                else:
+                    gate_w = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
+                    up_w = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
+                step = group * stride_sk
+                acc_gate = _add_scaled(acc_gate, a, gate_w, a_scale, tl.load(gate_scale_ptrs + step), True, False)
+                acc_up = _add_scaled(acc_up, a, up_w, a_scale, tl.load(up_scale_ptrs + step), UP_ALIGNED, False)
+                gate_ptrs += BLOCK_K * stride_wk
+                up_ptrs += BLOCK_K * stride_wk
 
     if SPLIT_K > 1:
         done = row_ok[:, None] & col_ok[None, :]
@@ -278,6 +317,16 @@ def default_split_k(num_rows: int, width: int, device: torch.device) -> int:
     return fp8_split_k(num_rows, width, _runtime.sm_count(device))
 
 
+def default_halves(num_rows: int, width: int, split_k: Optional[int], device: torch.device) -> bool:
+    """Whether GEMM1 runs its gate and up tiles as programs of their own (``HALVES``) where the caller asked for no
+    split along K (``split_k`` 1: a batch-invariant layer; None, the default, splits K instead where it helps): on a
+    grid that fills at most two programs an SM (``configs.fp8_halves``), with I a multiple of 128 (each tile's block
+    scale one scalar a step); never under the interpreter and off CUDA, as :func:`default_split_k`."""
+    if split_k != 1 or width % BLOCK or device.type != "cuda" or _runtime.interpreting():
+        return False
+    return fp8_halves(num_rows, width, _runtime.sm_count(device))
+
+
 def experts_fp8(
     hidden: torch.Tensor,
     gate_up: BlockFP8,
@@ -291,17 +340,25 @@ def experts_fp8(
     use_pdl: bool = False,
     split_k: Optional[int] = None,
     workspace: Optional[torch.Tensor] = None,
+    halves: Optional[bool] = None,
 ) -> None:
     """Quantize the activations in the plan's row order, then launch GEMM1 (+ SwiGLU, intermediate quantization)
     and GEMM2, into ``out``.
     ``split_k``: GEMM1's K in that many runs of steps, each its own program (``_gemm1_fp8_kernel``; stages as
-    ``fp8_tiles`` cuts them); None: :func:`default_split_k`. ``workspace``: int32 zeros (``moe_experts``'s) that a
-    split GEMM1 counts its runs' arrivals in and leaves zeroed, where it holds a counter per program of the unsplit
-    grid; else the counters are zeroed here, one more kernel before GEMM1 (which also keeps GEMM1 from starting
-    under the previous kernel's tail with PDL).
+    ``fp8_tiles`` cuts them); None: :func:`default_split_k`. ``halves``: GEMM1's gate and up tiles as programs of
+    their own (``HALVES``: the same bits; needs ``split_k`` 1 or None and I a multiple of 128); None:
+    :func:`default_halves`. ``workspace``: int32 zeros (``moe_experts``'s) that a split GEMM1 counts its runs' (or
+    halves') arrivals in and leaves zeroed, where it holds a counter per program of the unsplit grid; else the
+    counters are zeroed here, one more kernel before GEMM1 (which also keeps GEMM1 from starting under the previous
+    kernel's tail with PDL).
     """
     if split_k is not None and (not isinstance(split_k, int) or split_k < 1):
         raise ValueError(f"split_k must be a positive int or None, got {split_k!r}")
+    if halves is not None and not isinstance(halves, bool):
+        raise TypeError(f"halves must be a bool or None, got {type(halves).__name__}")
+    if halves and (split_k not in (None, 1) or down.shape[2] % BLOCK):
+        raise ValueError(f"halves=True needs split_k 1 and an intermediate width multiple of {BLOCK}, got split_k="
+                         f"{split_k!r} and {down.shape[2]}")
     num_tiles = plan.tile_expert.numel()
     width, hidden_size = down.shape[2], hidden.shape[1]
     if num_tiles == 0 or width == 0:
@@ -310,6 +367,10 @@ def experts_fp8(
     inter, inter_scales = quantized_rows(plan, width, device)
     emulate = _runtime.interpreting()
     launch = {"launch_pdl": True} if use_pdl else {}
+    if halves is None:
+        halves = default_halves(plan.expanded_to_permuted.numel(), width, split_k, device)
+    if halves:
+        split_k = 1
     if split_k is None:
         split_k = default_split_k(plan.expanded_to_permuted.numel(), width, device)
     # The stage model counts GEMM1's e4m3 activation tiles at hidden's width, the stage counts the fp8 tiles were
@@ -322,7 +383,7 @@ def experts_fp8(
     a_desc = rows_descriptor(a, plan.block_m, BLOCK)  # boxes of one scale group; a step loads t1.block_k // BLOCK
     desc1 = weight_descriptor(gate_up.values, t1.block_n, BLOCK)
     programs = num_tiles * triton.cdiv(width, t1.block_n)
-    if split_k > 1:  # each run's fp32 sums, and each tile's count of runs done
+    if split_k > 1 or halves:  # each run's (or half's) fp32 sums, and each tile's count of them done
         part = torch.empty(split_k, plan.num_rows, 2 * width, dtype=torch.float32, device=device)
         if workspace is not None and workspace.numel() >= programs:
             arrivals = workspace
@@ -330,7 +391,7 @@ def experts_fp8(
             arrivals = torch.zeros(programs, dtype=torch.int32, device=device)
     else:  # not read
         part, arrivals = inter_scales, plan.tile_expert
-    _gemm1_fp8_kernel[(programs, split_k)](
+    _gemm1_fp8_kernel[(programs, 2 if halves else split_k)](
         a, a if a_desc is None else a_desc, a_scales,
         gate_up.values, gate_up.values if desc1 is None else desc1, gate_up.scales, inter, inter_scales,
         plan.tile_expert, plan.tile_row_start, plan.expert_offsets, part, arrivals,
@@ -339,7 +400,8 @@ def experts_fp8(
         *gate_up.values.stride(), *gate_up.scales.stride(), *inter.stride(), *inter_scales.stride(),
         HAS_LIMIT=swiglu_limit is not None, EMULATE_RTNE=emulate, BLOCK_M=plan.block_m, BLOCK_N=t1.block_n,
         BLOCK_K=BLOCK, GROUP_M=t1.group_m, W_TMA=desc1 is not None, A_TMA=a_desc is not None, USE_PDL=use_pdl,
-        UP_ALIGNED=width % BLOCK == 0, SPLIT_K=split_k, BOXES=t1.block_k // BLOCK, num_warps=t1.num_warps,
+        UP_ALIGNED=width % BLOCK == 0, SPLIT_K=split_k, BOXES=t1.block_k // BLOCK, HALVES=halves,
+        num_warps=t1.num_warps,
         num_stages=t1.num_stages, **launch,
     )
     desc2 = weight_descriptor(down.values, t2.block_n, BLOCK)

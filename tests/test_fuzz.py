@@ -194,7 +194,8 @@ def experts_cases(draw: st.DrawFn, fmt: str) -> dict:
         hidden=hidden, hidden_pad=hidden_pad, out=out, out_pad=out_pad,
         limit=draw(st.one_of(st.none(), st.floats(0.1, 20.0))),
         activation_quant=aq, persistent=persistent,
-        split_k=draw(st.sampled_from((None, None, 2, 3, 4))) if fmt == "fp8" else None,
+        # GEMM1 split along K in 2-4 runs, or into gate and up halves (where I allows: whole 128-column blocks)
+        split_k=draw(st.sampled_from((None, None, 2, 3, 4, "halves"))) if fmt == "fp8" else None,
         workspace=draw(st.booleans()),
         seed=draw(st.integers(0, 2**32 - 1)),
     )
@@ -330,9 +331,13 @@ def check_experts(c: dict) -> None:
         return
     storage = None if c["out"] == "none" else _out(M * K, H, dtype, c["out"], c["out_pad"])
     out = None if storage is None else _view(storage, H, c["out"])
-    split = c.get("split_k")  # the op has no split_k argument: its default is replaced for the call
-    splitting = (mock.patch.object(fp8_kernels, "default_split_k", lambda *_: split) if split
-                 else contextlib.nullcontext())
+    split = c.get("split_k")  # the op has no split_k argument: its defaults are replaced for the call
+    splitting = contextlib.ExitStack()
+    if split == "halves":  # the rule's own condition on I, as on a GPU where the grid leaves SMs idle
+        splitting.enter_context(
+            mock.patch.object(fp8_kernels, "default_halves", lambda _, width, *__: width % 128 == 0))
+    elif split:
+        splitting.enter_context(mock.patch.object(fp8_kernels, "default_split_k", lambda *_: split))
     with defaults(persistent="all" if c.get("persistent") else "none"), splitting:
         got = moe_experts(x, w1, w2, plan, out=out, **kwargs)
     assert got.shape == (M * K, H) and got.dtype == dtype and got.device == x.device, c

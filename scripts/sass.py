@@ -455,7 +455,7 @@ def experts(args: argparse.Namespace) -> list[str]:
                 continue
             text, s, smem = result
             # Main-loop instructions of all threads per weight of one K step: the unpacking cost (MXFP4).
-            weights = tiles.block_n * tiles.block_k * (2 if gemm == 1 else 1)
+            weights = tiles.block_n * tiles.block_k * (2 if gemm == 1 and not halves else 1)  # halves: one tile
             per_weight = main_loop_instructions(text) * tiles.num_warps * 32 / weights
             print(f"{name:18s} {TYPE_NAMES[dtype]:5s} {M:5d} {gemm:4d}{'h' if halves else ' '}{block_m:6d} "
                   f"{tiles.block_n:4d}x{tiles.block_k:<4d} {tiles.group_m:5d} {tiles.num_warps:5d} "

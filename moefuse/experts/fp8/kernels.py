@@ -172,66 +172,55 @@ def _gemm1_fp8_kernel(
         up_scale_ptrs = s_expert + (N // 128 + col_block) * stride_sn
     else:  # [BLOCK_N]: the up tile straddles two weight blocks
         up_scale_ptrs = s_expert + ((N + wrapped) // 128) * stride_sn
-    if HALVES:  # one of the two tiles: its weight rows and (UP_ALIGNED) its scalar block scale, one accumulator
+    if HALVES:  # this program's tile, the gate (half 0) or the up one (1), through the gate's pointers (UP_ALIGNED)
         half = tl.program_id(1)
-        w_row = gate_row + half * N
-        w_ptrs = gate_ptrs + half * N * stride_wn
-        scale_ptrs = gate_scale_ptrs + half * (N // 128) * stride_sn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k_step in range(k_begin, k_end, BOXES * BLOCK_K):
-            for box in tl.static_range(BOXES):
-                k0 = k_step + box * BLOCK_K
-                group, k_ok, a, a_scale = _load_box(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, K, ks, stride_am,
-                                                    stride_ak, stride_asm, stride_asg, A_TMA, BLOCK_K, BOXES)
-                if W_TMA:
-                    w = w_desc.load([w_row, k0]).T
-                else:
-                    w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-                acc = _add_scaled(acc, a, w, a_scale, tl.load(scale_ptrs + group * stride_sk), True, False)
-                w_ptrs += BLOCK_K * stride_wk
-        done = row_ok[:, None] & col_ok[None, :]
-        part = part_ptr + rows.to(tl.int64)[:, None] * (2 * N) + cols[None, :]
-        tl.store(part + half * N, acc, mask=done)
-        if tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel") < 1:  # acq_rel: as for SPLIT_K below
-            return
-        tl.store(arrivals_ptr + tl.program_id(0), 0)
-        acc_gate = tl.load(part, mask=done, other=0.0, cache_modifier=".cg")
-        acc_up = tl.load(part + N, mask=done, other=0.0, cache_modifier=".cg")
-    else:
-        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k_step in range(k_begin, k_end, BOXES * BLOCK_K):
-            for box in tl.static_range(BOXES):
-                k0 = k_step + box * BLOCK_K
-                group, k_ok, a, a_scale = _load_box(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, K, ks, stride_am,
-                                                    stride_ak, stride_asm, stride_asg, A_TMA, BLOCK_K, BOXES)
-                if W_TMA:  # zero-filled past K
-                    gate_w = w_desc.load([gate_row, k0]).T
+        gate_row += half * N
+        gate_ptrs += half * N * stride_wn
+        gate_scale_ptrs += half * (N // 128) * stride_sn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_step in range(k_begin, k_end, BOXES * BLOCK_K):
+        for box in tl.static_range(BOXES):
+            k0 = k_step + box * BLOCK_K
+            group, k_ok, a, a_scale = _load_box(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, K, ks, stride_am,
+                                                stride_ak, stride_asm, stride_asg, A_TMA, BLOCK_K, BOXES)
+            if W_TMA:  # zero-filled past K
+                gate_w = w_desc.load([gate_row, k0]).T
+                if not HALVES:
                     up_w = w_desc.load([gate_row + N, k0]).T
-                else:
-                    gate_w = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
+            else:
+                gate_w = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
+                if not HALVES:
                     up_w = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
-                step = group * stride_sk
-                acc_gate = _add_scaled(acc_gate, a, gate_w, a_scale, tl.load(gate_scale_ptrs + step), True, False)
+            step = group * stride_sk
+            acc_gate = _add_scaled(acc_gate, a, gate_w, a_scale, tl.load(gate_scale_ptrs + step), True, False)
+            if not HALVES:
                 acc_up = _add_scaled(acc_up, a, up_w, a_scale, tl.load(up_scale_ptrs + step), UP_ALIGNED, False)
-                gate_ptrs += BLOCK_K * stride_wk
-                up_ptrs += BLOCK_K * stride_wk
+            gate_ptrs += BLOCK_K * stride_wk
+            up_ptrs += BLOCK_K * stride_wk
 
-    if SPLIT_K > 1:
+    if SPLIT_K > 1 or HALVES:
         done = row_ok[:, None] & col_ok[None, :]
         part = part_ptr + rows.to(tl.int64)[:, None] * (2 * N) + cols[None, :]
         split_stride = num_rows.to(tl.int64) * (2 * N)
-        tl.store(part + tl.program_id(1) * split_stride, acc_gate, mask=done)
-        tl.store(part + tl.program_id(1) * split_stride + N, acc_up, mask=done)
+        if HALVES:
+            tl.store(part + half * N, acc_gate, mask=done)
+        else:
+            tl.store(part + tl.program_id(1) * split_stride, acc_gate, mask=done)
+            tl.store(part + tl.program_id(1) * split_stride + N, acc_up, mask=done)
         # acq_rel: this program's partial sums are visible to the last arriver, and the last sees every one
-        if tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel") < SPLIT_K - 1:
+        if tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel") < (2 if HALVES else SPLIT_K) - 1:
             return
         tl.store(arrivals_ptr + tl.program_id(0), 0)  # every run has arrived: a caller's workspace stays zeroed
-        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for split in tl.static_range(SPLIT_K):  # in split order, not arrival order
-            acc_gate += tl.load(part + split * split_stride, mask=done, other=0.0, cache_modifier=".cg")
-            acc_up += tl.load(part + split * split_stride + N, mask=done, other=0.0, cache_modifier=".cg")
+        if HALVES:  # loaded as stored: the bits of the unsplit sums
+            acc_gate = tl.load(part, mask=done, other=0.0, cache_modifier=".cg")
+            acc_up = tl.load(part + N, mask=done, other=0.0, cache_modifier=".cg")
+        else:
+            acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):  # in split order, not arrival order
+                acc_gate += tl.load(part + split * split_stride, mask=done, other=0.0, cache_modifier=".cg")
+                acc_up += tl.load(part + split * split_stride + N, mask=done, other=0.0, cache_modifier=".cg")
 
     act = _swiglu(acc_gate, acc_up, limit, HAS_LIMIT)
     act = tl.where(col_ok[None, :], act, 0.0)  # a partial last group: its missing columns must not set the amax

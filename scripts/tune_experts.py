@@ -5,7 +5,7 @@ Usage:
     python scripts/tune_experts.py                                  # SPEC models, default token buckets
     python scripts/tune_experts.py --models deepseek-v3 --tokens 1 16 128 1024 4096 --quick
     python scripts/tune_experts.py --seed --gpu h200                # no GPU: write the untuned heuristic seed
-    python scripts/tune_experts.py --dense --timings results/tune_h100.json   # every format, a dense token grid
+    python scripts/tune_experts.py --dense --passes 3 --timings results/tune_h100.json   # every format, dense grid
 
 The table written is the one of this GPU's model (``configs.TABLES``, ``--gpu``); a table serves only the GPU model
 its ``"gpu"`` header names (``configs.table_for``), so tuning on another model is refused. Entries of other formats
@@ -32,6 +32,9 @@ times were measured). Each bucket takes the tallest tile whose median over it an
 time does not flip a choice) is within ``TALLER_WITHIN`` (2%) of the lowest: under skewed routing a short tile runs
 twice for the experts past its height where a taller one runs once (on an H100, uniformly tuned, this rule removed
 the layer sweep's bf16 cliffs of 3-6% at 384-992 tokens).
+``--passes N`` times each candidate N times, in passes alternately forwards and backwards over the grid, and keeps
+the median: one timing of a compute-bound launch moves with the clock under the power cap (launches that differ only
+in grouping measured up to 15% apart on an H100). The candidates at one M run the same tokens and routing.
 ``--jobs N`` compiles every candidate first in N processes (on small copies of
 the weights: the kernels depend on the shapes' widths, not on E), so the timing run loads them from Triton's cache.
 ``--timings`` keeps the raw times (a JSON list) and ``--from-timings`` rebuilds the entries from such a file.
@@ -228,14 +231,42 @@ def dense_candidates(M: int, name: str, fmt: str, table: dict[str, Any] | None =
     return found
 
 
+def time_passes(calls: list[Callable[[], Any]], passes: int, timer: Callable[[Callable[[], Any]], float],
+                describe: Callable[[int], str]) -> list[list[float]]:
+    """Each call timed ``passes`` times (``timer``), in passes that walk the list alternately forwards and
+    backwards (``sweep.over_passes``: a drift of the clock under the power cap does not follow the list's order);
+    each call's times in pass order, or [] for one that raised (logged once, with ``describe(i)``, and not timed
+    again)."""
+    from moefuse.bench.sweep import over_passes
+
+    failed: set[int] = set()
+
+    def time_at(i: int) -> float | None:
+        if i in failed:
+            return None
+        try:
+            return timer(calls[i])
+        except Exception as error:  # noqa: BLE001 - a launch the GPU refuses is skipped
+            failed.add(i)
+            _log(f"{describe(i)}: {type(error).__name__}: {str(error)[:120]}")
+            return None
+
+    times = over_passes(time_at, list(range(len(calls))), passes)
+    return [[] if i in failed else [t for t in times[i] if t is not None] for i in range(len(calls))]
+
+
 def time_dense(models: list[str], formats: list[str], grid: list[int], table: dict[str, Any] | None,
                compile_only: tuple[int, int] | None = None,
                checkpoint: Callable[[list[dict[str, Any]]], None] | None = None,
-               routing: str = "layer") -> list[dict[str, Any]]:
+               routing: str = "layer", passes: int = 1) -> list[dict[str, Any]]:
     """Time (or, with ``compile_only`` = (k, n), compile the k-th of n shares of) every dense candidate.
     ``checkpoint`` gets the times so far after each model and format (a run cut short keeps what it measured).
     ``routing``: "layer" routes each M's tokens through the layer's own gate (random weights, as ``moefuse bench
-    sweep`` runs it: some experts draw more rows than others), "uniform" draws K distinct experts a token."""
+    sweep`` runs it: some experts draw more rows than others), "uniform" draws K distinct experts a token.
+    ``passes``: each candidate's time the median of that many (:func:`time_passes`), kept as ``us_passes``. The
+    candidates at one M run the same tokens and routing."""
+    from statistics import median
+
     from moefuse import _runtime as runtime
     from moefuse.bench.sweep import _time_us
     from moefuse.dispatch import moe_dispatch
@@ -270,31 +301,37 @@ def time_dense(models: list[str], formats: list[str], grid: list[int], table: di
             w1, w2 = layer.experts.weights()
             E = layer_cfg.num_experts
             gen = torch.Generator("cuda").manual_seed(1)
+            jobs: list[tuple[int, str, int, TileConfig, bool, Callable[[], Any]]] = []
+            tokens: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # M -> its tokens and routing, every candidate's
             for M, cand, block_m, tiles, persistent in todo:
-                x = torch.randn(M, cfg.hidden_size, generator=gen, device="cuda", dtype=torch.bfloat16)
-                if routing == "layer" and compile_only is None:
-                    with torch.no_grad():
-                        ids = layer.gate(x)[1]
-                else:  # a compile share's small layer routes over other experts: its plans only need the shapes
-                    ids = torch.rand(M, E, generator=gen, device="cuda").topk(cfg.top_k, dim=1).indices.int()
+                if M not in tokens:
+                    x = torch.randn(M, cfg.hidden_size, generator=gen, device="cuda", dtype=torch.bfloat16)
+                    if routing == "layer" and compile_only is None:
+                        with torch.no_grad():
+                            tokens[M] = x, layer.gate(x)[1]
+                    else:  # a compile share's small layer routes over other experts: its plans need only the shapes
+                        scores = torch.rand(M, E, generator=gen, device="cuda")
+                        tokens[M] = x, scores.topk(cfg.top_k, dim=1).indices.int()
+                x, ids = tokens[M]
                 plan = moe_dispatch(ids, E, block_m)
 
-                def call(tiles: TileConfig = tiles, plan: Any = plan, x: torch.Tensor = x) -> torch.Tensor:
-                    with configs.override(tiles):
+                def call(tiles: TileConfig = tiles, plan: Any = plan, x: torch.Tensor = x,
+                         persistent: bool = persistent) -> torch.Tensor:
+                    with configs.override(tiles), runtime.defaults():
                         return moe_experts(x, w1, w2, plan, swiglu_limit=cfg.swiglu_limit,
                                            persistent="all" if persistent else "none")
-                try:
-                    with runtime.defaults():
-                        if compile_only is not None:
-                            call()
-                            torch.cuda.synchronize()
-                            continue
-                        us = _time_us(call)
-                except Exception as error:  # noqa: BLE001 - a launch the GPU refuses is skipped
-                    _log(f"{name} {fmt} M={M} {cand}: {type(error).__name__}: {str(error)[:120]}")
-                    continue
-                rows.append({"model": name, "format": fmt, "M": M, "cand": cand, "block_m": block_m,
-                             "config": tiles.to_dict(), "persist": persistent, "us": us, "routing": routing})
+                jobs.append((M, cand, block_m, tiles, persistent, call))
+            if compile_only is not None:  # compile: one launch each (a refused one is skipped)
+                time_passes([job[-1] for job in jobs], 1, lambda call: (call(), torch.cuda.synchronize(), 0.0)[-1],
+                            lambda i: f"{name} {fmt} M={jobs[i][0]} {jobs[i][1]}")
+            else:
+                times = time_passes([job[-1] for job in jobs], passes, _time_us,
+                                    lambda i: f"{name} {fmt} M={jobs[i][0]} {jobs[i][1]}")
+                for (M, cand, block_m, tiles, persistent, _), us in zip(jobs, times):
+                    if us:
+                        rows.append({"model": name, "format": fmt, "M": M, "cand": cand, "block_m": block_m,
+                                     "config": tiles.to_dict(), "persist": persistent, "us": median(us),
+                                     "routing": routing, **({"us_passes": us} if passes > 1 else {})})
             _log(f"{'compiled' if compile_only else 'timed'} {name} {fmt}")
             del layer, w1, w2
             torch.cuda.empty_cache()
@@ -395,7 +432,8 @@ def run_dense(args: argparse.Namespace, table: dict[str, Any], out: Path) -> int
             if any(proc.wait() for proc in procs):
                 _log("a compile process failed; its candidates compile while timed")
         rows = time_dense(args.models, args.formats, grid, table,
-                          checkpoint=lambda done: _write_dense(args, table, out, done), routing=args.routing)
+                          checkpoint=lambda done: _write_dense(args, table, out, done), routing=args.routing,
+                          passes=args.passes)
     _write_dense(args, table, out, rows)
     _log(f"wrote {out}")
     from moefuse.bench.sweep import cliffs
@@ -435,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-timings", help="--dense: build the entries from this file of raw times (no GPU)")
     parser.add_argument("--routing", choices=("layer", "uniform"), default="layer",
                         help="--dense: tokens routed by the layer's own gate (as the sweep runs it) or uniformly")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="--dense: each candidate timed this many times, in passes alternately forwards and "
+                             "backwards over the grid; the median kept (the power cap moves the clock)")
     parser.add_argument("--measured-on", help="--from-timings: the date the times were measured (the entries' status)")
     parser.add_argument("--compile-share", help=argparse.SUPPRESS)  # k/n: a compile process of --jobs
     args = parser.parse_args(argv)

@@ -362,6 +362,30 @@ def test_dense_tuning_over_part_of_the_grid_keeps_the_other_buckets():
     tune.merge_entries(table, [whole])
     assert table["entries"][0] == whole  # a run over the whole range replaces the entry
 
+
+def test_dense_tuning_times_each_candidate_in_alternating_passes():
+    """``tune_experts --dense --passes N``: every candidate timed N times, the passes walking the candidates forwards
+    then backwards (a clock drift under the power cap does not follow their order); a candidate whose launch raises
+    is logged once and left out, not retried."""
+    tune = script("tune_experts")
+    order: list[str] = []
+
+    def call(name: str):
+        def run() -> str:
+            if name == "bad":
+                raise RuntimeError("out of resources")
+            return name
+        return run
+
+    def timer(fn) -> float:
+        order.append(fn())
+        return float(len(order))
+
+    calls = [call("a"), call("bad"), call("b")]
+    times = tune.time_passes(calls, 3, timer, lambda i: f"candidate {i}")
+    assert order == ["a", "b", "b", "a", "a", "b"]
+    assert times == [[1.0, 4.0, 5.0], [], [2.0, 3.0, 6.0]]
+
 # --- errors ---------------------------------------------------------------------------------------------
 
 def _good_args():

@@ -321,19 +321,19 @@ def time_dense(models: list[str], formats: list[str], grid: list[int], table: di
                         return moe_experts(x, w1, w2, plan, swiglu_limit=cfg.swiglu_limit,
                                            persistent="all" if persistent else "none")
                 jobs.append((M, cand, block_m, tiles, persistent, call))
+            calls = [entry[-1] for entry in jobs]
             if compile_only is not None:  # compile: one launch each (a refused one is skipped)
-                time_passes([job[-1] for job in jobs], 1, lambda call: (call(), torch.cuda.synchronize(), 0.0)[-1],
+                time_passes(calls, 1, lambda call: (call(), torch.cuda.synchronize(), 0.0)[-1],
                             lambda i: f"{name} {fmt} M={jobs[i][0]} {jobs[i][1]}")
             else:
-                times = time_passes([job[-1] for job in jobs], passes, _time_us,
-                                    lambda i: f"{name} {fmt} M={jobs[i][0]} {jobs[i][1]}")
+                times = time_passes(calls, passes, _time_us, lambda i: f"{name} {fmt} M={jobs[i][0]} {jobs[i][1]}")
                 for (M, cand, block_m, tiles, persistent, _), us in zip(jobs, times):
                     if us:
                         rows.append({"model": name, "format": fmt, "M": M, "cand": cand, "block_m": block_m,
                                      "config": tiles.to_dict(), "persist": persistent, "us": median(us),
                                      "routing": routing, **({"us_passes": us} if passes > 1 else {})})
             _log(f"{'compiled' if compile_only else 'timed'} {name} {fmt}")
-            del layer, w1, w2
+            del layer, w1, w2, jobs, calls, tokens  # the closures hold the weights: the next format's are as large
             torch.cuda.empty_cache()
             if checkpoint is not None and compile_only is None:
                 checkpoint(rows)

@@ -452,7 +452,13 @@ def fp8_halves(rows: int, width: int, sms: int) -> bool:
     where its grid (a program per row and 128 columns at most: rows · ceil(I / 128)) fills at most two programs an
     SM, as where :func:`fp8_split_k` would split it (a batch-invariant layer may not: DeepSeek-V3's token with its
     shared slot is 144 programs on 132 SMs, twelve of them running two)."""
-    return rows * -(-width // 128) <= 2 * sms
+    return _gemm1_programs(rows, width) <= 2 * sms
+
+
+def _gemm1_programs(rows: int, width: int) -> int:
+    """fp8 GEMM1's unsplit grid on ``rows`` token rows and intermediate width ``width``: a program per row (at
+    most: a tile may hold several) and 128 columns."""
+    return rows * -(-width // 128)
 
 
 def fp8_split_k(rows: int, width: int, sms: int) -> int:
@@ -464,9 +470,9 @@ def fp8_split_k(rows: int, width: int, sms: int) -> int:
     their waves, the fewest on a tie; else 1. A wave is ``sms`` unsplit programs (``FP8_PAIR_STAGES`` of two-box
     steps hold an SM's shared memory) or 2 · ``sms`` split ones (two share an SM on ``FP8_SPLIT_PAIR_STAGES``).
     The splits it picks on the presets, and their times, are in docs/PERF-NOTES.md (fp8 decode)."""
-    programs = rows * -(-width // 128)
-    if programs > 2 * sms:
+    if not fp8_halves(rows, width, sms):  # the unsplit grid already fills more than two programs an SM
         return 1
+    programs = _gemm1_programs(rows, width)
 
     def filled(split: int) -> float:
         slots = sms if split == 1 else 2 * sms

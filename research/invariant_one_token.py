@@ -89,10 +89,12 @@ def slot_launches(layer: MoELayer, gen: torch.Generator) -> dict:
     launches = [(128, stages, warps, halves) for halves in (False, True) for stages in (2, 3, 4)
                 for warps in (4, 8)]
     launches += [(256, 2, warps, False) for warps in (4, 8)]
-    rule = fp8_kernels.default_halves
+    rule, halves_launch = fp8_kernels.default_halves, (fp8_kernels.FP8_HALVES_WARPS, fp8_kernels.FP8_HALVES_STAGES)
     try:
         for depth, stages, warps, halves in launches:
             fp8_kernels.default_halves = lambda *args, on=halves: on  # type: ignore[misc]
+            # halves run their own launch (configs.FP8_HALVES_STAGES): set it to this one
+            fp8_kernels.FP8_HALVES_WARPS, fp8_kernels.FP8_HALVES_STAGES = warps, stages
             tiles = replace(base, gemm1=replace(base.gemm1, block_k=depth, num_stages=stages, num_warps=warps))
             with configs.override(tiles), torch.no_grad():
                 row[f"stages{stages}_warps{warps}" + ("_two_boxes" if depth == 256 else "")
@@ -101,6 +103,7 @@ def slot_launches(layer: MoELayer, gen: torch.Generator) -> dict:
                         activation_quant=layer.activation_quant, batch_invariant=True))
     finally:
         fp8_kernels.default_halves = rule
+        fp8_kernels.FP8_HALVES_WARPS, fp8_kernels.FP8_HALVES_STAGES = halves_launch
     row["halves_by_rule"] = rule(int(ids.numel()), c.intermediate_size, 1, x.device)
     return row
 

@@ -67,6 +67,12 @@ FP8_SPLIT_STAGES = 3
 # by box against 82.6 in pairs, 76.6 at the floor (H100, 2026-12-05).
 FP8_PAIR_STAGES = 3
 FP8_SPLIT_PAIR_STAGES = 2
+# GEMM1 in gate and up halves (``fp8_halves``) runs 128-deep steps on this many warps and pipeline stages, whatever
+# the tile choice asked for: DeepSeek-V3's batch-invariant token with its shared slot (288 half programs) took
+# 162.6 µs on 4 warps and 3 stages, 167.3 on 4 and 4, 205.6 and 215.1 on 2 stages; 168.0 as whole tiles (H100,
+# 2026-12-06, research/invariant_one_token.py).
+FP8_HALVES_WARPS = 4
+FP8_HALVES_STAGES = 3
 FP8_SPLIT_MAX = 4  # the most runs fp8_split_k splits GEMM1's K into (5, 6 and 8 measured no faster)
 MXFP4_FEW_ROWS = 16  # at most this many routed rows: MXFP4's deeper decode tiles (heuristic, item 7)
 # MXFP4's tile heights and the most rows per touched expert each takes before the next is faster (heuristic, item 7);

@@ -50,6 +50,8 @@ from ...dispatch import DispatchPlan
 from ...formats import BLOCK, BlockFP8
 from ..common import _program_start, _round, _swiglu, _tile_span, rows_descriptor, weight_descriptor
 from ..configs import (
+    FP8_HALVES_STAGES,
+    FP8_HALVES_WARPS,
     FP8_SPLIT_PAIR_STAGES,
     FP8_SPLIT_STAGES,
     SMEM_BUDGET,
@@ -365,6 +367,8 @@ def experts_fp8(
     # The stage model counts GEMM1's e4m3 activation tiles at hidden's width, the stage counts the fp8 tiles were
     # timed with: at 1 byte, 128-row tiles would take a fourth stage, which no timing backs.
     budget = SMEM_BUDGET if emulate else _runtime.gpu(device).smem - SMEM_SLACK  # the GPU's own shared memory
+    if halves:  # half programs have a launch of their own (configs.FP8_HALVES_STAGES)
+        gemm1_tiles = GemmTiles(gemm1_tiles.block_n, BLOCK, gemm1_tiles.group_m, FP8_HALVES_WARPS, FP8_HALVES_STAGES)
     t1 = fp8_tiles(gemm1_tiles, plan.block_m, True, hidden.element_size(), split_k, budget)
     t2 = fp8_tiles(gemm2_tiles, plan.block_m, False, 1, budget=budget)
     a, a_scales = quantized_rows(plan, hidden_size, device)

@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -312,20 +313,21 @@ def compile_gluon(fn, types: dict[str, str], constexprs: dict[str, Any], maxnreg
     return triton.compile(src, target=SM90, options={"num_warps": 4, "maxnreg": maxnreg})
 
 
-def compile_mxfp4_ws_gemm(gemm: int, block_m: int, has_limit: bool):
+def compile_mxfp4_ws_gemm(gemm: int, block_m: int, has_limit: bool, narrow: bool = False):
     """The warp-specialized MXFP4 GEMM1 or GEMM2 (``experts/mxfp4/ws.py``, Gluon) as ``experts_mxfp4_ws`` launches
-    it on sm_90: two 64-row consumers, 128-deep steps, registers and slots from ``LAUNCH``."""
+    it on sm_90: two 64-row consumers (one, ``narrow``), 128-deep steps, registers and slots from ``LAUNCH``."""
     from triton.experimental.gluon import language as gl
 
     ws = experts_mxfp4_ws
     fn = ws._gemm1_ws_kernel if gemm == 1 else ws._gemm2_ws_kernel
     shape = ws.LAUNCH[block_m]
     constexprs = {"BLOCK_M": block_m, "STAGES": shape.stages, "WL": ws.WORD_LAYOUT,
-                  "PRODUCER_REGS": ws.PRODUCER_REGS, "CONSUMER_REGS": shape.consumer_regs,
+                  "PRODUCER_REGS": ws.PRODUCER_REGS, "CONSUMER_REGS": shape.consumer_regs, "NARROW": narrow,
                   **({"HAS_LIMIT": has_limit} if gemm == 1 else {})}
-    w_layout = gl.NVMMASharedLayout.get_default_for([ws.ROWS, ws.BLOCK_K // 8], gl.int32)
+    box_rows = ws.ROWS // 2 if narrow and gemm == 1 else ws.ROWS  # narrow GEMM1 loads 32 gate and 32 up rows
+    w_layout = gl.NVMMASharedLayout.get_default_for([box_rows, ws.BLOCK_K // 8], gl.int32)
     a_layout = gl.NVMMASharedLayout.get_default_for([block_m, ws.BLOCK_K], gl.bfloat16)
-    types = {"w_desc": f"tensordesc<i32[{ws.ROWS}, {ws.BLOCK_K // 8}],{w_layout!r}>",
+    types = {"w_desc": f"tensordesc<i32[{box_rows}, {ws.BLOCK_K // 8}],{w_layout!r}>",
              "a_desc": f"tensordesc<bf16[{block_m}, {ws.BLOCK_K}],{a_layout!r}>",
              "s_ptr": "*i32", "inter_ptr": "*bf16", "out_ptr": "*bf16", "limit": "fp32"}
     return compile_gluon(fn, types, constexprs, shape.maxnreg)
@@ -473,8 +475,10 @@ def mxfp4_ws(args: argparse.Namespace) -> list[str]:
     problems = []
     print(f"{'MMA':5s} {'GEMM':4s} {'BLOCK_M':>7s} {'clamp':>5s} {'maxnreg':>7s} {'stages':>6s} {'smem':>6s} "
           f"{'regs':>4s} {'stack':>5s} {'HGMMA':>5s} {'loop/weight':>11s}")
-    launches = [("W4A16", block_m, shape.maxnreg, shape.stages, compile_mxfp4_ws_gemm)
+    launches = [("W4A16", block_m, shape.maxnreg, shape.stages, partial(compile_mxfp4_ws_gemm, narrow=False))
                 for block_m, shape in experts_mxfp4_ws.LAUNCH.items()]
+    launches += [("W4A16n", block_m, experts_mxfp4_ws.LAUNCH[block_m].maxnreg, experts_mxfp4_ws.LAUNCH[block_m].stages,
+                  partial(compile_mxfp4_ws_gemm, narrow=True)) for block_m in experts_mxfp4_ws.NARROW_HEIGHTS]
     launches += [("W4A8", block_m, shape.maxnreg, shape.stages, compile_mxfp4_w4a8_gemm)
                  for block_m, shape in experts_mxfp4_w4a8.LAUNCH.items()]
     for mma, block_m, maxnreg, stages, build in launches:
@@ -487,7 +491,7 @@ def mxfp4_ws(args: argparse.Namespace) -> list[str]:
             # W4A16: a consumer thread's K step, 64 rows x 128 columns of weights over its warp group's 128
             # threads. W4A8: the transform's (the shortest loop that stores to shared memory), 128 rows x 128
             # over 128 threads, TRANSFORM_STEPS steps an iteration.
-            per_weight = (main_loop_instructions(text, shortest_with="GMMA") / 64 if mma == "W4A16"
+            per_weight = (main_loop_instructions(text, shortest_with="GMMA") / 64 if mma.startswith("W4A16")
                           else main_loop_instructions(text, shortest_with="STS")
                           / (128 * experts_mxfp4_w4a8.TRANSFORM_STEPS))
             print(f"{mma:5s} {gemm:4d} {block_m:7d} {str(has_limit):>5s} {maxnreg:7d} {stages:6d} {smem:6d} "

@@ -439,12 +439,17 @@ def _run(x, w1, w2, plan, limit, activation_quant=None):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Gluon kernels run on sm_90 only (CI compiles them: test_sm90.py)")
 @pytest.mark.parametrize("limit", [None, 1.5], ids=["no-clamp", "clamp"])
+@pytest.mark.parametrize("narrow", [False, True], ids=["wide", "narrow"])
 @pytest.mark.parametrize("block_m, M", [(16, 1), (16, 6), (16, 16), (32, 40), (64, 70), (128, 150)])
-def test_warp_specialized_matches_float64_and_triton(block_m, M, limit, gen, device, monkeypatch):
+def test_warp_specialized_matches_float64_and_triton(block_m, M, narrow, limit, gen, device, monkeypatch):
     """On Hopper the Gluon kernels run (``ws_eligible``), at every tile height they have a launch shape for (up to
-    75 rows an expert: partial tiles): against the float64 reference on quantized random weights (-1 slots, an empty
-    expert, a NaN token), and bit for bit against the Triton kernels on random codes with exponents over the whole
-    supported range (the Triton kernels' unpacking is proven exact above)."""
+    75 rows an expert: partial tiles), in wide and, where a height may, narrow programs (``narrow_grid``, forced
+    here: these small grids would take narrow ones wherever allowed): against the float64 reference on quantized
+    random weights (-1 slots, an empty expert, a NaN token), and bit for bit against the Triton kernels on random
+    codes with exponents over the whole supported range (the Triton kernels' unpacking is proven exact above)."""
+    if narrow and block_m not in mxfp4_ws.NARROW_HEIGHTS:
+        pytest.skip("no narrow programs at this height")
+    monkeypatch.setattr(mxfp4_ws, "narrow_grid", lambda programs, height, dev: narrow)
     E, H, I = WS_SHAPE
     x, w1, w2, ids = _inputs(gen, M, 3, E, H, I, empty=4, device=device)
     x[0, 70] = float("nan")
@@ -461,6 +466,17 @@ def test_warp_specialized_matches_float64_and_triton(block_m, M, limit, gen, dev
     n_valid = int(plan.expert_offsets[-1])
     assert torch.equal(got[:n_valid].nan_to_num(7.0), want[:n_valid].nan_to_num(7.0))
     assert got[n_valid:].isnan().all()
+
+
+def test_narrow_programs_only_where_the_wide_grid_is_uneven(monkeypatch):
+    """Narrow programs where the wide grid puts two programs on some SMs and one on others (DeepSeek-V4-Flash's
+    192 at one token on 132 SMs), and on 16-row tiles only: not where it holds one an SM or less, nor more than two
+    (where narrow programs measured no faster)."""
+    monkeypatch.setattr(mxfp4_ws._runtime, "sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert [mxfp4_ws.narrow_grid(p, 16, cpu) for p in (108, 132, 133, 192, 264, 265, 416)] == [
+        False, False, True, True, True, False, False]
+    assert not any(mxfp4_ws.narrow_grid(192, block_m, cpu) for block_m in (32, 64, 128))
 
 
 # --- W4A8: fp8 MMAs at prefill (SPEC §6) -------------------------------------------------------------------------

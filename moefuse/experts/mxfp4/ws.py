@@ -26,6 +26,13 @@ gathered first (``common.gather_rows``: the plan's rows of ``hidden``, columns p
 ``kernels._paired`` does in registers), and GEMM1 writes the intermediate in that order for GEMM2 to read as it is.
 SwiGLU pairs a gate row with the up row of the same column, which the other consumer holds: the up consumer hands
 its accumulator over through shared memory and an mbarrier, and the gate consumer finishes the tile.
+
+Where a grid of such programs would put two on some SMs and one on the rest (a token: DeepSeek-V4-Flash's six
+experts make 192 programs on 132 SMs, 60 of them running two), the kernels run *narrow* programs of one consumer
+instead (``NARROW``, :func:`narrow_grid`): GEMM2's hold one 64-row box, GEMM1's a box of 32 gate rows over the 32
+up rows of the same columns (two 32-row TMA loads into one slot), the consumer exchanging its halves through shared
+memory for SwiGLU. Twice the programs, each half the work, about three an SM; each row's sums are the same MMAs in
+the same order, so the bits are the wide programs'.
 """
 from __future__ import annotations
 
@@ -52,6 +59,7 @@ except ImportError:  # pragma: no cover - every supported Triton has it
 
 BLOCK_K = 128  # one int32 of exponents (four groups of 32) per row and step
 ROWS = 64  # weight rows per consumer: one wgmma M
+NARROW_HEIGHTS = (16,)  # tile heights that may run narrow programs (a token or two: 16-row tiles)
 PRODUCER_REGS = 24  # the producer warp's registers after the hand-over (setmaxnreg); the consumers take the rest
 
 
@@ -88,27 +96,38 @@ if gluon is not None:
 
     @gluon.jit
     def _produce(w_desc, a_desc, w_smem, a_smem, ready, empty, w_row0, w_row1, a_row, k_steps,
-                 STAGES: gl.constexpr):
-        """The producer warp: per step, both consumers' weight boxes and the activation rows into slot i % STAGES."""
+                 STAGES: gl.constexpr, BOXES: gl.constexpr, BUFS: gl.constexpr):
+        """The producer warp: per step, the weight boxes (rows ``w_row0 ..`` and, with two, ``w_row1 ..``) and the
+        activation rows into slot i % STAGES: two boxes into two buffers (wide programs) or the two halves of one
+        (narrow GEMM1's 32-row boxes), one box into one buffer (narrow GEMM2)."""
         for i in range(k_steps):
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first lap finds every slot free
-            mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes + a_desc.block_type.nbytes)
-            tma_load(w_desc, [w_row0, i * (_BK // 8)], ready.index(s), w_smem.index(2 * s))
-            tma_load(w_desc, [w_row1, i * (_BK // 8)], ready.index(s), w_smem.index(2 * s + 1))
+            mbarrier.expect(ready.index(s), BOXES * w_desc.block_type.nbytes + a_desc.block_type.nbytes)
+            if BOXES == 1:
+                tma_load(w_desc, [w_row0, i * (_BK // 8)], ready.index(s), w_smem.index(s))
+            elif BUFS == 2:
+                tma_load(w_desc, [w_row0, i * (_BK // 8)], ready.index(s), w_smem.index(2 * s))
+                tma_load(w_desc, [w_row1, i * (_BK // 8)], ready.index(s), w_smem.index(2 * s + 1))
+            else:
+                tma_load(w_desc, [w_row0, i * (_BK // 8)], ready.index(s), w_smem.index(s).slice(0, _ROWS // 2))
+                tma_load(w_desc, [w_row1, i * (_BK // 8)], ready.index(s),
+                         w_smem.index(s).slice(_ROWS // 2, _ROWS // 2))
             tma_load(a_desc, [a_row, i * _BK], ready.index(s), a_smem.index(s))
 
     @gluon.jit
-    def _consume(w_smem, a_smem, ready, empty, s_ptr, s_row, stride_sn, k_steps, PART: gl.constexpr,
-                 BLOCK_M: gl.constexpr, STAGES: gl.constexpr, WL: gl.constexpr, MMA: gl.constexpr):
-        """A consumer's main loop over K: ``acc`` [64, BLOCK_M] (fp32, swapped) of its weight box, rows
-        ``s_row ..`` of the exponents (an int32 view, one word per row and step)."""
+    def _consume(w_smem, a_smem, ready, empty, s_ptr, s_row, s_jump, stride_sn, k_steps, PART: gl.constexpr,
+                 BUFS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, WL: gl.constexpr,
+                 MMA: gl.constexpr):
+        """A consumer's main loop over K: ``acc`` [64, BLOCK_M] (fp32, swapped) of its weight box (buffer
+        ``BUFS`` · slot + ``PART``), rows ``s_row ..`` of the exponents (an int32 view, one word per row and step),
+        its second 32 rows ``s_jump`` further (narrow GEMM1's up rows)."""
         G: gl.constexpr = _BK // 32
         dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         rows = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, WL))
         cols = gl.arange(0, _BK // 8, layout=gl.SliceLayout(0, WL))
         selector = gl.expand_dims((cols // 4) * 0x1010 + 0x0404, 0)  # word c is in group c / 4 of the step
-        s_ptrs = s_ptr + (s_row + rows).to(gl.int64) * stride_sn
+        s_ptrs = s_ptr + (s_row + rows + gl.where(rows >= _ROWS // 2, s_jump, 0)).to(gl.int64) * stride_sn
         exponents = gl.load(s_ptrs)
         acc = gl.zeros([_ROWS, BLOCK_M], gl.float32, MMA)
         for i in range(k_steps):
@@ -116,7 +135,7 @@ if gluon is not None:
             biased = gl.expand_dims(exponents, 1) + 0x7E7E7E7E  # e + 126 per byte: no carry for e <= 129
             exponents = gl.load(s_ptrs + gl.minimum(i + 1, k_steps - 1))  # the next step's, while this one runs
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            words = w_smem.index(2 * s + PART).load(WL)
+            words = w_smem.index(BUFS * s + PART).load(WL)
             biased, sel = gl.broadcast(biased, selector)
             x0, x4, x1, x5, x2, x6, x3, x7 = gl.inline_asm_elementwise(
                 _UNPACK, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, biased, sel], dtype=(gl.bfloat16,) * 8,
@@ -138,11 +157,12 @@ if gluon is not None:
 
     @gluon.jit
     def _store(acc, out_ptr, row_start, row_end, col0, stride_om, PAIRED: gl.constexpr, BLOCK_M: gl.constexpr,
-               MMA: gl.constexpr):
-        """``out[rows, col0 + n] = acc[n, rows - row_start]`` in bf16 for the expert's rows; ``PAIRED`` puts column
-        8t + 4b + j of each group of 32 at 8j + 2t + b (the K order GEMM2's operand wants)."""
+               MMA: gl.constexpr, COLS: gl.constexpr = _ROWS):
+        """``out[rows, col0 + n] = acc[n, rows - row_start]`` in bf16 for the expert's rows (``acc`` [COLS,
+        BLOCK_M] in layout ``MMA``); ``PAIRED`` puts column 8t + 4b + j of each group of 32 at 8j + 2t + b (the K
+        order GEMM2's operand wants)."""
         m = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
-        n = col0 + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, MMA))
+        n = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(1, MMA))
         if PAIRED:
             n = (n & ~31) | ((n & 3) << 3) | (((n >> 3) & 3) << 1) | ((n >> 2) & 1)
         ptrs = out_ptr + gl.expand_dims(m.to(gl.int64) * stride_om, 0) + gl.expand_dims(n, 1)
@@ -150,17 +170,18 @@ if gluon is not None:
 
     @gluon.jit
     def _gemm2_part(w_smem, a_smem, ready, empty, s_ptr, out_ptr, s_row, stride_sn, col0, stride_om, row_start,
-                    row_end, k_steps, PART: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                    WL: gl.constexpr, MMA: gl.constexpr):
-        acc = _consume(w_smem, a_smem, ready, empty, s_ptr, s_row + PART * _ROWS, stride_sn, k_steps, PART, BLOCK_M,
-                       STAGES, WL, MMA)
+                    row_end, k_steps, PART: gl.constexpr, BUFS: gl.constexpr, BLOCK_M: gl.constexpr,
+                    STAGES: gl.constexpr, WL: gl.constexpr, MMA: gl.constexpr):
+        acc = _consume(w_smem, a_smem, ready, empty, s_ptr, s_row + PART * _ROWS, 0, stride_sn, k_steps, PART, BUFS,
+                       BLOCK_M, STAGES, WL, MMA)
         _store(acc, out_ptr, row_start, row_end, col0 + PART * _ROWS, stride_om, False, BLOCK_M, MMA)
 
     @gluon.jit
     def _gemm1_up(w_smem, a_smem, ready, empty, s_ptr, s_row, stride_sn, k_steps, handed, handover,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, WL: gl.constexpr, MMA: gl.constexpr):
         """The up consumer: its accumulator goes to the gate consumer through shared memory."""
-        acc = _consume(w_smem, a_smem, ready, empty, s_ptr, s_row, stride_sn, k_steps, 1, BLOCK_M, STAGES, WL, MMA)
+        acc = _consume(w_smem, a_smem, ready, empty, s_ptr, s_row, 0, stride_sn, k_steps, 1, 2, BLOCK_M, STAGES, WL,
+                       MMA)
         handover.store(acc)
         mbarrier.arrive(handed)
 
@@ -170,10 +191,27 @@ if gluon is not None:
                     STAGES: gl.constexpr, WL: gl.constexpr, MMA: gl.constexpr):
         """The gate consumer: SwiGLU of its accumulator and the up consumer's (as ``common._swiglu``), stored in
         the paired K order."""
-        gate = _consume(w_smem, a_smem, ready, empty, s_ptr, s_row, stride_sn, k_steps, 0, BLOCK_M, STAGES, WL, MMA)
+        gate = _consume(w_smem, a_smem, ready, empty, s_ptr, s_row, 0, stride_sn, k_steps, 0, 2, BLOCK_M, STAGES, WL,
+                        MMA)
         mbarrier.wait(handed, 0)
         act = swiglu(gate, handover.load(MMA), limit, HAS_LIMIT)
         _store(act, out_ptr, row_start, row_end, col0, stride_om, True, BLOCK_M, MMA)
+
+    @gluon.jit
+    def _gemm1_narrow(w_smem, a_smem, ready, empty, s_ptr, out_ptr, s_row, up_jump, stride_sn, col0, stride_om,
+                      row_start, row_end, k_steps, handed, handover, limit, HAS_LIMIT: gl.constexpr,
+                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr, WL: gl.constexpr, MMA: gl.constexpr):
+        """A narrow GEMM1 program's consumer: its box holds 32 gate rows over the 32 up rows of the same columns
+        (held by warps 0-1 and 2-3), which meet through shared memory for SwiGLU."""
+        acc = _consume(w_smem, a_smem, ready, empty, s_ptr, s_row, up_jump, stride_sn, k_steps, 0, 1, BLOCK_M, STAGES,
+                       WL, MMA)
+        handover.store(acc)
+        mbarrier.arrive(handed)  # after a barrier of the warp group: every warp's half is stored
+        mbarrier.wait(handed, 0)
+        EPI: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])  # a thread a column, warps along rows
+        half: gl.constexpr = _ROWS // 2
+        act = swiglu(handover.slice(0, half).load(EPI), handover.slice(half, half).load(EPI), limit, HAS_LIMIT)
+        _store(act, out_ptr, row_start, row_end, col0, stride_om, True, BLOCK_M, EPI, half)
 
     @gluon.jit
     def _program(pid, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, BN: gl.constexpr):
@@ -188,7 +226,8 @@ if gluon is not None:
 
     @gluon.jit
     def _ring(w_desc, a_desc, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
-        w_smem = gl.allocate_shared_memory(gl.int32, [2 * STAGES, _ROWS, _BK // 8], w_desc.layout)
+        """The slots: a 64-row weight buffer per consumer, the activation rows, their ready and empty barriers."""
+        w_smem = gl.allocate_shared_memory(gl.int32, [CONSUMERS * STAGES, _ROWS, _BK // 8], w_desc.layout)
         a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, _BK], a_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -201,53 +240,74 @@ if gluon is not None:
     def _gemm1_ws_kernel(w_desc, a_desc, s_ptr, inter_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                          N, K, stride_sn, stride_im, limit, HAS_LIMIT: gl.constexpr, BLOCK_M: gl.constexpr,
                          STAGES: gl.constexpr, WL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr):
-        """intermediate[rows, paired(n)] = SwiGLU(x @ gate[e, n]^T, x @ up[e, n]^T) for 64 columns n a program.
-        N = I, K = H; ``a_desc`` reads the gathered, paired activation rows."""
+                         CONSUMER_REGS: gl.constexpr, NARROW: gl.constexpr):
+        """intermediate[rows, paired(n)] = SwiGLU(x @ gate[e, n]^T, x @ up[e, n]^T) for 64 columns n a program (32
+        ``NARROW``). N = I, K = H; ``a_desc`` reads the gathered, paired activation rows."""
+        BN: gl.constexpr = _ROWS // 2 if NARROW else _ROWS
         expert, col_block, row_start, row_end = _program(gl.program_id(0), tile_expert_ptr, tile_row_start_ptr,
-                                                         expert_offsets_ptr, N, _ROWS)
+                                                         expert_offsets_ptr, N, BN)
         if expert >= 0:
             MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                           instr_shape=[16, BLOCK_M, 16])
-            w_smem, a_smem, ready, empty = _ring(w_desc, a_desc, BLOCK_M, STAGES, 2)
+            CONSUMERS: gl.constexpr = 1 if NARROW else 2
+            w_smem, a_smem, ready, empty = _ring(w_desc, a_desc, BLOCK_M, STAGES, CONSUMERS)
             handover = gl.allocate_shared_memory(gl.float32, [_ROWS, BLOCK_M],
                                                  gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
             handed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             mbarrier.init(handed, count=1)
-            gate_row = expert * 2 * N + col_block * _ROWS  # rows of the [E·2N, K/8] words and [E·2N, K/128] scales
+            gate_row = expert * 2 * N + col_block * BN  # rows of the [E·2N, K/8] words and [E·2N, K/128] scales
             k_steps = K // _BK
-            gl.warp_specialize([
-                (_gemm1_gate, (w_smem, a_smem, ready, empty, s_ptr, inter_ptr, gate_row, stride_sn, col_block * _ROWS,
-                               stride_im, row_start, row_end, k_steps, handed, handover, limit, HAS_LIMIT, BLOCK_M,
-                               STAGES, WL, MMA)),
-                (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, gate_row, gate_row + N, row_start, k_steps,
-                            STAGES)),
-                (_gemm1_up, (w_smem, a_smem, ready, empty, s_ptr, gate_row + N, stride_sn, k_steps, handed, handover,
-                             BLOCK_M, STAGES, WL, MMA)),
-            ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
+            if NARROW:
+                gl.warp_specialize([
+                    (_gemm1_narrow, (w_smem, a_smem, ready, empty, s_ptr, inter_ptr, gate_row, N - BN, stride_sn,
+                                     col_block * BN, stride_im, row_start, row_end, k_steps, handed, handover, limit,
+                                     HAS_LIMIT, BLOCK_M, STAGES, WL, MMA)),
+                    (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, gate_row, gate_row + N, row_start,
+                                k_steps, STAGES, 2, 1)),
+                ], [1], [PRODUCER_REGS])
+            else:
+                gl.warp_specialize([
+                    (_gemm1_gate, (w_smem, a_smem, ready, empty, s_ptr, inter_ptr, gate_row, stride_sn,
+                                   col_block * BN, stride_im, row_start, row_end, k_steps, handed, handover, limit,
+                                   HAS_LIMIT, BLOCK_M, STAGES, WL, MMA)),
+                    (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, gate_row, gate_row + N, row_start,
+                                k_steps, STAGES, 2, 2)),
+                    (_gemm1_up, (w_smem, a_smem, ready, empty, s_ptr, gate_row + N, stride_sn, k_steps, handed,
+                                 handover, BLOCK_M, STAGES, WL, MMA)),
+                ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
     @gluon.jit
     def _gemm2_ws_kernel(w_desc, a_desc, s_ptr, out_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                          N, K, stride_sn, stride_om, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, WL: gl.constexpr,
-                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        """out[rows, n] = intermediate[rows] @ down[e, n]^T for 128 columns n a program. N = H, K = I; the
-        intermediate in the paired K order (GEMM1 wrote it so)."""
+                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, NARROW: gl.constexpr):
+        """out[rows, n] = intermediate[rows] @ down[e, n]^T for 128 columns n a program (64 ``NARROW``). N = H,
+        K = I; the intermediate in the paired K order (GEMM1 wrote it so)."""
+        CONSUMERS: gl.constexpr = 1 if NARROW else 2
         expert, col_block, row_start, row_end = _program(gl.program_id(0), tile_expert_ptr, tile_row_start_ptr,
-                                                         expert_offsets_ptr, N, 2 * _ROWS)
+                                                         expert_offsets_ptr, N, CONSUMERS * _ROWS)
         if expert >= 0:
             MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                           instr_shape=[16, BLOCK_M, 16])
-            w_smem, a_smem, ready, empty = _ring(w_desc, a_desc, BLOCK_M, STAGES, 2)
-            w_row = expert * N + col_block * 2 * _ROWS
+            w_smem, a_smem, ready, empty = _ring(w_desc, a_desc, BLOCK_M, STAGES, CONSUMERS)
+            w_row = expert * N + col_block * CONSUMERS * _ROWS
+            col0 = col_block * CONSUMERS * _ROWS
             k_steps = K // _BK
-            gl.warp_specialize([
-                (_gemm2_part, (w_smem, a_smem, ready, empty, s_ptr, out_ptr, w_row, stride_sn, col_block * 2 * _ROWS,
-                               stride_om, row_start, row_end, k_steps, 0, BLOCK_M, STAGES, WL, MMA)),
-                (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, w_row, w_row + _ROWS, row_start, k_steps,
-                            STAGES)),
-                (_gemm2_part, (w_smem, a_smem, ready, empty, s_ptr, out_ptr, w_row, stride_sn, col_block * 2 * _ROWS,
-                               stride_om, row_start, row_end, k_steps, 1, BLOCK_M, STAGES, WL, MMA)),
-            ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
+            if NARROW:
+                gl.warp_specialize([
+                    (_gemm2_part, (w_smem, a_smem, ready, empty, s_ptr, out_ptr, w_row, stride_sn, col0, stride_om,
+                                   row_start, row_end, k_steps, 0, 1, BLOCK_M, STAGES, WL, MMA)),
+                    (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, w_row, w_row, row_start, k_steps,
+                                STAGES, 1, 1)),
+                ], [1], [PRODUCER_REGS])
+            else:
+                gl.warp_specialize([
+                    (_gemm2_part, (w_smem, a_smem, ready, empty, s_ptr, out_ptr, w_row, stride_sn, col0, stride_om,
+                                   row_start, row_end, k_steps, 0, 2, BLOCK_M, STAGES, WL, MMA)),
+                    (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, w_row, w_row + _ROWS, row_start,
+                                k_steps, STAGES, 2, 2)),
+                    (_gemm2_part, (w_smem, a_smem, ready, empty, s_ptr, out_ptr, w_row, stride_sn, col0, stride_om,
+                                   row_start, row_end, k_steps, 1, 2, BLOCK_M, STAGES, WL, MMA)),
+                ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
 def ws_eligible(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: DispatchPlan) -> bool:
@@ -275,13 +335,24 @@ def _exponent_words(scales: torch.Tensor) -> torch.Tensor:
     return scales.view(torch.uint8).view(E * N, groups).view(torch.int32)
 
 
-def _descriptors(words: torch.Tensor, rows: torch.Tensor, block_m: int) -> tuple[object, object]:
-    """TMA descriptors of a consumer's weight box (64 rows of ``words`` [E, N, K/8] seen as [E·N, K/8]) and of
+def narrow_grid(programs: int, block_m: int, device: torch.device) -> bool:
+    """Whether a GEMM whose wide grid is ``programs`` programs of ``block_m``-row tiles runs narrow ones (module
+    docstring): where the wide grid puts two programs on some SMs and one on others (more programs than SMs, at
+    most twice as many), on the heights of ``NARROW_HEIGHTS``. DeepSeek-V4-Flash's experts at one token (192
+    programs a GEMM): 52.3 -> 48.9 µs; Qwen3-30B-A3B's GEMM1 at two tokens (204) 15.5 -> 13.6; no faster where the
+    wide grid holds one program an SM or less (Qwen3's GEMM1 at one token, 108: 9.6 against 9.9) or more than two
+    (DeepSeek-V4-Flash at two tokens, 416: 46.5 against 50.1) (H100, research/mxfp4_narrow.py)."""
+    sms = _runtime.sm_count(device)
+    return block_m in NARROW_HEIGHTS and sms < programs <= 2 * sms
+
+
+def _descriptors(words: torch.Tensor, rows: torch.Tensor, block_m: int, box_rows: int = ROWS) -> tuple[object, object]:
+    """TMA descriptors of a weight box (``box_rows`` rows of ``words`` [E, N, K/8] seen as [E·N, K/8]) and of
     a tile's activation rows."""
     E, N, W = words.shape
-    w_layout = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_K // 8], gl.int32)
+    w_layout = gl.NVMMASharedLayout.get_default_for([box_rows, BLOCK_K // 8], gl.int32)
     a_layout = gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.bfloat16)
-    return (TensorDescriptor.from_tensor(words.reshape(E * N, W), [ROWS, BLOCK_K // 8], w_layout),
+    return (TensorDescriptor.from_tensor(words.reshape(E * N, W), [box_rows, BLOCK_K // 8], w_layout),
             TensorDescriptor.from_tensor(rows, [block_m, BLOCK_K], a_layout))
 
 
@@ -307,12 +378,16 @@ def experts_mxfp4_ws(
     launch = {"num_warps": 4, "maxnreg": shape.maxnreg}
     consts = {"BLOCK_M": plan.block_m, "STAGES": shape.stages, "WL": WORD_LAYOUT, "PRODUCER_REGS": PRODUCER_REGS,
               "CONSUMER_REGS": shape.consumer_regs}
-    w_desc, a_desc = _descriptors(w1, rows, plan.block_m)
-    _gemm1_ws_kernel[(num_tiles * (width // ROWS),)](
+    programs = num_tiles * (width // ROWS)
+    narrow = narrow_grid(programs, plan.block_m, hidden.device)  # 32 columns a program, not 64
+    w_desc, a_desc = _descriptors(w1, rows, plan.block_m, ROWS // 2 if narrow else ROWS)
+    _gemm1_ws_kernel[(2 * programs if narrow else programs,)](
         w_desc, a_desc, s1, inter, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
         width, hidden_size, s1.stride(0), inter.stride(0), 0.0 if swiglu_limit is None else float(swiglu_limit),
-        HAS_LIMIT=swiglu_limit is not None, **consts, **launch)
+        HAS_LIMIT=swiglu_limit is not None, NARROW=narrow, **consts, **launch)
+    programs = num_tiles * (hidden_size // (2 * ROWS))
+    narrow = narrow_grid(programs, plan.block_m, hidden.device)  # 64 columns a program, not 128
     w_desc, a_desc = _descriptors(w2, inter, plan.block_m)
-    _gemm2_ws_kernel[(num_tiles * (hidden_size // (2 * ROWS)),)](
+    _gemm2_ws_kernel[(2 * programs if narrow else programs,)](
         w_desc, a_desc, s2, out, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
-        hidden_size, width, s2.stride(0), out.stride(0), **consts, **launch)
+        hidden_size, width, s2.stride(0), out.stride(0), NARROW=narrow, **consts, **launch)

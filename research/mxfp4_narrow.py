@@ -1,7 +1,7 @@
 """Do narrow programs (one consumer, half the weight rows) even out the MXFP4 ws kernels at decode? (GPU.)
 
 At one token DeepSeek-V4-Flash's six experts make 192 wide GEMM1 programs on 132 SMs: 60 SMs run two, 72 one.
-``mxfp4.ws.narrow_grid`` picks narrow programs where the wide grid holds at most two an SM. For the MXFP4 presets at
+``mxfp4.ws.narrow_grid`` picks narrow programs where the wide grid holds more than one an SM and at most two. At
 1-4 tokens, the routed experts (W4A16) with narrow programs forced off and on (the same bits), GEMM1 and GEMM2 alone
 (torch.profiler), and the layer at one token, with its shared expert (fp8, on the side stream) and without it.
 Prints one JSON object a line.

@@ -337,11 +337,11 @@ def experts_fp8(
     and GEMM2, into ``out``.
     ``split_k``: GEMM1's K in that many runs of steps, each its own program (``_gemm1_fp8_kernel``; stages as
     ``fp8_tiles`` cuts them); None: :func:`default_split_k`. ``halves``: GEMM1's gate and up tiles as programs of
-    their own (``HALVES``: the same bits; needs ``split_k`` 1 or None and I a multiple of 128); None:
-    :func:`default_halves`. ``workspace``: int32 zeros (``moe_experts``'s) that a split GEMM1 counts its runs' (or
-    halves') arrivals in and leaves zeroed, where it holds a counter per program of the unsplit grid; else the
-    counters are zeroed here, one more kernel before GEMM1 (which also keeps GEMM1 from starting under the previous
-    kernel's tail with PDL).
+    their own (``HALVES``: the same bits, on a launch of their own, ``configs.FP8_HALVES_STAGES``; needs ``split_k``
+    1 or None and I a multiple of 128); None: :func:`default_halves`. ``workspace``: int32 zeros (``moe_experts``'s)
+    that a split GEMM1 counts its runs' (or halves') arrivals in and leaves zeroed, where it holds a counter per
+    program of the unsplit grid; else the counters are zeroed here, one more kernel before GEMM1 (which also keeps
+    GEMM1 from starting under the previous kernel's tail with PDL).
     """
     if split_k is not None and (not isinstance(split_k, int) or split_k < 1):
         raise ValueError(f"split_k must be a positive int or None, got {split_k!r}")

@@ -424,7 +424,7 @@ def experts(args: argparse.Namespace) -> list[str]:
         cfg = configs.pick(M, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, dtype, arch)
         gemms = [(1, cfg.gemm1, c.hidden_size), (2, cfg.gemm2, c.intermediate_size)]
         split = configs.fp8_split_k(M * c.top_k, c.intermediate_size, configs.gpu_of(arch).sms) if fp8 else 1
-        launches = [(cfg.block_m, split, False)] * 2
+        launches = [(cfg.block_m, split, False), (cfg.block_m, 1, False)]  # GEMM1 may split K, GEMM2 never
         if fp8:
             gemms = [(g, experts_fp8.fp8_tiles(t, cfg.block_m, g == 1, 2 if g == 1 else 1,
                                                split if g == 1 else 1), k) for g, t, k in gemms]
@@ -433,9 +433,9 @@ def experts(args: argparse.Namespace) -> list[str]:
             rows = M * (c.top_k + 1)
             inv = configs.pick(M, c.num_experts + 1, c.hidden_size, c.intermediate_size, c.top_k + 1, dtype, arch,
                                block_m=experts_op.INVARIANT_MIN_ROWS)
-            gemms.append((1, experts_fp8.fp8_tiles(inv.gemm1, inv.block_m, True, 2), c.hidden_size))
-            launches.append((inv.block_m, 1, configs.fp8_halves(rows, c.intermediate_size,
-                                                                configs.gpu_of(arch).sms)))
+            halves = configs.fp8_halves(rows, c.intermediate_size, configs.gpu_of(arch).sms)
+            gemms.append((1, experts_fp8.fp8_tiles(inv.gemm1, inv.block_m, True, 2, halves=halves), c.hidden_size))
+            launches.append((inv.block_m, 1, halves))
         if mxfp4:
             gemms = [(g, experts_mxfp4.mxfp4_tiles(t), k) for g, t, k in gemms]
         for (gemm, tiles, k), (block_m, split_k, halves) in zip(gemms, launches):
@@ -443,7 +443,6 @@ def experts(args: argparse.Namespace) -> list[str]:
             if (mxfp4 and cfg.block_m in experts_mxfp4_ws.LAUNCH  # the Gluon kernels run: `mxfp4-ws`
                     and experts_mxfp4_ws.widths_fit(c.hidden_size, c.intermediate_size)):
                 continue
-            split_k = split_k if gemm == 1 else 1
             key = (gemm, dtype, block_m, tiles, k % tiles.block_k == 0, has_limit, split_k, halves)
             if key in seen:  # N and K are run-time arguments: the same launch compiles the same
                 continue

@@ -341,7 +341,6 @@ def test_dense_tuning_takes_the_tallest_tile_within_two_percent():
     assert [row["us"] for row in tune.dense_choice_times(rows(101.9, "layer"))] == [101.9] * 3
 
 
-
 def test_dense_tuning_over_part_of_the_grid_keeps_the_other_buckets():
     """``tune_experts --dense --tokens ...``: the buckets the run measured replace the table's over that range; the
     table's buckets outside it stay, and the status says which measurement each range comes from."""
@@ -385,6 +384,7 @@ def test_dense_tuning_times_each_candidate_in_alternating_passes():
     times = tune.time_passes(calls, 3, timer, lambda i: f"candidate {i}")
     assert order == ["a", "b", "b", "a", "a", "b"]
     assert times == [[1.0, 4.0, 5.0], [], [2.0, 3.0, 6.0]]
+
 
 # --- errors ---------------------------------------------------------------------------------------------
 

@@ -6,9 +6,9 @@ the router linear, the gate (linear + fused gate), the shared expert alone, the 
 runs: for fp8 GEMM1, 128-column blocks of 9 experts where the routed ones make 8); and the invariant router linear
 with K cut into other run counts and on other tiles (the bits change with the count and the tile, never with M); and
 for fp8 the invariant routed experts with the shared slot at one token on GEMM1 launches of 2-4 stages and 4 or 8
-warps, in gate and up halves or not, and on steps of two boxes (bits unchanged: a stage count, a warp count, the
-halves or a step's boxes order no sum; with 2 stages two of the 144 programs can share an SM, where 4 stages run 132
-and then 12).
+warps, in gate and up halves (of 128 or 64 columns) or not, and on steps of two boxes (bits unchanged: a stage
+count, a warp count, the halves or a step's boxes order no sum; with 2 stages two of the 144 programs can share an
+SM, where 4 stages run 132 and then 12).
 Prints one JSON object a line.
 
     python -m research.invariant_one_token [--tokens 1 16]
@@ -86,25 +86,29 @@ def slot_launches(layer: MoELayer, gen: torch.Generator) -> dict:
     base = configs.pick(1, c.num_experts + 1, c.hidden_size, c.intermediate_size, c.top_k + 1,
                         torch.float8_e4m3fn, block_m=64)
     row: dict = {"slot_launches": "fp8", "gemm1": asdict(base.gemm1)}
-    launches = [(128, stages, warps, halves) for halves in (False, True) for stages in (2, 3, 4)
+    launches = [(128, stages, warps, halves, 128) for halves in (False, True) for stages in (2, 3, 4)
                 for warps in (4, 8)]
-    launches += [(256, 2, warps, False) for warps in (4, 8)]
-    rule, halves_launch = fp8_kernels.default_halves, (fp8_kernels.FP8_HALVES_WARPS, fp8_kernels.FP8_HALVES_STAGES)
+    launches += [(128, stages, 4, True, 64) for stages in (3, 4)]  # halves of 64 columns: four programs a tile
+    launches += [(256, 2, warps, False, 128) for warps in (4, 8)]
+    rule, columns_rule = fp8_kernels.default_halves, fp8_kernels.default_half_columns
+    halves_launch = fp8_kernels.FP8_HALVES_WARPS, fp8_kernels.FP8_HALVES_STAGES
     try:
-        for depth, stages, warps, halves in launches:
+        for depth, stages, warps, halves, columns in launches:
             fp8_kernels.default_halves = lambda *args, on=halves: on  # type: ignore[misc]
+            fp8_kernels.default_half_columns = lambda *args, n=columns: n  # type: ignore[misc]
             # halves run their own launch (configs.FP8_HALVES_STAGES): set it to this one
             fp8_kernels.FP8_HALVES_WARPS, fp8_kernels.FP8_HALVES_STAGES = warps, stages
             tiles = replace(base, gemm1=replace(base.gemm1, block_k=depth, num_stages=stages, num_warps=warps))
             with configs.override(tiles), torch.no_grad():
                 row[f"stages{stages}_warps{warps}" + ("_two_boxes" if depth == 256 else "")
-                    + ("_halves" if halves else "")] = _us(partial(
+                    + (f"_halves{'' if columns == 128 else columns}" if halves else "")] = _us(partial(
                         routed_experts, x, *slot, weights, ids, swiglu_limit=c.swiglu_limit,
                         activation_quant=layer.activation_quant, batch_invariant=True))
     finally:
-        fp8_kernels.default_halves = rule
+        fp8_kernels.default_halves, fp8_kernels.default_half_columns = rule, columns_rule
         fp8_kernels.FP8_HALVES_WARPS, fp8_kernels.FP8_HALVES_STAGES = halves_launch
     row["halves_by_rule"] = rule(int(ids.numel()), c.intermediate_size, 1, x.device)
+    row["half_columns_by_rule"] = columns_rule(int(ids.numel()), c.intermediate_size, x.device)
     return row
 
 

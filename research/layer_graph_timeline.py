@@ -8,7 +8,7 @@ against 154. This probe captures each layer's one-token forward in a CUDA graph,
 median start offset from the replay's first kernel and the median duration, with the replay's span and the idle or
 overlapped time before each kernel (its start minus the latest end so far). One JSON object a line.
 
-    python -m research.layer_graph_timeline [--cases deepseek-v3:fp8 deepseek-v4-flash:mxfp4] [--tokens 1]
+    python -m research.layer_graph_timeline [--cases deepseek-v3:fp8 deepseek-v4-flash:mxfp4] [--tokens 1] [--no-pdl]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from statistics import median
 
 import torch
 
+from moefuse import _runtime
 from moefuse.config import preset
 from moefuse.layer import MoELayer
 
@@ -100,7 +101,11 @@ def main(argv: list[str] | None = None) -> None:
                         default=["deepseek-v3:fp8", "deepseek-v4-flash:mxfp4", "deepseek-v3:bf16"])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1])
     parser.add_argument("--replays", type=int, default=21)
+    parser.add_argument("--no-pdl", action="store_true", help="every kernel launched without programmatic dependent "
+                        "launch (no kernel starts under its predecessor's tail)")
     args = parser.parse_args(argv)
+    if args.no_pdl:
+        _runtime.pdl_enabled = lambda enable_pdl, device: False
     gen = torch.Generator("cuda").manual_seed(0)
     for case in args.cases:
         model, fmt = case.split(":")
@@ -111,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
                 layer.batch_invariant = invariant
                 with torch.no_grad():
                     row = profile_replays(lambda: layer(x), args.replays)
-                print(json.dumps({"model": model, "format": fmt, "M": M, "batch_invariant": invariant, **row}),
+                print(json.dumps({"model": model, "format": fmt, "M": M, "batch_invariant": invariant,
+                                  "pdl": not args.no_pdl, **row}),
                       flush=True)
         del layer
         torch.cuda.empty_cache()

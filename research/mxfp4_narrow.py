@@ -6,7 +6,7 @@ At one token DeepSeek-V4-Flash's six experts make 192 wide GEMM1 programs on 132
 (torch.profiler), and the layer at one token, with its shared expert (fp8, on the side stream) and without it.
 Prints one JSON object a line.
 
-    python -m research.mxfp4_narrow [--models deepseek-v4-flash qwen3-30b-a3b] [--tokens 1 2 3 4]
+    python -m research.mxfp4_narrow [--models deepseek-v4-flash qwen3-30b-a3b] [--tokens 1 2 3 4] [--batch-invariant]
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", default=["deepseek-v4-flash", "qwen3-30b-a3b"])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--repeats", type=int, default=3, help="alternating off/on timings, the median kept")
+    parser.add_argument("--batch-invariant", action="store_true", help="the layers batch-invariant (their router, "
+                        "gate and shared expert; the routed experts' MXFP4 plans are the same either way)")
     args = parser.parse_args(argv)
     gen = torch.Generator("cuda").manual_seed(0)
     rule = ws.narrow_grid
@@ -61,13 +63,14 @@ def main(argv: list[str] | None = None) -> None:
         c = layer.config
         gate_up, down = layer.experts.weights()
         bare = MoELayer(replace(c, num_shared_experts=0), device="cuda", quant="mxfp4").init_random_(0)
+        layer.batch_invariant = bare.batch_invariant = args.batch_invariant
         try:
             for M in args.tokens:
                 x = torch.randn(M, c.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
                 with torch.no_grad():
                     weights, ids = layer.gate(x)
                 call = partial(routed_experts, x, gate_up, down, weights, ids, swiglu_limit=c.swiglu_limit)
-                row: dict = {"model": model, "M": M}
+                row: dict = {"model": model, "M": M, "batch_invariant": args.batch_invariant}
                 times: dict = defaultdict(list)
                 for _ in range(args.repeats):
                     for narrow in (False, True):

@@ -258,17 +258,19 @@ def compile_gemm(gemm: int, dtype: torch.dtype, block_m: int, tiles: configs.Gem
 
 
 def compile_fp8_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_limit: bool, split_k: int = 1,
-                     halves: bool = False):
+                     half_columns: int = 0):
     """The fp8 block-scale GEMM1 or GEMM2 (``experts/fp8/kernels.py``) as ``experts_fp8`` launches it on sm_90 (TMA
     weights, TMA activation rows: the pass's for GEMM1, GEMM1's for GEMM2; PDL); ``tiles`` adapted by ``fp8_tiles``;
-    ``split_k``: GEMM1's K in that many programs; ``halves``: its gate and up tiles as programs of their own."""
+    ``split_k``: GEMM1's K in that many programs; ``half_columns`` (if not 0): its gate and up tiles as programs of
+    their own, each summing that many columns."""
     fn = experts_fp8._gemm1_fp8_kernel if gemm == 1 else experts_fp8._gemm2_fp8_kernel
     box = experts_fp8.BLOCK  # a step loads tiles.block_k // box boxes
     constexprs = {
         "EMULATE_RTNE": False, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": box,
         "BOXES": tiles.block_k // box, "GROUP_M": tiles.group_m, "W_TMA": True, "USE_PDL": True, "A_TMA": True,
         **{name: 1 for name in UNIT_STRIDES + ("stride_ak",) if name in fn.arg_names},
-        **({"HAS_LIMIT": has_limit, "UP_ALIGNED": True, "SPLIT_K": split_k, "HALVES": halves} if gemm == 1
+        **({"HAS_LIMIT": has_limit, "UP_ALIGNED": True, "SPLIT_K": split_k, "HALVES": bool(half_columns),
+            "HALF_N": half_columns} if gemm == 1
            else {"SWAP": block_m < experts_fp8.WGMMA_MIN_ROWS}),
     }
     rows = f"tensordesc<fp8e4nv[{block_m}, {box}]>"
@@ -276,7 +278,7 @@ def compile_fp8_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_limi
              "a_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "is_ptr": "*fp32", "as_ptr": "*fp32", "part_ptr": "*fp32",
              "limit": "fp32",
              "a_desc": rows, "inter_desc": rows,
-             "w_desc": f"tensordesc<fp8e4nv[{tiles.block_n}, {box}]>"}
+             "w_desc": f"tensordesc<fp8e4nv[{half_columns or tiles.block_n}, {box}]>"}
     signature = {name: types.get(name, "*i32" if name.endswith("_ptr") else "i32")
                  for name in fn.arg_names if name not in constexprs}
     return compile_sm90(fn, signature, constexprs, tiles.num_warps, tiles.num_stages)
@@ -424,7 +426,7 @@ def experts(args: argparse.Namespace) -> list[str]:
         cfg = configs.pick(M, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, dtype, arch)
         gemms = [(1, cfg.gemm1, c.hidden_size), (2, cfg.gemm2, c.intermediate_size)]
         split = configs.fp8_split_k(M * c.top_k, c.intermediate_size, configs.gpu_of(arch).sms) if fp8 else 1
-        launches = [(cfg.block_m, split, False), (cfg.block_m, 1, False)]  # GEMM1 may split K, GEMM2 never
+        launches = [(cfg.block_m, split, 0), (cfg.block_m, 1, 0)]  # GEMM1 may split K, GEMM2 never
         if fp8:
             gemms = [(g, experts_fp8.fp8_tiles(t, cfg.block_m, g == 1, 2 if g == 1 else 1,
                                                split if g == 1 else 1), k) for g, t, k in gemms]
@@ -433,32 +435,35 @@ def experts(args: argparse.Namespace) -> list[str]:
             rows = M * (c.top_k + 1)
             inv = configs.pick(M, c.num_experts + 1, c.hidden_size, c.intermediate_size, c.top_k + 1, dtype, arch,
                                block_m=experts_op.INVARIANT_MIN_ROWS)
-            halves = configs.fp8_halves(rows, c.intermediate_size, configs.gpu_of(arch).sms)
+            sms = configs.gpu_of(arch).sms
+            halves = configs.fp8_halves(rows, c.intermediate_size, sms)
             gemms.append((1, experts_fp8.fp8_tiles(inv.gemm1, inv.block_m, True, 2, halves=halves), c.hidden_size))
-            launches.append((inv.block_m, 1, halves))
+            launches.append((inv.block_m, 1, configs.fp8_half_columns(rows, c.intermediate_size, sms) if halves else 0))
         if mxfp4:
             gemms = [(g, experts_mxfp4.mxfp4_tiles(t), k) for g, t, k in gemms]
-        for (gemm, tiles, k), (block_m, split_k, halves) in zip(gemms, launches):
+        for (gemm, tiles, k), (block_m, split_k, half_columns) in zip(gemms, launches):
             has_limit = gemm == 1 and c.swiglu_limit is not None
             if (mxfp4 and cfg.block_m in experts_mxfp4_ws.LAUNCH  # the Gluon kernels run: `mxfp4-ws`
                     and experts_mxfp4_ws.widths_fit(c.hidden_size, c.intermediate_size)):
                 continue
-            key = (gemm, dtype, block_m, tiles, k % tiles.block_k == 0, has_limit, split_k, halves)
+            key = (gemm, dtype, block_m, tiles, k % tiles.block_k == 0, has_limit, split_k, half_columns)
             if key in seen:  # N and K are run-time arguments: the same launch compiles the same
                 continue
             seen.add(key)
-            where = f"{name} {TYPE_NAMES[dtype]} M={M} GEMM{gemm}{' halves' if halves else ''} ({target})"
+            halves = f" halves of {half_columns}" if half_columns else ""
+            where = f"{name} {TYPE_NAMES[dtype]} M={M} GEMM{gemm}{halves} ({target})"
             result = compiled_stats(where, problems, lambda: (
-                compile_fp8_gemm(gemm, block_m, tiles, has_limit, split_k, halves) if fp8
+                compile_fp8_gemm(gemm, block_m, tiles, has_limit, split_k, half_columns) if fp8
                 else compile_mxfp4_gemm(gemm, block_m, tiles, has_limit) if mxfp4
                 else compile_gemm(gemm, dtype, block_m, tiles, k, has_limit)))
             if result is None:
                 continue
             text, s, smem = result
             # Main-loop instructions of all threads per weight of one K step: the unpacking cost (MXFP4).
-            weights = tiles.block_n * tiles.block_k * (2 if gemm == 1 and not halves else 1)  # halves: one tile
+            columns = half_columns or tiles.block_n * (1 + (gemm == 1))  # halves: one tile's
+            weights = columns * tiles.block_k
             per_weight = main_loop_instructions(text) * tiles.num_warps * 32 / weights
-            print(f"{name:18s} {TYPE_NAMES[dtype]:5s} {M:5d} {gemm:4d}{'h' if halves else ' '}{block_m:6d} "
+            print(f"{name:18s} {TYPE_NAMES[dtype]:5s} {M:5d} {gemm:4d}{'h' if half_columns else ' '}{block_m:6d} "
                   f"{tiles.block_n:4d}x{tiles.block_k:<4d} {tiles.group_m:5d} {tiles.num_warps:5d} "
                   f"{tiles.num_stages:6d} {smem:6d} {s['regs']:4d} {s['stack']:5d} {s['hgmma']:5d} "
                   f"{s['hmma']:5d} {per_weight:11.2f}", flush=True)

@@ -281,15 +281,17 @@ def test_workspace_is_checked_before_any_launch(device):
             moe_experts(x, w1, w2, plan, workspace=workspace, backend="triton")
 
 
+@pytest.mark.parametrize("columns", [128, 64])
 @pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize("shape", [(520, 256), (392, 384)], ids=["pointer-rows", "tma-rows"])
 @pytest.mark.parametrize("M", [3, 40], ids=["few-rows", "many-rows"])
-def test_gate_and_up_halves_give_the_unsplit_bits(M, shape, block_m, gen, device):
-    """GEMM1's gate and up tiles as programs of their own (``halves``, the batch-invariant layer's decode): each sums
-    its tile over all of K in the unsplit order and the second to arrive runs the epilogue, so the bits are those of
-    the unsplit launch: with -1 slots, the clamp, a NaN token, rows read by pointers (H = 520: not 16-byte rows, a
-    last box of 8 columns) or through TMA, one-box (64 rows) and two-box steps (16), and I of two and three scale
-    groups. On a GPU, where the halves race, twice. A given workspace holds the counters and is left zeroed."""
+def test_gate_and_up_halves_give_the_unsplit_bits(M, shape, block_m, columns, gen, device):
+    """GEMM1's gate and up tiles as programs of their own (``halves``, the batch-invariant layer's decode), each
+    program the whole tile's 128 columns of its half or 64 of them (``half_columns``): each sums its columns over
+    all of K in the unsplit order and the last to arrive runs the epilogue, so the bits are those of the unsplit
+    launch: with -1 slots, the clamp, a NaN token, rows read by pointers (H = 520: not 16-byte rows, a last box of
+    8 columns) or through TMA, one-box (64 rows) and two-box steps (16), and I of two and three scale groups. On a
+    GPU, where the halves race, twice. A given workspace holds the counters and is left zeroed."""
     H, I = shape
     x, w1, w2, ids = _inputs(gen, M, 2, 4, H, I, invalid=0.2, device=device)
     x[1, 100] = float("nan")
@@ -301,7 +303,7 @@ def test_gate_and_up_halves_give_the_unsplit_bits(M, shape, block_m, gen, device
     def run(halves, workspace=None):
         out = torch.full((plan.num_rows, H), float("nan"), dtype=x.dtype, device=device)
         experts_fp8(x, w1, w2, plan, out, tiles.gemm1, tiles.gemm2, 1.5, split_k=1, halves=halves,
-                    workspace=workspace)
+                    half_columns=columns if halves else None, workspace=workspace)
         return out
 
     want = run(False)
@@ -326,6 +328,9 @@ def test_halves_are_checked_before_any_launch(gen, device):
     x, w1, w2, ids = _inputs(gen, 3, 2, 4, 256, 128, device=device)
     with pytest.raises(ValueError, match="halves"):
         experts_fp8(x, w1, w2, plan, out, tiles, tiles, split_k=2, halves=True)
+    for columns, error in ((32, ValueError), (96, ValueError), (128.0, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="half_columns"):
+            experts_fp8(x, w1, w2, plan, out, tiles, tiles, halves=True, half_columns=columns)
 
 
 def test_halves_where_an_unsplit_grid_leaves_sms_idle():
@@ -337,6 +342,17 @@ def test_halves_where_an_unsplit_grid_leaves_sms_idle():
     assert configs.fp8_halves(33, 1024, 132) == (33 * 8 <= 264)
     cpu = torch.device("cpu")
     assert not fp8_kernels.default_halves(9, 2048, 1, cpu) and not fp8_kernels.default_halves(9, 2048, None, cpu)
+
+
+def test_half_columns_where_every_program_has_an_sm():
+    """The halves' programs sum 64 columns only where even then each has an SM of its own: a dense shared expert's
+    token (DeepSeek-V4-Flash's: 32 halves, then 64 programs on 132 SMs; a width of 8,192 would make 256), never
+    where programs share SMs (DeepSeek-V3's token with its shared slot: 288 halves); 128 off CUDA."""
+    assert configs.fp8_half_columns(1, 2048, 132) == 64
+    assert configs.fp8_half_columns(1, 8192, 132) == 128 and configs.fp8_half_columns(1, 8192, 256) == 64
+    assert configs.fp8_half_columns(9, 2048, 132) == 128
+    assert configs.fp8_half_columns(8, 768, 132) == 128
+    assert fp8_kernels.default_half_columns(1, 2048, torch.device("cpu")) == 128
 
 
 def test_split_k_where_the_grid_leaves_sms_idle():

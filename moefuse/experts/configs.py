@@ -461,6 +461,16 @@ def fp8_halves(rows: int, width: int, sms: int) -> bool:
     return _gemm1_programs(rows, width) <= 2 * sms
 
 
+def fp8_half_columns(rows: int, width: int, sms: int) -> int:
+    """The columns each program of fp8 GEMM1's halves sums on a plan of ``rows`` token rows and intermediate width
+    ``width`` on ``sms`` SMs: 64 (four programs a tile) where even then every program has an SM of its own (a dense
+    shared expert's token: more SMs reading), else 128. Where programs share SMs, a 64-column program keeps half
+    the weight bytes in flight: DeepSeek-V3's invariant token with its shared slot took 126 µs in GEMM1 on 576
+    programs of 64 columns against 110 on 288 of 128; DeepSeek-V4-Flash's fp8 shared expert beside the MXFP4
+    experts 39.5 on 64 against 49.1 on 32 (H100, layer graph replays, research/layer_graph_timeline.py)."""
+    return 64 if 4 * _gemm1_programs(rows, width) <= sms else 128
+
+
 def _gemm1_programs(rows: int, width: int) -> int:
     """fp8 GEMM1's unsplit grid on ``rows`` token rows and intermediate width ``width``: a program per row (at
     most: a tile may hold several) and 128 columns."""

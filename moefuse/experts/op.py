@@ -312,11 +312,13 @@ def launch_variant(gate_up_proj: ExpertWeight, num_rows: int, activation_quant: 
                    batch_invariant: bool = False) -> tuple:
     """What besides the tiles decides which kernels ``moe_experts`` compiles for a plan of ``num_rows`` rows on these
     weights and (resolved) ``activation_quant``: fp8 block-scale's split of GEMM1 along K (none where
-    ``batch_invariant``) or into gate and up halves, MXFP4's W4A8 kernels. Warm-up keys on it."""
+    ``batch_invariant``) or into gate and up halves (the columns each of their programs sums), MXFP4's W4A8 kernels.
+    Warm-up keys on it."""
     if isinstance(gate_up_proj, BlockFP8):
         width, device = gate_up_proj.shape[1] // 2, gate_up_proj.values.device
         split = 1 if batch_invariant else fp8_kernels.default_split_k(num_rows, width, device)
-        return ("split_k", split, fp8_kernels.default_halves(num_rows, width, 1 if batch_invariant else None, device))
+        halves = fp8_kernels.default_halves(num_rows, width, 1 if batch_invariant else None, device)
+        return ("split_k", split, fp8_kernels.default_half_columns(num_rows, width, device) if halves else 0)
     if isinstance(gate_up_proj, MXFP4):
         return ("activations", activation_quant)
     return ()

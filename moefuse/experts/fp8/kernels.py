@@ -57,6 +57,7 @@ from ..configs import (
     SMEM_BUDGET,
     SMEM_SLACK,
     GemmTiles,
+    fp8_half_columns,
     fp8_halves,
     fp8_split_k,
 )
@@ -133,6 +134,7 @@ def _gemm1_fp8_kernel(
     HAS_LIMIT: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr, USE_PDL: tl.constexpr,
     UP_ALIGNED: tl.constexpr, SPLIT_K: tl.constexpr, BOXES: tl.constexpr, HALVES: tl.constexpr = False,
+    HALF_N: tl.constexpr = 0,
 ):
     """intermediate[rows, n] = quant(SwiGLU(deq(a) @ deq(W)[e, n]^T, ... [e, N + n]^T)). N = I, K = H; ``a``: the
     activations quantized in the plan's row order (``a_ptr``/``a_desc``, scales ``as_ptr``, from
@@ -145,9 +147,10 @@ def _gemm1_fp8_kernel(
     given to ``experts_fp8`` needs no zeroing before the next launch.
 
     ``HALVES`` (with SPLIT_K 1 and UP_ALIGNED; decode, where the unsplit grid leaves SMs idle but K must not be
-    split, as in a batch-invariant layer): program (p, 0) sums the gate tile and (p, 1) the up tile over all of K,
-    each into ``part_ptr`` [num_rows, 2N] (fp32), and the second to arrive runs the epilogue on both: twice the
-    programs, each reading half the weights, and a row's sums and their order unchanged, so the same bits.
+    split, as in a batch-invariant layer): program (p, 2c) sums the c-th ``HALF_N`` columns of the gate tile and
+    (p, 2c + 1) those of the up tile over all of K, each into ``part_ptr`` [num_rows, 2N] (fp32), and the last to
+    arrive runs the epilogue on the whole tile: 2 · BLOCK_N / HALF_N programs, each reading its share of the weights,
+    and a row's sums and their order unchanged, so the same bits.
 
     ``UP_ALIGNED``: N is a multiple of 128, so the up tile's rows N + cols start a weight block as the gate tile's do.
     ``BOXES``: K-adjacent 128-deep boxes a pipelined step (1 or 2; ``fp8_tiles``), each promoted on its own in K
@@ -174,13 +177,17 @@ def _gemm1_fp8_kernel(
         up_scale_ptrs = s_expert + (N // 128 + col_block) * stride_sn
     else:  # [BLOCK_N]: the up tile straddles two weight blocks
         up_scale_ptrs = s_expert + ((N + wrapped) // 128) * stride_sn
-    if HALVES:  # this program's tile, the gate (half 0) or the up one (1), through the gate's pointers (UP_ALIGNED)
-        half = tl.program_id(1)
-        gate_row += half * N
-        gate_ptrs += half * N * stride_wn
+    TILE_N: tl.constexpr = HALF_N if HALVES else BLOCK_N  # the columns this program sums
+    if HALVES:  # its columns of the gate tile (half 0) or the up one (1), through the gate's pointers (UP_ALIGNED)
+        half = tl.program_id(1) % 2
+        first_col = (tl.program_id(1) // 2) * TILE_N  # within the tile: inside its weight block
+        tile_cols = col_block * BLOCK_N + first_col + tl.arange(0, TILE_N)  # < N: N is a multiple of BLOCK_N
+        gate_row += half * N + first_col
+        gate_ptrs = (w_expert + (half * N + tile_cols)[None, :].to(tl.int64) * stride_wn
+                     + (k_begin + ks)[:, None] * stride_wk)
         gate_scale_ptrs += half * (N // 128) * stride_sn
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_gate = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
     for k_step in range(k_begin, k_end, BOXES * BLOCK_K):
         for box in tl.static_range(BOXES):
             k0 = k_step + box * BLOCK_K
@@ -206,12 +213,14 @@ def _gemm1_fp8_kernel(
         part = part_ptr + rows.to(tl.int64)[:, None] * (2 * N) + cols[None, :]
         split_stride = num_rows.to(tl.int64) * (2 * N)
         if HALVES:
-            tl.store(part + half * N, acc_gate, mask=done)
+            tile_part = part_ptr + rows.to(tl.int64)[:, None] * (2 * N) + tile_cols[None, :]
+            tl.store(tile_part + half * N, acc_gate, mask=row_ok[:, None])
         else:
             tl.store(part + tl.program_id(1) * split_stride, acc_gate, mask=done)
             tl.store(part + tl.program_id(1) * split_stride + N, acc_up, mask=done)
         # acq_rel: this program's partial sums are visible to the last arriver, and the last sees every one
-        if tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel") < (2 if HALVES else SPLIT_K) - 1:
+        arrivals: tl.constexpr = 2 * (BLOCK_N // TILE_N) if HALVES else SPLIT_K
+        if tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel") < arrivals - 1:
             return
         tl.store(arrivals_ptr + tl.program_id(0), 0)  # every run has arrived: a caller's workspace stays zeroed
         if HALVES:  # loaded as stored: the bits of the unsplit sums
@@ -321,6 +330,13 @@ def default_halves(num_rows: int, width: int, split_k: Optional[int], device: to
     return fp8_halves(num_rows, width, _runtime.sm_count(device))
 
 
+def default_half_columns(num_rows: int, width: int, device: torch.device) -> int:
+    """The columns a program of GEMM1's ``halves`` sums (``configs.fp8_half_columns``; 128 off CUDA)."""
+    if device.type != "cuda":
+        return BLOCK
+    return fp8_half_columns(num_rows, width, _runtime.sm_count(device))
+
+
 def experts_fp8(
     hidden: torch.Tensor,
     gate_up: BlockFP8,
@@ -335,13 +351,16 @@ def experts_fp8(
     split_k: Optional[int] = None,
     workspace: Optional[torch.Tensor] = None,
     halves: Optional[bool] = None,
+    half_columns: Optional[int] = None,
 ) -> None:
     """Quantize the activations in the plan's row order, then launch GEMM1 (+ SwiGLU, intermediate quantization)
     and GEMM2, into ``out``.
     ``split_k``: GEMM1's K in that many runs of steps, each its own program (``_gemm1_fp8_kernel``; stages as
     ``fp8_tiles`` cuts them); None: :func:`default_split_k`. ``halves``: GEMM1's gate and up tiles as programs of
     their own (``HALVES``: the same bits, on a launch of their own, ``configs.FP8_HALVES_STAGES``; needs ``split_k``
-    1 or None and I a multiple of 128); None: :func:`default_halves`. ``workspace``: int32 zeros (``moe_experts``'s)
+    1 or None and I a multiple of 128); None: :func:`default_halves`. ``half_columns``: the columns of a tile each
+    of the halves' programs sums, 128 (the whole tile) or 64 (two programs a half); None:
+    :func:`default_half_columns`. ``workspace``: int32 zeros (``moe_experts``'s)
     that a split GEMM1 counts its runs' (or halves') arrivals in and leaves zeroed, where it holds a counter per
     program of the unsplit grid; else the counters are zeroed here, one more kernel before GEMM1 (which also keeps
     GEMM1 from starting under the previous kernel's tail with PDL).
@@ -353,6 +372,10 @@ def experts_fp8(
     if halves and (split_k not in (None, 1) or down.shape[2] % BLOCK):
         raise ValueError(f"halves=True needs split_k 1 and an intermediate width multiple of {BLOCK}, got split_k="
                          f"{split_k!r} and {down.shape[2]}")
+    if half_columns is not None and (not isinstance(half_columns, int) or isinstance(half_columns, bool)):
+        raise TypeError(f"half_columns must be an int or None, got {type(half_columns).__name__}")
+    if half_columns not in (None, BLOCK, BLOCK // 2):
+        raise ValueError(f"half_columns must be None, {BLOCK} or {BLOCK // 2}, got {half_columns!r}")
     num_tiles = plan.tile_expert.numel()
     width, hidden_size = down.shape[2], hidden.shape[1]
     if num_tiles == 0 or width == 0:
@@ -365,6 +388,8 @@ def experts_fp8(
         halves = default_halves(plan.expanded_to_permuted.numel(), width, split_k, device)
     if halves:
         split_k = 1
+        if half_columns is None:
+            half_columns = default_half_columns(plan.expanded_to_permuted.numel(), width, device)
     if split_k is None:
         split_k = default_split_k(plan.expanded_to_permuted.numel(), width, device)
     # The stage model counts GEMM1's e4m3 activation tiles at hidden's width, the stage counts the fp8 tiles were
@@ -375,7 +400,8 @@ def experts_fp8(
     a, a_scales = quantized_rows(plan, hidden_size, device)
     quantize_rows_into(hidden, a, a_scales, plan, gather=True, use_pdl=use_pdl)
     a_desc = rows_descriptor(a, plan.block_m, BLOCK)  # boxes of one scale group; a step loads t1.block_k // BLOCK
-    desc1 = weight_descriptor(gate_up.values, t1.block_n, BLOCK)
+    columns = half_columns if halves and half_columns else t1.block_n  # the columns a GEMM1 program sums
+    desc1 = weight_descriptor(gate_up.values, columns, BLOCK)
     programs = num_tiles * triton.cdiv(width, t1.block_n)
     if split_k > 1 or halves:  # each run's (or half's) fp32 sums, and each tile's count of them done
         part = torch.empty(split_k, plan.num_rows, 2 * width, dtype=torch.float32, device=device)
@@ -385,7 +411,7 @@ def experts_fp8(
             arrivals = torch.zeros(programs, dtype=torch.int32, device=device)
     else:  # not read
         part, arrivals = inter_scales, plan.tile_expert
-    _gemm1_fp8_kernel[(programs, 2 if halves else split_k)](
+    _gemm1_fp8_kernel[(programs, 2 * t1.block_n // columns if halves else split_k)](
         a, a if a_desc is None else a_desc, a_scales,
         gate_up.values, gate_up.values if desc1 is None else desc1, gate_up.scales, inter, inter_scales,
         plan.tile_expert, plan.tile_row_start, plan.expert_offsets, part, arrivals,
@@ -395,7 +421,7 @@ def experts_fp8(
         HAS_LIMIT=swiglu_limit is not None, EMULATE_RTNE=emulate, BLOCK_M=plan.block_m, BLOCK_N=t1.block_n,
         BLOCK_K=BLOCK, GROUP_M=t1.group_m, W_TMA=desc1 is not None, A_TMA=a_desc is not None, USE_PDL=use_pdl,
         UP_ALIGNED=width % BLOCK == 0, SPLIT_K=split_k, BOXES=t1.block_k // BLOCK, HALVES=halves,
-        num_warps=t1.num_warps,
+        HALF_N=columns if halves else 0,        num_warps=t1.num_warps,
         num_stages=t1.num_stages, **launch,
     )
     desc2 = weight_descriptor(down.values, t2.block_n, BLOCK)

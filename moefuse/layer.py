@@ -83,11 +83,13 @@ class MoERouter(nn.Module):
         self.batch_invariant: bool | None = None  # None: the process default (moefuse.set_defaults)
         self._parts: tuple[tuple[int, int, torch.device], torch.Tensor] | None = None
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """[M, H] -> fp32 logits [M, E] (:func:`moefuse.route.router_logits`)."""
+    def logits(self, x: torch.Tensor, unsummed: bool = False) -> torch.Tensor:
+        """[M, H] -> fp32 logits [M, E] (:func:`moefuse.route.router_logits`); with ``unsummed``, a batch-invariant
+        router's runs' partial sums [R, M, E] (its logits where R would be 1), for the gate to add."""
         invariant = _runtime.batch_invariant(self.batch_invariant)
         parts = self._weight_parts() if invariant and x.dtype == torch.bfloat16 and x.is_cuda else None
-        return router_logits(x, self.weight, backend=self.backend, batch_invariant=invariant, weight_parts=parts)
+        return router_logits(x, self.weight, backend=self.backend, batch_invariant=invariant, weight_parts=parts,
+                             unsummed=unsummed and invariant)
 
     def _weight_parts(self) -> torch.Tensor | None:
         """The router weight's exact bf16 split for the batch-invariant logits, made once per weight version (the
@@ -100,13 +102,14 @@ class MoERouter(nn.Module):
         return self._parts[1]
 
     def forward(self, x: torch.Tensor, num_token_non_padded: int | torch.Tensor | None = None,
-                num_fused_shared_experts: int = 0, input_ids: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                num_fused_shared_experts: int = 0, input_ids: torch.Tensor | None = None,
+                unit_shared_weight: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """[M, H] -> (weights fp32 [M, top_k + n], ids int32 [M, top_k + n]); the scaling factor is in the weights.
 
         Rows at or past ``num_token_non_padded`` get ids -1 and weights 0: they reach no expert. With
-        ``num_fused_shared_experts = n``, slots ``top_k..top_k+n-1`` hold ids ``E..E+n-1`` (SPEC §1). A hash-routed
-        router needs ``input_ids`` (M token ids) and takes no fused shared slots.
+        ``num_fused_shared_experts = n``, slots ``top_k..top_k+n-1`` hold ids ``E..E+n-1`` (SPEC §1), at weight 1
+        with ``unit_shared_weight``. A hash-routed router needs ``input_ids`` (M token ids) and takes no fused
+        shared slots.
         """
         c = self.config
         if self.tid2eid is not None:
@@ -119,12 +122,12 @@ class MoERouter(nn.Module):
         if bias is not None and bias.dtype != torch.float32:
             bias = bias.float()  # model.to(bf16) casts buffers too; the router takes its bias in fp32 (SPEC §1)
         return moe_fused_gate(
-            self.logits(x), bias, c.top_k + num_fused_shared_experts, c.scoring_func,
+            self.logits(x, unsummed=True), bias, c.top_k + num_fused_shared_experts, c.scoring_func,
             num_fused_shared_experts=num_fused_shared_experts, renormalize=c.renormalize,
             routed_scaling_factor=c.routed_scaling_factor, apply_routed_scaling_factor_on_output=True,
             num_expert_group=c.num_expert_group, topk_group=c.topk_group, moe_softcapping=c.moe_softcapping,
             num_token_non_padded=num_token_non_padded, backend=self.backend,
-            batch_invariant=_runtime.batch_invariant(self.batch_invariant),
+            batch_invariant=_runtime.batch_invariant(self.batch_invariant), unit_shared_weight=unit_shared_weight,
         )
 
 
@@ -692,11 +695,12 @@ class MoELayer(nn.Module):
 
     def _forward_shared_slot(self, x: torch.Tensor, gate_up_proj: ExpertWeight, down_proj: ExpertWeight,
                              num_token_non_padded: int | torch.Tensor | None = None) -> torch.Tensor:
-        """The shared expert as slot ``top_k`` (id E, weight 1 after renormalisation) of every token; padded tokens
-        (batch-invariant layers only: others run the side stream for them) keep that slot alone, at weight 1."""
+        """The shared expert as slot ``top_k`` (id E, weight 1, also where every routed weight underflows to 0) of every
+        token; padded tokens (batch-invariant layers only: others run the side stream for them) keep that slot alone,
+        at weight 1."""
         c = self.config
         invariant = _runtime.batch_invariant(self.batch_invariant)
-        weights, ids = self.gate(x, num_token_non_padded, num_fused_shared_experts=1)
+        weights, ids = self.gate(x, num_token_non_padded, num_fused_shared_experts=1, unit_shared_weight=True)
         if num_token_non_padded is not None:  # the gate gave padded rows no slot at all: restore the shared one
             padded = torch.arange(x.shape[0], device=x.device) >= num_token_non_padded
             weights[:, c.top_k] = torch.where(padded, 1.0, weights[:, c.top_k])

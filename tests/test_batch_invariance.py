@@ -31,6 +31,7 @@ from moefuse.experts.common import rows_swiglu
 from moefuse.experts.op import rows_linear_tiles
 from moefuse.reference import moe_layer_torch
 from moefuse.route import moe_fused_gate, router_logits
+from moefuse.route.reference import summed_runs
 from moefuse.testing import rel_error
 
 GPU = torch.cuda.is_available()
@@ -100,6 +101,22 @@ def test_padded_rows_and_decode_graphs_change_nothing(quant, activation_quant, d
             assert torch.equal(layer(batch, num_token_non_padded=real)[1], alone), (fmt, M, "padded")
             assert torch.equal(layer(batch)[1], alone), (fmt, M, "graph" if M <= 8 else "eager")
         assert torch.equal(layer(token)[0], alone)  # one token: a graph replay on a GPU
+
+
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "default"])
+def test_shared_expert_stays_where_every_routed_weight_underflows(invariant, device, gen):
+    """A token whose router logits all lie far below zero (its sigmoid activations underflow to 0: every routed
+    weight is 0) still gets its shared expert whole, as the reference adds it, through the shared slot (the
+    invariant layer's at every size) or on the side stream. Huge rows of random batches hit this now and then."""
+    layer = _layer(None, "default", torch.bfloat16, device, invariant=invariant)
+    with torch.no_grad():
+        layer.gate.weight.abs_()
+        x = _neighbours(9, torch.bfloat16, device, gen)
+        x[4] = -300 * x[4].abs().clamp_min(0.5)  # logits below -300 · 0.5 · sum |w| for every expert
+        got = layer(x)
+        want = moe_layer_torch(layer, x, route_dtype=torch.float32)
+    assert (layer.gate.logits(x)[4] < -200).all()
+    assert rel_error(got, want) <= experts_tolerance("bf16", 128)[0] and got[4].abs().max() > 0
 
 
 @pytest.mark.parametrize("quant, activation_quant, dtype, fmt", FORMATS[:1] + FORMATS[3:4])  # MXFP4: bf16 shared
@@ -226,6 +243,54 @@ def test_router_stages_alone_and_batched(x_dtype, w_dtype, device, gen):
             # accurate too: one rounding of fp32 sums to the output's dtype (the experts' GEMM2 tolerance)
             fmt = "fp32" if x_dtype == torch.float32 else "bf16"
             assert rel_error(got, batch.double() @ proj.double().T) <= experts_tolerance(fmt, 64)[0], M
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_gate_adds_the_router_runs(scoring, device, gen):
+    """``router_logits(..., unsummed=True)``: the invariant router's runs' partial sums, which the gate adds in run
+    order itself (the layer's path: one kernel fewer). bf16 rows over H = 1,100 make four runs, whose in-order sum is
+    the summed logits' bits; the gate on the runs gives the bits it gives on those logits, with a huge row, a NaN in
+    one run's partial sum and grouped experts; fp32 rows, the default router and the reference make one run."""
+    H, E, M = 1100, 72, 37
+    weight = torch.randn(E, H, generator=gen).to(device)
+    x = torch.randn(M, H, generator=gen).bfloat16().to(device)
+    x[5] *= 300
+    runs = router_logits(x, weight, backend="triton", batch_invariant=True, unsummed=True)
+    logits = router_logits(x, weight, backend="triton", batch_invariant=True)
+    assert runs.shape == (4, M, E) and runs.is_contiguous()
+    assert torch.equal(summed_runs(runs), logits)
+    runs[2, 9, 7] = float("nan")
+    logits = summed_runs(runs)
+    for groups in (1, 8):
+        kw = dict(num_fused_shared_experts=1, routed_scaling_factor=2.5, num_expert_group=groups,
+                  topk_group=min(groups, 4), backend="triton", batch_invariant=True)
+        got = moe_fused_gate(runs, None, 5, scoring, **kw)
+        want = moe_fused_gate(logits, None, 5, scoring, **kw)
+        assert torch.equal(got[0].nan_to_num(), want[0].nan_to_num()) and torch.equal(got[1], want[1]), groups
+        assert torch.equal(got[0].isnan(), want[0].isnan())
+    for kw in ({"batch_invariant": False}, {"backend": "reference"}):
+        one = router_logits(x, weight, **{"backend": "triton", "batch_invariant": True, **kw}, unsummed=True)
+        assert one.shape == (1, M, E)
+        assert torch.equal(one[0], router_logits(x, weight, **{"backend": "triton", "batch_invariant": True, **kw}))
+    assert router_logits(x.float(), weight, backend="triton", batch_invariant=True, unsummed=True).shape == (1, M, E)
+
+
+def test_unsummed_logits_and_runs_are_checked(device):
+    """The runs' shapes are checked before any launch: ``unsummed`` a bool, its ``out`` [R, M, E] contiguous fp32,
+    the gate's 3-D scores fp32 with at least one run."""
+    x, weight = torch.randn(3, 600, device=device).bfloat16(), torch.randn(8, 600, device=device)
+    with pytest.raises(TypeError, match="unsummed"):
+        router_logits(x, weight, unsummed=1)
+    with pytest.raises(ValueError, match="out"):  # 600 columns: two runs
+        router_logits(x, weight, backend="triton", batch_invariant=True, unsummed=True,
+                      out=torch.empty(3, 8, device=device))
+    with pytest.raises(ValueError, match="contiguous"):
+        router_logits(x, weight, backend="triton", batch_invariant=True, unsummed=True,
+                      out=torch.empty(2, 8, 3, device=device).transpose(1, 2))
+    for scores, error in ((torch.zeros(2, 3, 8, dtype=torch.bfloat16), TypeError), (torch.zeros(0, 3, 8), ValueError),
+                          (torch.zeros(1, 2, 3, 8), ValueError)):
+        with pytest.raises(error, match="scores"):
+            moe_fused_gate(scores.to(device), None, 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

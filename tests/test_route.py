@@ -274,6 +274,24 @@ def test_nan_and_inf_logits(scoring, groups, gen, device):
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_unit_shared_weight(backend, gen, device):
+    """``unit_shared_weight``: the fused shared slots weigh exactly 1 where the routed weights do not decide them,
+    also in a row whose sigmoid activations all underflow to 0 (logits near -300), where the spec's
+    ``routed_sum / routed_scaling_factor`` gives 0; routed slots unchanged; padded rows still 0 and -1."""
+    scores, bias = _inputs(gen, 8, 256, device=device)
+    scores[2] = -300 + torch.randn(256, generator=gen).to(device)
+    opts = dict(num_fused_shared_experts=2, **{**DSV3, "topk": 10}, backend=backend)
+    plain = moe_fused_gate(scores, bias, **opts)
+    unit = moe_fused_gate(scores, bias, **opts, unit_shared_weight=True, num_token_non_padded=7)
+    assert bool((plain[0][2] == 0).all())  # the spec's weights: the shared slots too
+    assert bool((unit[0][:7, 8:] == 1.0).all()) and torch.equal(unit[0][:7, :8], plain[0][:7, :8])
+    assert torch.equal(unit[1][:7], plain[1][:7])
+    assert bool((unit[0][7] == 0).all()) and bool((unit[1][7] == -1).all())
+    with pytest.raises(TypeError, match="unit_shared_weight"):
+        moe_fused_gate(scores, bias, **opts, unit_shared_weight=1)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_padded_rows(backend, gen, device):
     """Rows at or past num_token_non_padded get id -1 and weight 0, from an int or a 0-d int32/int64 tensor."""
     scores, bias = _inputs(gen, 8, 256, device=device)
@@ -319,8 +337,9 @@ def test_custom_op_opcheck(gen, device):
     """moefuse::fused_gate passes torch.library.opcheck (schema, fake impl, mutation declarations)."""
     scores, bias = _inputs(gen, 5, 64, device=device)
     weights, ids = torch.empty(5, 6, device=device), torch.empty(5, 6, dtype=torch.int32, device=device)
-    for invariant in (False, True):
-        args = (scores, bias, weights, ids, "sigmoid", 1, True, 2.5, False, 4, 2, 0.0, None, 5, invariant, "triton")
+    for invariant, unit in ((False, False), (True, True)):
+        args = (scores, bias, weights, ids, "sigmoid", 1, True, 2.5, False, 4, 2, 0.0, None, 5, invariant, unit,
+                "triton")
         torch.library.opcheck(torch.ops.moefuse.fused_gate.default, args,
                               test_utils=("test_schema", "test_faketensor"))
 

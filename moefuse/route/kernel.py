@@ -257,6 +257,16 @@ def _slots(x, VEC: tl.constexpr):
     return out
 
 
+@triton.jit
+def _load_scores(ptrs, mask, run_stride, RUNS: tl.constexpr):
+    """fp32 scores at ``ptrs``: with RUNS > 1 the runs' partial sums, RUNS [M, E] blocks ``run_stride`` apart,
+    added in run order, ((p0 + p1) + p2) + ..., as ``route.linear``'s run sum adds them."""
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    for r in tl.static_range(1, RUNS):
+        x += tl.load(ptrs + r * run_stride, mask=mask, other=0.0)
+    return x
+
+
 # Integers that vary with the token count are not specialised: no new variant per batch size (moefuse.warmup).
 @triton.jit(do_not_specialize=["M", "n_valid"])
 def _fused_gate_kernel(
@@ -289,8 +299,11 @@ def _fused_gate_kernel(
     NTNP_FROM_PTR: tl.constexpr,
     BLOCK_M: tl.constexpr,
     USE_PDL: tl.constexpr,
+    RUNS: tl.constexpr,
+    UNIT_SHARED: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    run_stride = M.to(tl.int64) * E  # between the runs' partial sums (RUNS > 1)
     row_ok = rows < M
     row_off = rows.to(tl.int64) * E
     # Slot c of lane l is padded position p = l·NC + c: a thread holds NC consecutive positions, so its slots
@@ -313,8 +326,8 @@ def _fused_gate_kernel(
     for v in tl.static_range(NC // VEC):
         col3 = _column(p3 + v * VEC, G, GS, GS_PAD)
         ok3 = _valid(p3 + v * VEC, E, G, GS, GS_PAD)
-        x3 = tl.load(scores_ptr + row_off[None, :, None] + col3, mask=row_ok[None, :, None] & ok3, other=0.0)
-        xs = xs + _slots(tl.permute(x3.to(tl.float32), (1, 0, 2)), VEC)
+        x3 = _load_scores(scores_ptr + row_off[None, :, None] + col3, row_ok[None, :, None] & ok3, run_stride, RUNS)
+        xs = xs + _slots(tl.permute(x3, (1, 0, 2)), VEC)
         if HAS_BIAS:
             bs = bs + _slots(tl.permute(tl.load(bias_ptr + col3, mask=ok3, other=0.0), (1, 0, 2)), VEC)
     if NTNP_FROM_PTR:
@@ -418,7 +431,7 @@ def _fused_gate_kernel(
 
     # ---- weights: recompute a at the chosen ids (the row is in L1/L2), fused shared slots, scaling --------------
     routed = lane < K_R
-    xk = tl.load(scores_ptr + row_off[:, None] + ids, mask=row_ok[:, None] & routed, other=0.0).to(tl.float32)
+    xk = _load_scores(scores_ptr + row_off[:, None] + ids, row_ok[:, None] & routed, run_stride, RUNS)
     w = _activate(xk, row_max[:, None], row_sum[:, None], softcap, SCORING, HAS_SOFTCAP)
     w = tl.where(routed, w, 0.0)
     routed_sum = tl.sum(w, axis=1)[:, None]
@@ -429,6 +442,8 @@ def _fused_gate_kernel(
         w = tl.math.div_rn(w, tl.where(routed_sum > 0, routed_sum, 1.0))
     if SCALE_OUTPUT:
         w = w * routed_scaling_factor
+    if UNIT_SHARED:
+        w = tl.where(is_shared, 1.0, w)
     padded = (rows >= n_valid)[:, None]
     w = tl.where(padded, 0.0, w)
     ids = tl.where(padded, -1, ids)
@@ -510,6 +525,8 @@ def gate_constexprs(
     ntnp_from_ptr: bool,
     block_m: int,
     use_pdl: bool,
+    runs: int = 1,
+    unit_shared: bool = False,
 ) -> dict:
     """The compile-time arguments of ``_fused_gate_kernel`` for one router problem (also used by
     ``scripts/sass.py router``)."""
@@ -544,6 +561,8 @@ def gate_constexprs(
         NTNP_FROM_PTR=ntnp_from_ptr,
         BLOCK_M=block_m,
         USE_PDL=use_pdl,
+        RUNS=runs,
+        UNIT_SHARED=unit_shared,
     )
 
 
@@ -564,14 +583,16 @@ def fused_gate(
     num_token_non_padded: torch.Tensor | None,
     n_valid: int,
     invariant: bool = False,
+    unit_shared_weight: bool = False,
 ) -> None:
     """Launch the router kernel, writing ``weights``/``ids`` (already validated, contiguous, [M, topk]).
-    ``invariant``: one row a program at every M (batch invariance: a row's sums laid out one way).
+    ``scores``: [M, E], or [R, M, E] fp32 partial sums the kernel adds in run order. ``invariant``: one row a program
+    at every M (batch invariance: a row's sums laid out one way).
 
     ``num_token_non_padded`` is a 0-d device tensor read inside the kernel (no host sync), or None, in which
     case rows at or past ``n_valid`` (a host int in [0, M]) are padding.
     """
-    M, E = scores.shape
+    M, E = scores.shape[-2:]
     topk = weights.shape[1]
     if M == 0:
         return
@@ -604,6 +625,8 @@ def fused_gate(
             ntnp_from_ptr=num_token_non_padded is not None,
             block_m=block_m,
             use_pdl="launch_pdl" in extra,
+            runs=scores.shape[0] if scores.dim() == 3 else 1,
+            unit_shared=unit_shared_weight,
         ),
         num_warps=num_warps,
         **extra,

@@ -235,10 +235,17 @@ def invariant_runs(H: int) -> int:
     return max(1, min(INVARIANT_MAX_RUNS, H // INVARIANT_RUN_COLUMNS))
 
 
+def invariant_logit_runs(x_dtype: torch.dtype, H: int) -> int:
+    """The partial sums :func:`router_logits_invariant` adds: ``invariant_runs(H)`` for bf16 ``x``, else 1."""
+    return invariant_runs(H) if x_dtype == torch.bfloat16 else 1
+
+
 def router_logits_invariant(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
                             parts: torch.Tensor | None = None) -> None:
     """Write ``x @ weight^T`` (fp32) into ``out`` [M, E] with the same arithmetic for a row at every M (above); M, E
-    and H > 0. ``parts``: ``bf16_split(weight.float())`` where the caller keeps it (a layer, across calls)."""
+    and H > 0. ``parts``: ``bf16_split(weight.float())`` where the caller keeps it (a layer, across calls). ``out``
+    [R, M, E] (R = :func:`invariant_logit_runs`, contiguous) takes the runs' partial sums, left for the gate to add
+    in run order."""
     M, H = x.shape
     E = weight.shape[0]
     if x.dtype != torch.bfloat16:  # the row blocks' tl.sum: its order follows the layout, so one layout of x
@@ -252,13 +259,17 @@ def router_logits_invariant(x: torch.Tensor, weight: torch.Tensor, out: torch.Te
     if parts is None:
         parts = bf16_split(weight.float())
     c, runs = INVARIANT_MMA, invariant_runs(H)
-    sums = torch.empty(runs, M, E, dtype=torch.float32, device=x.device) if runs > 1 else out
+    unsummed = out.dim() == 3
+    if unsummed:
+        sums = out
+    else:
+        sums = torch.empty(runs, M, E, dtype=torch.float32, device=x.device) if runs > 1 else out
     _router_logits_mma_kernel[(triton.cdiv(M, c.block_m), triton.cdiv(E, c.block_n), runs)](
         x, parts, sums, M, E, H, *x.stride(), *sums.stride()[-2:],
         UPCAST=_runtime.interpreting(), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=runs,
         num_warps=c.warps, num_stages=c.stages,
     )
-    if runs > 1:
+    if runs > 1 and not unsummed:
         n = M * E
         _sum_runs_kernel[(triton.cdiv(n, 1024),)](sums, out, n, E, *out.stride(), RUNS=runs, BLOCK=1024,
                                                   num_warps=4)

@@ -29,18 +29,22 @@ def moe_fused_gate(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     backend: str = "auto",
     batch_invariant: bool | None = None,
+    unit_shared_weight: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick each token's experts and their weights from router logits.
 
     Args:
-        scores: router logits [M, E], fp32, bf16 or fp16 (all arithmetic is fp32).
+        scores: router logits [M, E], fp32, bf16 or fp16 (all arithmetic is fp32); or fp32 partial sums [R, M, E]
+            of the logits, which the gate adds in run order, ((p0 + p1) + p2) + ... (``router_logits(...,
+            unsummed=True)``: one kernel fewer a layer call).
         bias: selection bias [E] fp32 on the same device, or None (zeros). It chooses experts only; weights
             come from the activation alone.
         topk: slots per token (a slot: one of a token's choices, an expert id and its weight), fused shared
             slots included (``K_r = topk - num_fused_shared_experts`` routed).
         scoring_func: ``"sigmoid"``, ``"sqrtsoftplus"`` or ``"softmax"``.
         num_fused_shared_experts: shared-expert slots appended after the routed ones, ids ``E + j``, weight
-            ``routed_sum / routed_scaling_factor`` before renormalisation.
+            ``routed_sum / routed_scaling_factor`` before renormalisation (0 where every routed weight is 0), or 1
+            with ``unit_shared_weight``.
         renormalize: divide every slot by the sum of the routed weights (by 1 when that sum is <= 0).
         routed_scaling_factor: finite, > 0.
         apply_routed_scaling_factor_on_output: multiply every slot by ``routed_scaling_factor``.
@@ -53,6 +57,9 @@ def moe_fused_gate(
             device: CUDA-graph safe). Rows at or past it get ids -1 and weights 0.
         out: optional preallocated ``(weights fp32 [M, topk], ids int32 [M, topk])``, contiguous, same device.
         backend: ``"auto"``, ``"reference"`` or ``"triton"`` (see ``moefuse._runtime``).
+        unit_shared_weight: the fused shared slots' weight exactly 1 (padded rows' 0 aside), whatever the routed
+            weights: a layer's shared expert, added whole, also where every routed score underflows (sigmoid
+            logits far below zero), where ``routed_sum / routed_scaling_factor`` would drop it.
 
     Returns:
         ``(weights, ids)``: fp32 [M, topk] and int32 [M, topk]. Routed slots in descending key order (lower id
@@ -77,8 +84,9 @@ def moe_fused_gate(
         num_token_non_padded,
         out,
         backend,
+        unit_shared_weight,
     )
-    M = scores.shape[0]
+    M = scores.shape[-2]
     if out is None:
         out = (
             torch.empty(M, topk, dtype=torch.float32, device=scores.device),
@@ -106,6 +114,7 @@ def moe_fused_gate(
         ntnp_tensor,
         n_valid,
         _runtime.batch_invariant(batch_invariant),
+        unit_shared_weight,
         resolved,
     )
     return out
@@ -126,14 +135,23 @@ def _validate(
     num_token_non_padded,
     out,
     backend,
+    unit_shared_weight=False,
 ) -> str:
     """Every argument check of ``moe_fused_gate``; raises TypeError/ValueError naming the argument.
 
     Returns the resolved backend (``"reference"`` or ``"triton"``), chosen from the scores' device once they are
     known to be a tensor.
     """
-    _checks.check_tensor("scores", scores, dtypes=_checks.FLOAT_DTYPES, ndim=2)
-    M, E = scores.shape
+    _checks.check_tensor("scores", scores)
+    if scores.dim() == 3:  # the runs' partial sums
+        _checks.check_tensor("scores", scores, dtypes=(torch.float32,))
+        if scores.shape[0] < 1:
+            raise ValueError(f"scores [R, M, E] must hold at least one run, got shape {tuple(scores.shape)}")
+    elif scores.dim() != 2:
+        raise ValueError(f"scores must be [M, E] (or fp32 [R, M, E] partial sums), got shape {tuple(scores.shape)}")
+    else:
+        _checks.check_tensor("scores", scores, dtypes=_checks.FLOAT_DTYPES)
+    M, E = scores.shape[-2:]
     device = scores.device
     backend = _runtime.resolve_backend(backend, device)
     if E < 1:
@@ -152,6 +170,7 @@ def _validate(
     for name, flag in (
         ("renormalize", renormalize),
         ("apply_routed_scaling_factor_on_output", apply_routed_scaling_factor_on_output),
+        ("unit_shared_weight", unit_shared_weight),
     ):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
@@ -219,6 +238,7 @@ def _fused_gate_impl(
     num_token_non_padded: torch.Tensor | None,
     n_valid: int,
     invariant: bool,
+    unit_shared_weight: bool,
     backend: str,
 ) -> None:
     """Write the routing of ``scores`` into ``weights``/``ids`` (arguments already validated).
@@ -242,6 +262,7 @@ def _fused_gate_impl(
             num_token_non_padded=num_token_non_padded,
             n_valid=n_valid,
             invariant=invariant,
+            unit_shared_weight=unit_shared_weight,
         )
         return
     reference.moe_fused_gate_torch(
@@ -257,6 +278,7 @@ def _fused_gate_impl(
         topk_group=topk_group,
         moe_softcapping=moe_softcapping,
         num_token_non_padded=num_token_non_padded if num_token_non_padded is not None else n_valid,
+        unit_shared_weight=unit_shared_weight,
         out=(weights, ids),
     )
 
@@ -271,7 +293,7 @@ def _(scores, bias, weights, ids, *args) -> None:
 
 def router_logits(
     x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None, backend: str = "auto",
-    batch_invariant: bool | None = None, weight_parts: torch.Tensor | None = None,
+    batch_invariant: bool | None = None, weight_parts: torch.Tensor | None = None, unsummed: bool = False,
 ) -> torch.Tensor:
     """The router linear: fp32 logits ``x @ weight^T`` for :func:`moe_fused_gate`.
 
@@ -289,21 +311,37 @@ def router_logits(
             batch.
         weight_parts: with ``batch_invariant`` and bf16 ``x``, ``linear.bf16_split(weight.float())`` if the caller
             keeps it across calls (a layer does); None splits the weight on each call.
+        unsummed: return fp32 [R, M, E] partial sums for :func:`moe_fused_gate` to add, one kernel fewer: the R
+            runs the batch-invariant launch cuts K into (``linear.invariant_logit_runs``) with ``"triton"`` and
+            ``batch_invariant``, else R = 1 (the logits). ``out``, if given, is then [R, M, E].
 
     Returns:
-        ``out``: fp32 [M, E]. Products and sums are fp32 on every backend; only the summation order differs.
+        ``out``: fp32 [M, E] (or [R, M, E], ``unsummed``). Products and sums are fp32 on every backend; only the
+        summation order differs.
 
     Raises:
         TypeError / ValueError naming the argument, before any launch.
     """
-    resolved = _validate_logits(x, weight, out, backend)
+    if not isinstance(unsummed, bool):
+        raise TypeError(f"unsummed must be a bool, got {type(unsummed).__name__}")
+    invariant = _runtime.batch_invariant(batch_invariant)
+    resolved = _validate_logits(x, weight, None if unsummed else out, backend)
+    runs = None
+    if unsummed:
+        runs = linear.invariant_logit_runs(x.dtype, x.shape[1]) if invariant and resolved == "triton" else 1
+        if out is not None:
+            _checks.check_tensor("out", out, dtypes=(torch.float32,), shape=(runs, x.shape[0], weight.shape[0]),
+                                 device=x.device)
+            if not out.is_contiguous():
+                raise ValueError("out must be contiguous (the gate reads the runs as one block)")
     if weight_parts is not None:
         _checks.check_tensor("weight_parts", weight_parts, dtypes=(torch.bfloat16,),
                              shape=(3, *weight.shape), device=x.device)
     if out is None:
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+        shape = (x.shape[0], weight.shape[0]) if runs is None else (runs, x.shape[0], weight.shape[0])
+        out = torch.empty(shape, dtype=torch.float32, device=x.device)
     op = _router_logits_impl if _runtime.direct_call() else torch.ops.moefuse.router_logits
-    op(x, weight, resolved, _runtime.batch_invariant(batch_invariant), weight_parts, out)
+    op(x, weight, resolved, invariant, weight_parts, out)
     return out
 
 
@@ -323,7 +361,13 @@ def _validate_logits(x, weight, out, backend) -> str:
 
 def _router_logits_impl(x: torch.Tensor, weight: torch.Tensor, backend: str, invariant: bool,
                         weight_parts: torch.Tensor | None, out: torch.Tensor) -> None:
-    """Write the logits into ``out`` (arguments already validated)."""
+    """Write the logits into ``out`` (arguments already validated): [M, E], or [R, M, E] (``unsummed``)."""
+    if out.dim() == 3:
+        if out.shape[0] > 1:  # the invariant launch's runs (M, E and H > 0 where there is anything to write)
+            if out.numel():
+                linear.router_logits_invariant(x, weight, out, weight_parts)
+            return
+        out = out[0]
     if backend == "triton" and x.numel() and weight.numel():  # empty shapes: the reference's zeros (or nothing)
         if invariant:
             linear.router_logits_invariant(x, weight, out, weight_parts)

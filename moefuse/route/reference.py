@@ -101,6 +101,17 @@ def selection_keys(
     return a, keys, group_scores
 
 
+def summed_runs(scores: torch.Tensor) -> torch.Tensor:
+    """Logits [M, E] from ``scores``: itself when 2-D; [R, M, E] partial sums (fp32) added in run order,
+    ((p0 + p1) + p2) + ..., when 3-D (``router_logits(..., unsummed=True)``)."""
+    if scores.dim() == 2:
+        return scores
+    total = scores[0]
+    for run in scores[1:]:
+        total = total + run
+    return total
+
+
 def moe_fused_gate_torch(
     scores: torch.Tensor,
     bias: torch.Tensor | None,
@@ -115,17 +126,19 @@ def moe_fused_gate_torch(
     topk_group: int = 1,
     moe_softcapping: float = 0.0,
     num_token_non_padded: int | torch.Tensor | None = None,
+    unit_shared_weight: bool = False,
     dtype: torch.dtype = torch.float32,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Route every token: ``(weights fp32 [M, topk], ids int32 [M, topk])``, arithmetic in ``dtype``.
 
-    Same arguments as ``moefuse.moe_fused_gate`` (which validates them; this function does not). ``dtype`` is
+    Same arguments as ``moefuse.moe_fused_gate`` (which validates them; this function does not; 3-D ``scores`` are
+    added as :func:`summed_runs` adds them). ``dtype`` is
     float32 (what the kernels compute in) or float64 (the oracle). ``out`` is an optional ``(weights, ids)``
     pair to write into.
     """
     weights, ids = _route(
-        scores,
+        summed_runs(scores),
         bias,
         topk,
         scoring_func,
@@ -137,6 +150,7 @@ def moe_fused_gate_torch(
         topk_group=topk_group,
         moe_softcapping=moe_softcapping,
         num_token_non_padded=num_token_non_padded,
+        unit_shared_weight=unit_shared_weight,
         dtype=dtype,
     )
     if out is None:
@@ -160,7 +174,8 @@ def _route(
     topk_group: int,
     moe_softcapping: float,
     num_token_non_padded: int | torch.Tensor | None,
-    dtype: torch.dtype,
+    unit_shared_weight: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe_fused_gate_torch`` with weights left in ``dtype`` and ids int64."""
     M, E = scores.shape
@@ -183,6 +198,8 @@ def _route(
         weights = weights / torch.where(routed_sum > 0, routed_sum, torch.ones_like(routed_sum))
     if apply_routed_scaling_factor_on_output:
         weights = weights * routed_scaling_factor
+    if unit_shared_weight:
+        weights[:, topk - num_fused_shared_experts:] = 1.0
     if num_token_non_padded is not None:
         padded = (torch.arange(M, device=scores.device) >= num_token_non_padded)[:, None]
         weights = weights.masked_fill(padded, 0.0)

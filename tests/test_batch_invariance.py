@@ -268,6 +268,9 @@ def test_gate_adds_the_router_runs(scoring, device, gen):
         want = moe_fused_gate(logits, None, 5, scoring, **kw)
         assert torch.equal(got[0].nan_to_num(), want[0].nan_to_num()) and torch.equal(got[1], want[1]), groups
         assert torch.equal(got[0].isnan(), want[0].isnan())
+        ref = moe_fused_gate(runs, None, 5, scoring, **{**kw, "backend": "reference"})
+        ref_summed = moe_fused_gate(logits, None, 5, scoring, **{**kw, "backend": "reference"})
+        assert torch.equal(ref[0].nan_to_num(), ref_summed[0].nan_to_num()) and torch.equal(ref[1], ref_summed[1])
     for kw in ({"batch_invariant": False}, {"backend": "reference"}):
         one = router_logits(x, weight, **{"backend": "triton", "batch_invariant": True, **kw}, unsummed=True)
         assert one.shape == (1, M, E)

@@ -132,10 +132,9 @@ def moe_fused_gate_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Route every token: ``(weights fp32 [M, topk], ids int32 [M, topk])``, arithmetic in ``dtype``.
 
-    Same arguments as ``moefuse.moe_fused_gate`` (which validates them; this function does not; 3-D ``scores`` are
-    added as :func:`summed_runs` adds them). ``dtype`` is
-    float32 (what the kernels compute in) or float64 (the oracle). ``out`` is an optional ``(weights, ids)``
-    pair to write into.
+    Same arguments as ``moefuse.moe_fused_gate`` (which validates them; this function does not); 3-D ``scores`` are
+    added as :func:`summed_runs` adds them. ``dtype`` is float32 (what the kernels compute in) or float64 (the
+    oracle). ``out`` is an optional ``(weights, ids)`` pair to write into.
     """
     weights, ids = _route(
         summed_runs(scores),

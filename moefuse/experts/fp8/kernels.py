@@ -421,8 +421,7 @@ def experts_fp8(
         HAS_LIMIT=swiglu_limit is not None, EMULATE_RTNE=emulate, BLOCK_M=plan.block_m, BLOCK_N=t1.block_n,
         BLOCK_K=BLOCK, GROUP_M=t1.group_m, W_TMA=desc1 is not None, A_TMA=a_desc is not None, USE_PDL=use_pdl,
         UP_ALIGNED=width % BLOCK == 0, SPLIT_K=split_k, BOXES=t1.block_k // BLOCK, HALVES=halves,
-        HALF_N=columns if halves else 0,        num_warps=t1.num_warps,
-        num_stages=t1.num_stages, **launch,
+        HALF_N=columns if halves else 0, num_warps=t1.num_warps, num_stages=t1.num_stages, **launch,
     )
     desc2 = weight_descriptor(down.values, t2.block_n, BLOCK)
     inter_desc = rows_descriptor(inter, plan.block_m, BLOCK)

@@ -28,6 +28,7 @@ from moefuse.bench import timing
 from moefuse.config import preset
 from moefuse.experts.fp8 import kernels as fp8_kernels
 from moefuse.layer import MoELayer, routed_experts
+from research.fp8_decode_probe import kernel_us
 
 LAUNCHES = {"one_box_s3": (1, 3), "two_boxes_s2": (2, 2), "two_boxes_s3": (2, 3)}  # boxes a step, stages
 
@@ -43,16 +44,9 @@ def _depth(boxes: int, stages: int):  # noqa: ANN202 - a stand-in for fp8_kernel
     return tiles
 
 
-def _gemm1_us(call, iters: int = 20) -> float:  # noqa: ANN001
+def _gemm1_us(call) -> float:  # noqa: ANN001
     """Device µs of GEMM1 a call (eager launches under torch.profiler)."""
-    call()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            call()
-        torch.cuda.synchronize()
-    return round(sum(e.device_time_total for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA and "_gemm1_fp8" in e.name) / iters, 1)
+    return round(kernel_us([call], rounds=20, kernels=("gemm1",))["gemm1_us"], 1)
 
 
 def main(argv: list[str] | None = None) -> None:

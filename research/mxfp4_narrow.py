@@ -23,25 +23,16 @@ from moefuse.bench import timing
 from moefuse.config import preset
 from moefuse.experts.mxfp4 import ws
 from moefuse.layer import MoELayer, routed_experts
+from research.fp8_decode_probe import kernel_us
 
 
 def _us(call) -> float:  # noqa: ANN001 - a capturable closure
     return round(timing.graph_time_us([call], replays=50), 1)
 
 
-def _kernels(call, iters: int = 20) -> dict:  # noqa: ANN001
-    """Device µs a call of each ws kernel (eager launches under torch.profiler)."""
-    call()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            call()
-        torch.cuda.synchronize()
-    total: dict = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and "_ws_kernel" in event.name:
-            total[event.name.split("_ws_kernel")[0].lstrip("_")] += event.device_time_total / iters
-    return {name: round(us, 1) for name, us in total.items()}
+def _kernels(call) -> dict:  # noqa: ANN001
+    """Device µs a call of GEMM1 and GEMM2 (eager launches under torch.profiler)."""
+    return {name.removesuffix("_us"): round(us, 1) for name, us in kernel_us([call], rounds=20).items()}
 
 
 def _forced(on: bool, programs: int, block_m: int, device: torch.device) -> bool:

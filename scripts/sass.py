@@ -269,8 +269,7 @@ def compile_fp8_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_limi
         "EMULATE_RTNE": False, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": box,
         "BOXES": tiles.block_k // box, "GROUP_M": tiles.group_m, "W_TMA": True, "USE_PDL": True, "A_TMA": True,
         **{name: 1 for name in UNIT_STRIDES + ("stride_ak",) if name in fn.arg_names},
-        **({"HAS_LIMIT": has_limit, "UP_ALIGNED": True, "SPLIT_K": split_k, "HALVES": bool(half_columns),
-            "HALF_N": half_columns} if gemm == 1
+        **({"HAS_LIMIT": has_limit, "UP_ALIGNED": True, "SPLIT_K": split_k, "HALF_N": half_columns} if gemm == 1
            else {"SWAP": block_m < experts_fp8.WGMMA_MIN_ROWS}),
     }
     rows = f"tensordesc<fp8e4nv[{block_m}, {box}]>"

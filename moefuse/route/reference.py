@@ -173,8 +173,8 @@ def _route(
     topk_group: int,
     moe_softcapping: float,
     num_token_non_padded: int | torch.Tensor | None,
+    dtype: torch.dtype,
     unit_shared_weight: bool = False,
-    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe_fused_gate_torch`` with weights left in ``dtype`` and ids int64."""
     M, E = scores.shape

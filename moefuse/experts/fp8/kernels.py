@@ -133,8 +133,7 @@ def _gemm1_fp8_kernel(
     stride_im, stride_in, stride_ism, stride_isg,
     HAS_LIMIT: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr, USE_PDL: tl.constexpr,
-    UP_ALIGNED: tl.constexpr, SPLIT_K: tl.constexpr, BOXES: tl.constexpr, HALVES: tl.constexpr = False,
-    HALF_N: tl.constexpr = 0,
+    UP_ALIGNED: tl.constexpr, SPLIT_K: tl.constexpr, BOXES: tl.constexpr, HALF_N: tl.constexpr = 0,
 ):
     """intermediate[rows, n] = quant(SwiGLU(deq(a) @ deq(W)[e, n]^T, ... [e, N + n]^T)). N = I, K = H; ``a``: the
     activations quantized in the plan's row order (``a_ptr``/``a_desc``, scales ``as_ptr``, from
@@ -146,11 +145,11 @@ def _gemm1_fp8_kernel(
     epilogue: the same bits whichever program arrives last. It sets its counter back to zero, so that a workspace
     given to ``experts_fp8`` needs no zeroing before the next launch.
 
-    ``HALVES`` (with SPLIT_K 1 and UP_ALIGNED; decode, where the unsplit grid leaves SMs idle but K must not be
-    split, as in a batch-invariant layer): program (p, 2c) sums the c-th ``HALF_N`` columns of the gate tile and
-    (p, 2c + 1) those of the up tile over all of K, each into ``part_ptr`` [num_rows, 2N] (fp32), and the last to
-    arrive runs the epilogue on the whole tile: 2 · BLOCK_N / HALF_N programs, each reading its share of the weights,
-    and a row's sums and their order unchanged, so the same bits.
+    ``HALF_N`` > 0, the halves (with SPLIT_K 1 and UP_ALIGNED; decode, where the unsplit grid leaves SMs idle but K
+    must not be split, as in a batch-invariant layer): program (p, 2c) sums the c-th ``HALF_N`` columns of the gate
+    tile and (p, 2c + 1) those of the up tile over all of K, each into ``part_ptr`` [num_rows, 2N] (fp32), and the
+    last to arrive runs the epilogue on the whole tile: 2 · BLOCK_N / HALF_N programs, each reading its share of the
+    weights, and a row's sums and their order unchanged, so the same bits.
 
     ``UP_ALIGNED``: N is a multiple of 128, so the up tile's rows N + cols start a weight block as the gate tile's do.
     ``BOXES``: K-adjacent 128-deep boxes a pipelined step (1 or 2; ``fp8_tiles``), each promoted on its own in K
@@ -177,6 +176,7 @@ def _gemm1_fp8_kernel(
         up_scale_ptrs = s_expert + (N // 128 + col_block) * stride_sn
     else:  # [BLOCK_N]: the up tile straddles two weight blocks
         up_scale_ptrs = s_expert + ((N + wrapped) // 128) * stride_sn
+    HALVES: tl.constexpr = HALF_N > 0
     TILE_N: tl.constexpr = HALF_N if HALVES else BLOCK_N  # the columns this program sums
     if HALVES:  # its columns of the gate tile (half 0) or the up one (1), through the gate's pointers (UP_ALIGNED)
         half = tl.program_id(1) % 2
@@ -321,7 +321,7 @@ def default_split_k(num_rows: int, width: int, device: torch.device) -> int:
 
 
 def default_halves(num_rows: int, width: int, split_k: Optional[int], device: torch.device) -> bool:
-    """Whether GEMM1 runs its gate and up tiles as programs of their own (``HALVES``) where the caller asked for no
+    """Whether GEMM1 runs its gate and up tiles as programs of their own (``HALF_N``) where the caller asked for no
     split along K (``split_k`` 1: a batch-invariant layer; None, the default, splits K instead where it helps): on a
     grid that fills at most two programs an SM (``configs.fp8_halves``), with I a multiple of 128 (each tile's block
     scale one scalar a step); never under the interpreter and off CUDA, as :func:`default_split_k`."""
@@ -357,7 +357,7 @@ def experts_fp8(
     and GEMM2, into ``out``.
     ``split_k``: GEMM1's K in that many runs of steps, each its own program (``_gemm1_fp8_kernel``; stages as
     ``fp8_tiles`` cuts them); None: :func:`default_split_k`. ``halves``: GEMM1's gate and up tiles as programs of
-    their own (``HALVES``: the same bits, on a launch of their own, ``configs.FP8_HALVES_STAGES``; needs ``split_k``
+    their own (``HALF_N``: the same bits, on a launch of their own, ``configs.FP8_HALVES_STAGES``; needs ``split_k``
     1 or None and I a multiple of 128); None: :func:`default_halves`. ``half_columns``: the columns of a tile each
     of the halves' programs sums, 128 (the whole tile) or 64 (two programs a half); None:
     :func:`default_half_columns`. ``workspace``: int32 zeros (``moe_experts``'s)
@@ -420,7 +420,7 @@ def experts_fp8(
         *gate_up.values.stride(), *gate_up.scales.stride(), *inter.stride(), *inter_scales.stride(),
         HAS_LIMIT=swiglu_limit is not None, EMULATE_RTNE=emulate, BLOCK_M=plan.block_m, BLOCK_N=t1.block_n,
         BLOCK_K=BLOCK, GROUP_M=t1.group_m, W_TMA=desc1 is not None, A_TMA=a_desc is not None, USE_PDL=use_pdl,
-        UP_ALIGNED=width % BLOCK == 0, SPLIT_K=split_k, BOXES=t1.block_k // BLOCK, HALVES=halves,
+        UP_ALIGNED=width % BLOCK == 0, SPLIT_K=split_k, BOXES=t1.block_k // BLOCK,
         HALF_N=columns if halves else 0, num_warps=t1.num_warps, num_stages=t1.num_stages, **launch,
     )
     desc2 = weight_descriptor(down.values, t2.block_n, BLOCK)

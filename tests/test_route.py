@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moefuse.route import kernel, moe_fused_gate, moe_fused_gate_torch
-from moefuse.route.reference import compare_to_reference, near_tie_rows
+from moefuse.route.reference import compare_to_reference, near_tie_rows, summed_runs
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as tests/conftest.py picks it
 
@@ -384,6 +384,25 @@ def test_kernel_property(problem, seed):
     scores, bias = _inputs(gen, problem["M"], problem["E"], dtype=problem["dtype"], mean=problem["mean"],
                            bias=problem["bias"], device=DEVICE)
     _route_and_judge(scores, bias, **problem["opts"])
+
+
+@settings(max_examples=15, deadline=None)
+@given(problem=_problems(), runs=st.integers(1, 5), unit=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_runs_and_unit_shared_weight_property(problem, runs, unit, seed):
+    """Any valid problem with its logits given as ``runs`` fp32 partial sums: the bits of the gate on their in-order
+    sum (judged against float64 there), and with ``unit_shared_weight`` the same routed slots and shared slots at
+    exactly 1."""
+    gen = torch.Generator().manual_seed(seed)
+    parts = torch.stack([_inputs(gen, problem["M"], problem["E"], mean=problem["mean"] / runs, bias=False,
+                                 device=DEVICE)[0] for _ in range(runs)])
+    bias = _inputs(gen, 1, problem["E"], device=DEVICE)[1] if problem["bias"] else None
+    logits = summed_runs(parts)
+    want = _route_and_judge(logits, bias, **problem["opts"])
+    got = moe_fused_gate(parts, bias, **problem["opts"], backend="triton", unit_shared_weight=unit)
+    routed = problem["opts"]["topk"] - problem["opts"]["num_fused_shared_experts"]
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0][:, :routed], want[0][:, :routed])
+    shared = want[0][:, routed:] if not unit else torch.ones_like(want[0][:, routed:])
+    assert torch.equal(got[0][:, routed:], shared)
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------

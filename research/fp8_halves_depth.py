@@ -11,7 +11,12 @@ times the invariant routed experts with the slot and GEMM1 alone (torch.profiler
 and checks that every launch gives the same bits (a step's boxes are promoted one by one, in K order).
 Prints one JSON object a line.
 
-    python -m research.fp8_halves_depth [--model deepseek-v3] [--repeats 3]
+``--layers``: instead, the one-token layers the batch-invariance targets are set on, DeepSeek-V3 fp8 (its GEMM1 with
+the shared slot, in halves of 128 columns) and DeepSeek-V4-Flash MXFP4 (its fp8 shared expert's GEMM1, in halves of
+64 columns), default and invariant with the halves' launch as ``experts_fp8`` picks it and forced to each of
+``LAYER_LAUNCHES``, alternating, under CUDA-graph replay.
+
+    python -m research.fp8_halves_depth [--model deepseek-v3] [--repeats 3] [--layers]
 """
 
 from __future__ import annotations
@@ -31,13 +36,17 @@ from moefuse.layer import MoELayer, routed_experts
 from research.fp8_decode_probe import kernel_us
 
 LAUNCHES = {"one_box_s3": (1, 3), "two_boxes_s2": (2, 2), "two_boxes_s3": (2, 3)}  # boxes a step, stages
+# --layers: the halves' launch as experts_fp8 picks it (stages by fp8_halves_budget), and forced ones
+LAYER_LAUNCHES: dict[str, tuple[int, int] | None] = {
+    "rule": None, "one_box_s3": (1, 3), "one_box_s4": (1, 4), "one_box_s6": (1, 6), "one_box_s8": (1, 8),
+    "two_boxes_s3": (2, 3)}
 
 
 def _depth(boxes: int, stages: int):  # noqa: ANN202 - a stand-in for fp8_kernels.fp8_tiles
     """``fp8_tiles`` with the halves' launch stepping ``boxes`` boxes on ``stages`` stages."""
     original = fp8_kernels.fp8_tiles
 
-    def tiles(t, block_m, gemm1, a_bytes, split_k=1, budget=fp8_kernels.SMEM_BUDGET, halves=False):  # noqa: ANN001, ANN202
+    def tiles(t, block_m, gemm1, a_bytes, split_k=1, budget=fp8_kernels.SMEM_BUDGET, halves=0):  # noqa: ANN001, ANN202
         got = original(t, block_m, gemm1, a_bytes, split_k, budget, halves)
         return replace(got, block_k=boxes * fp8_kernels.BLOCK, num_stages=stages) if halves else got
 
@@ -49,11 +58,47 @@ def _gemm1_us(call) -> float:  # noqa: ANN001
     return round(kernel_us([call], rounds=20, kernels=("gemm1",))["gemm1_us"], 1)
 
 
+def layers(repeats: int) -> None:
+    """The one-token layers, default and invariant on each launch of the halves (µs, medians of ``repeats``)."""
+    gen = torch.Generator("cuda").manual_seed(0)
+    original = fp8_kernels.fp8_tiles
+    for model, quant in (("deepseek-v3", "fp8"), ("deepseek-v4-flash", "mxfp4")):
+        layer = MoELayer(preset(model), device="cuda", quant=quant).init_random_(0)
+        x = torch.randn(1, layer.config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+        times: dict = defaultdict(list)
+        outs = {}
+        try:
+            with torch.no_grad():
+                for _ in range(repeats):
+                    layer.batch_invariant = False
+                    times["default"].append(timing.graph_time_us([partial(layer, x)], replays=50))
+                    layer.batch_invariant = True
+                    for name, launch in LAYER_LAUNCHES.items():
+                        fp8_kernels.fp8_tiles = original if launch is None else _depth(*launch)
+                        layer.graphs.clear()
+                        times[name].append(timing.graph_time_us([partial(layer, x)], replays=50))
+                        outs[name] = layer(x).clone()
+                        fp8_kernels.fp8_tiles = original
+        finally:
+            fp8_kernels.fp8_tiles = original
+        row: dict = {"model": model, "format": quant, "M": 1, "layer": True}
+        row.update({key: round(sorted(v)[len(v) // 2], 1) for key, v in times.items()})
+        first = outs["rule"]
+        row["same_bits"] = all(torch.equal(out, first) for out in outs.values())
+        print(json.dumps(row), flush=True)
+        del layer
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="deepseek-v3")
     parser.add_argument("--repeats", type=int, default=3, help="alternating timings of every launch, the median kept")
+    parser.add_argument("--layers", action="store_true", help="the one-token layers instead (see the docstring)")
     args = parser.parse_args(argv)
+    if args.layers:
+        layers(args.repeats)
+        return
     gen = torch.Generator("cuda").manual_seed(0)
     layer = MoELayer(preset(args.model), device="cuda", quant="fp8").init_random_(0)
     c = layer.config

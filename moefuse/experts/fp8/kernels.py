@@ -77,12 +77,13 @@ def _add_scaled(acc, a, w, a_scale, w_scale, ONE_BLOCK: tl.constexpr, SWAP: tl.c
     rows are the MMA's N and the weights its M: wgmma (64 rows or more) reads the fp8 weights from shared memory
     as they are, where a 16-row tile runs on mma.sync, which on sm_90 takes fp8 only after a conversion to fp16 in
     registers (GEMM2's loop: 169 instructions a step against 298). A row's sums have the same bits swapped as in a
-    64-row wgmma tile (16 rows against 64, 60 random draws of K = 7,168, every element equal: H100, 2026-12-06).
-    GEMM2 swaps by default; GEMM1 only where the sums must be a 64-row tile's (``experts_fp8(wgmma=True)``, the
-    batch-invariant order). wgmma sums fp8 products with fewer bits than fp32, which in GEMM1 flips e4m3 roundings
-    of the intermediate (SPEC §5): swapped, GEMM1 would take DeepSeek-V3's experts at one token from 108.7 to 100.1
-    µs but their error from 2.8e-3 to 7.0e-3 (1.2e-2 at 128 tokens): too much error for the time. GEMM2's sums only
-    meet the bf16 output rounding: 2.8e-3 either way, 108.6 -> 106.9 µs at one token (H200, 2026-12-01)."""
+    64-row wgmma tile (16 rows against 64, 60 random draws of K = 7,168, every element equal: H100, 2026-12-06,
+    research/fp8_swap_bits.py). GEMM2 swaps by default; GEMM1 only where the sums must be a 64-row tile's
+    (``experts_fp8(wgmma=True)``, the batch-invariant order). wgmma sums fp8 products with fewer bits than fp32,
+    which in GEMM1 flips e4m3 roundings of the intermediate (SPEC §5): swapped, GEMM1 would take DeepSeek-V3's
+    experts at one token from 108.7 to 100.1 µs but their error from 2.8e-3 to 7.0e-3 (1.2e-2 at 128 tokens): too
+    much error for the default's time. GEMM2's sums only meet the bf16 output rounding: 2.8e-3 either way, 108.6 ->
+    106.9 µs at one token (H200, 2026-12-01)."""
     if SWAP:
         if ONE_BLOCK:
             acc += tl.dot(w.T, a.T) * (a_scale * w_scale)[None, :]

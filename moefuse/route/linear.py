@@ -259,11 +259,8 @@ def router_logits_invariant(x: torch.Tensor, weight: torch.Tensor, out: torch.Te
     if parts is None:
         parts = bf16_split(weight.float())
     c, runs = INVARIANT_MMA, invariant_runs(H)
-    unsummed = out.dim() == 3
-    if unsummed:
-        sums = out
-    else:
-        sums = torch.empty(runs, M, E, dtype=torch.float32, device=x.device) if runs > 1 else out
+    unsummed = out.dim() == 3  # [runs, M, E]: the runs' partial sums are the result
+    sums = out if unsummed or runs == 1 else torch.empty(runs, M, E, dtype=torch.float32, device=x.device)
     _router_logits_mma_kernel[(triton.cdiv(M, c.block_m), triton.cdiv(E, c.block_n), runs)](
         x, parts, sums, M, E, H, *x.stride(), *sums.stride()[-2:],
         UPCAST=_runtime.interpreting(), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=runs,

@@ -13,7 +13,8 @@ Prints one JSON object a line.
 
 ``--layers``: instead, the one-token layers the batch-invariance targets are set on, DeepSeek-V3 fp8 (its GEMM1 with
 the shared slot, in halves of 128 columns) and DeepSeek-V4-Flash MXFP4 (its fp8 shared expert's GEMM1, in halves of
-64 columns), default and invariant with each launch of the halves, alternating, under CUDA-graph replay.
+64 columns), default and invariant with the halves' launch as ``experts_fp8`` picks it and forced to each of
+``LAYER_LAUNCHES``, alternating, under CUDA-graph replay.
 
     python -m research.fp8_halves_depth [--model deepseek-v3] [--repeats 3] [--layers]
 """
@@ -35,13 +36,17 @@ from moefuse.layer import MoELayer, routed_experts
 from research.fp8_decode_probe import kernel_us
 
 LAUNCHES = {"one_box_s3": (1, 3), "two_boxes_s2": (2, 2), "two_boxes_s3": (2, 3)}  # boxes a step, stages
+# --layers: the halves' launch as experts_fp8 picks it (stages by fp8_halves_budget), and forced ones
+LAYER_LAUNCHES: dict[str, tuple[int, int] | None] = {
+    "rule": None, "one_box_s3": (1, 3), "one_box_s4": (1, 4), "one_box_s6": (1, 6), "one_box_s8": (1, 8),
+    "two_boxes_s3": (2, 3)}
 
 
 def _depth(boxes: int, stages: int):  # noqa: ANN202 - a stand-in for fp8_kernels.fp8_tiles
     """``fp8_tiles`` with the halves' launch stepping ``boxes`` boxes on ``stages`` stages."""
     original = fp8_kernels.fp8_tiles
 
-    def tiles(t, block_m, gemm1, a_bytes, split_k=1, budget=fp8_kernels.SMEM_BUDGET, halves=False):  # noqa: ANN001, ANN202
+    def tiles(t, block_m, gemm1, a_bytes, split_k=1, budget=fp8_kernels.SMEM_BUDGET, halves=0):  # noqa: ANN001, ANN202
         got = original(t, block_m, gemm1, a_bytes, split_k, budget, halves)
         return replace(got, block_k=boxes * fp8_kernels.BLOCK, num_stages=stages) if halves else got
 
@@ -68,8 +73,8 @@ def layers(repeats: int) -> None:
                     layer.batch_invariant = False
                     times["default"].append(timing.graph_time_us([partial(layer, x)], replays=50))
                     layer.batch_invariant = True
-                    for name, (boxes, stages) in LAUNCHES.items():
-                        fp8_kernels.fp8_tiles = _depth(boxes, stages)
+                    for name, launch in LAYER_LAUNCHES.items():
+                        fp8_kernels.fp8_tiles = original if launch is None else _depth(*launch)
                         layer.graphs.clear()
                         times[name].append(timing.graph_time_us([partial(layer, x)], replays=50))
                         outs[name] = layer(x).clone()
@@ -78,7 +83,7 @@ def layers(repeats: int) -> None:
             fp8_kernels.fp8_tiles = original
         row: dict = {"model": model, "format": quant, "M": 1, "layer": True}
         row.update({key: round(sorted(v)[len(v) // 2], 1) for key, v in times.items()})
-        first = outs["one_box_s3"]
+        first = outs["rule"]
         row["same_bits"] = all(torch.equal(out, first) for out in outs.values())
         print(json.dumps(row), flush=True)
         del layer

@@ -60,7 +60,6 @@ from moefuse import _runtime
 from moefuse.config import PRESETS
 from moefuse.experts import bf16 as experts_bf16
 from moefuse.experts import configs
-from moefuse.experts import op as experts_op
 from moefuse.experts import persistent as experts_persistent
 from moefuse.experts.fp8 import kernels as experts_fp8
 from moefuse.experts.mxfp4 import kernels as experts_mxfp4
@@ -258,18 +257,19 @@ def compile_gemm(gemm: int, dtype: torch.dtype, block_m: int, tiles: configs.Gem
 
 
 def compile_fp8_gemm(gemm: int, block_m: int, tiles: configs.GemmTiles, has_limit: bool, split_k: int = 1,
-                     half_columns: int = 0):
+                     half_columns: int = 0, wgmma: bool = False):
     """The fp8 block-scale GEMM1 or GEMM2 (``experts/fp8/kernels.py``) as ``experts_fp8`` launches it on sm_90 (TMA
     weights, TMA activation rows: the pass's for GEMM1, GEMM1's for GEMM2; PDL); ``tiles`` adapted by ``fp8_tiles``;
     ``split_k``: GEMM1's K in that many programs; ``half_columns`` (if not 0): its gate and up tiles as programs of
-    their own, each summing that many columns."""
+    their own, each summing that many columns; ``wgmma``: GEMM1 swapped below 64 rows (the batch-invariant order)."""
     fn = experts_fp8._gemm1_fp8_kernel if gemm == 1 else experts_fp8._gemm2_fp8_kernel
     box = experts_fp8.BLOCK  # a step loads tiles.block_k // box boxes
     constexprs = {
         "EMULATE_RTNE": False, "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": box,
         "BOXES": tiles.block_k // box, "GROUP_M": tiles.group_m, "W_TMA": True, "USE_PDL": True, "A_TMA": True,
         **{name: 1 for name in UNIT_STRIDES + ("stride_ak",) if name in fn.arg_names},
-        **({"HAS_LIMIT": has_limit, "UP_ALIGNED": True, "SPLIT_K": split_k, "HALF_N": half_columns} if gemm == 1
+        **({"HAS_LIMIT": has_limit, "UP_ALIGNED": True, "SPLIT_K": split_k, "HALF_N": half_columns,
+            "SWAP": wgmma and block_m < experts_fp8.WGMMA_MIN_ROWS} if gemm == 1
            else {"SWAP": block_m < experts_fp8.WGMMA_MIN_ROWS}),
     }
     rows = f"tensordesc<fp8e4nv[{block_m}, {box}]>"
@@ -425,34 +425,37 @@ def experts(args: argparse.Namespace) -> list[str]:
         cfg = configs.pick(M, c.num_experts, c.hidden_size, c.intermediate_size, c.top_k, dtype, arch)
         gemms = [(1, cfg.gemm1, c.hidden_size), (2, cfg.gemm2, c.intermediate_size)]
         split = configs.fp8_split_k(M * c.top_k, c.intermediate_size, configs.gpu_of(arch).sms) if fp8 else 1
-        launches = [(cfg.block_m, split, 0), (cfg.block_m, 1, 0)]  # GEMM1 may split K, GEMM2 never
+        launches = [(cfg.block_m, split, 0, False), (cfg.block_m, 1, 0, False)]  # GEMM1 may split K, GEMM2 never
         if fp8:
             gemms = [(g, experts_fp8.fp8_tiles(t, cfg.block_m, g == 1, 2 if g == 1 else 1,
                                                split if g == 1 else 1), k) for g, t, k in gemms]
-            # the batch-invariant layer's GEMM1 at decode: 64-row tiles with the shared slot, K unsplit, in halves
-            # where its grid fills at most two programs an SM
+            # the batch-invariant layer's GEMM1 with the shared slot: K unsplit, on wgmma at every height (swapped
+            # below 64 rows), in halves where its grid fills at most two programs an SM
             rows = M * (c.top_k + 1)
-            inv = configs.pick(M, c.num_experts + 1, c.hidden_size, c.intermediate_size, c.top_k + 1, dtype, arch,
-                               block_m=experts_op.INVARIANT_MIN_ROWS)
-            sms = configs.gpu_of(arch).sms
-            halves = configs.fp8_halves(rows, c.intermediate_size, sms)
-            gemms.append((1, experts_fp8.fp8_tiles(inv.gemm1, inv.block_m, True, 2, halves=halves), c.hidden_size))
-            launches.append((inv.block_m, 1, configs.fp8_half_columns(rows, c.intermediate_size, sms) if halves else 0))
+            inv = configs.pick(M, c.num_experts + 1, c.hidden_size, c.intermediate_size, c.top_k + 1, dtype, arch)
+            gpu = configs.gpu_of(arch)
+            halves = configs.fp8_halves(rows, c.intermediate_size, gpu.sms)
+            columns = configs.fp8_half_columns(rows, c.intermediate_size, gpu.sms) if halves else 0
+            budget = (configs.fp8_halves_budget(rows, c.intermediate_size, columns, gpu.sms, gpu.smem) if halves
+                      else configs.SMEM_BUDGET)
+            gemms.append((1, experts_fp8.fp8_tiles(inv.gemm1, inv.block_m, True, 2, 1, budget, columns),
+                          c.hidden_size))
+            launches.append((inv.block_m, 1, columns, True))
         if mxfp4:
             gemms = [(g, experts_mxfp4.mxfp4_tiles(t), k) for g, t, k in gemms]
-        for (gemm, tiles, k), (block_m, split_k, half_columns) in zip(gemms, launches):
+        for (gemm, tiles, k), (block_m, split_k, half_columns, wgmma) in zip(gemms, launches):
             has_limit = gemm == 1 and c.swiglu_limit is not None
             if (mxfp4 and cfg.block_m in experts_mxfp4_ws.LAUNCH  # the Gluon kernels run: `mxfp4-ws`
                     and experts_mxfp4_ws.widths_fit(c.hidden_size, c.intermediate_size)):
                 continue
-            key = (gemm, dtype, block_m, tiles, k % tiles.block_k == 0, has_limit, split_k, half_columns)
+            key = (gemm, dtype, block_m, tiles, k % tiles.block_k == 0, has_limit, split_k, half_columns, wgmma)
             if key in seen:  # N and K are run-time arguments: the same launch compiles the same
                 continue
             seen.add(key)
-            halves = f" halves of {half_columns}" if half_columns else ""
+            halves = (f" halves of {half_columns}" if half_columns else "") + (" on wgmma" if wgmma else "")
             where = f"{name} {TYPE_NAMES[dtype]} M={M} GEMM{gemm}{halves} ({target})"
             result = compiled_stats(where, problems, lambda: (
-                compile_fp8_gemm(gemm, block_m, tiles, has_limit, split_k, half_columns) if fp8
+                compile_fp8_gemm(gemm, block_m, tiles, has_limit, split_k, half_columns, wgmma) if fp8
                 else compile_mxfp4_gemm(gemm, block_m, tiles, has_limit) if mxfp4
                 else compile_gemm(gemm, dtype, block_m, tiles, k, has_limit)))
             if result is None:

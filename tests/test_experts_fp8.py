@@ -314,6 +314,35 @@ def test_gate_and_up_halves_give_the_unsplit_bits(M, shape, block_m, columns, ge
     assert want[:n].isnan().any() and not want[:n].isnan().all()  # the NaN token's rows, and the others finite
 
 
+@pytest.mark.parametrize("shape", [(520, 136), (392, 256)], ids=["pointer-rows-straddling", "tma-rows"])
+def test_wgmma_gives_a_row_the_same_bits_on_every_height(shape, gen, device):
+    """``wgmma=True`` (the batch-invariant order): GEMM1 on swapped wgmma below 64 rows gives each row the bits of a
+    64-row wgmma tile, on 16- and 32-row plans, whole and in gate and up halves (I a multiple of 128), with -1
+    slots, the clamp and a NaN token; rows read by pointers with the up tile straddling two weight blocks (I = 136:
+    a scale per column) or through TMA. Without it the short tiles run mma.sync, whose bits differ on a GPU."""
+    H, I = shape
+    x, w1, w2, ids = _inputs(gen, 24, 2, 4, H, I, invalid=0.2, device=device)
+    x[1, 100] = float("nan")
+    ids[1] = torch.tensor([0, 3], dtype=ids.dtype)
+    valid = (ids >= 0).flatten()
+
+    def rows(block_m, halves=False):
+        plan = moe_dispatch(ids, 4, block_m, backend="triton")
+        tiles = configs.heuristic(24, 4, H, I, 2, torch.float8_e4m3fn, block_m=block_m)
+        out = torch.full((plan.num_rows, H), float("nan"), dtype=x.dtype, device=device)
+        experts_fp8(x, w1, w2, plan, out, tiles.gemm1, tiles.gemm2, 1.5, split_k=1, halves=halves, wgmma=True)
+        return out[plan.expanded_to_permuted.long()[valid]]
+
+    want = rows(64)
+    assert want.isnan().any() and not want.isnan().all()  # the NaN token's rows, and the others finite
+    for got in [rows(16), rows(32)] + ([rows(16, halves=True)] if I % 128 == 0 else []):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    with pytest.raises(TypeError, match="wgmma"):
+        plan = moe_dispatch(ids, 4, 16, backend="triton")
+        experts_fp8(x, w1, w2, plan, torch.empty(plan.num_rows, H, dtype=x.dtype, device=device),
+                    GemmTiles(128, 128, 1, 4, 2), GemmTiles(128, 128, 1, 4, 2), wgmma=1)
+
+
 def test_halves_are_checked_before_any_launch(gen, device):
     """``halves`` is a bool (or None), and True needs GEMM1 unsplit along K and I a multiple of 128 (each tile's
     weight-block scale one scalar a step)."""
@@ -353,6 +382,23 @@ def test_half_columns_where_every_program_has_an_sm():
     assert configs.fp8_half_columns(9, 2048, 132) == 128
     assert configs.fp8_half_columns(8, 768, 132) == 128
     assert fp8_kernels.default_half_columns(1, 2048, torch.device("cpu")) == 128
+
+
+def test_halves_take_the_stages_that_fit_their_share_of_an_sm():
+    """The halves' pipeline holds as many stages as fit each program's share of an SM when the grid runs in one wave
+    (an H100: 132 SMs, 227 KB a block): DeepSeek-V3's token with its shared slot (288 programs, three an SM) 3 stages
+    on 64-row tiles (the most measured fastest there) and 4 on 16-row ones; DeepSeek-V4-Flash's shared expert (64
+    programs of 64 columns) as many as ``FP8_HALVES_STAGES`` allows; never fewer than 2."""
+    gpu = _runtime.HOPPER
+    slot = configs.fp8_halves_budget(9, 2048, 128, gpu.sms, gpu.smem)
+    assert (gpu.smem + 1024) // 3 - 2048 == slot
+    stages = {block_m: fp8_kernels.fp8_tiles(GemmTiles(128, 256, 0, 8, 3), block_m, True, 2, 1, slot, 128).num_stages
+              for block_m in (16, 64)}
+    assert stages == {16: 4, 64: 3}
+    alone = configs.fp8_halves_budget(1, 2048, 64, gpu.sms, gpu.smem)
+    got = fp8_kernels.fp8_tiles(GemmTiles(128, 256, 0, 8, 3), 16, True, 2, 1, alone, 64)
+    assert (got.block_k, got.num_warps, got.num_stages) == (128, configs.FP8_HALVES_WARPS, configs.FP8_HALVES_STAGES)
+    assert fp8_kernels.fp8_tiles(GemmTiles(128, 256, 0, 8, 3), 64, True, 2, 1, 1024, 128).num_stages == 2
 
 
 def test_split_k_where_the_grid_leaves_sms_idle():

@@ -71,9 +71,9 @@ def moe_experts(
             that the call launches no kernel to zero them. Give each caller its own (a layer): calls in flight at
             the same time, on different streams, must not share one; calls one after another on a stream may.
         batch_invariant: None (the process default, ``moefuse.set_defaults``), or True for sums in one order at
-            every plan size: 16-bit and fp8 weights then need a plan of ``block_m`` >= 64 (``plan_block_m(...,
-            batch_invariant=True)`` gives it), and fp8 GEMM1 is never split along K. A row's output is then the same
-            bits in any batch (docs/USAGE.md, batch invariance).
+            every plan size: 16-bit weights then need a plan of ``block_m`` >= 64 (``plan_block_m(...,
+            batch_invariant=True)`` gives it), and fp8 GEMM1 is never split along K and runs wgmma on every tile
+            height. A row's output is then the same bits in any batch (docs/USAGE.md, batch invariance).
         persistent: None (the process default), or "auto" / "all" / "none": which persistent prefill kernels run
             where they apply (``experts/persistent.py``; "auto": the fp8 ones).
 
@@ -97,7 +97,7 @@ def moe_experts(
                          f" (one MMA family at every size; plan_block_m(..., batch_invariant=True) gives it), got "
                          f"block_m = {plan.block_m}")
     flags = [int(_runtime.persistent_enabled(not isinstance(gate_up_proj, torch.Tensor), persistent)),
-             1 if invariant else 0]  # persistent kernels allowed; GEMM1's split along K (0: the default)
+             int(invariant)]  # persistent kernels allowed; the batch-invariant order
     op: Callable[..., None]  # arity per format: the weights' tensors are spread into its arguments
     weights: tuple[torch.Tensor, ...]
     counters: tuple[Optional[torch.Tensor], ...]  # the formats' ops take the workspace; the bf16 kernels never split
@@ -124,17 +124,19 @@ def moe_experts(
     return out
 
 
-# Batch-invariant plans: tiles of at least this many rows, so that 16-bit and fp8 GEMMs run on wgmma at every size
-# (16- and 32-row tiles run on mma.sync, whose sums differ in the last bits; 64- and 128-row wgmma tiles, the tl and the
-# persistent kernels, give a row the same bits: measured on an H100, docs/USAGE.md).
+# Batch-invariant plans of 16-bit weights: tiles of at least this many rows, so that their GEMMs run on wgmma at every
+# size (16- and 32-row tiles run on mma.sync, whose sums differ in the last bits; 64- and 128-row wgmma tiles, the tl
+# and the persistent kernels, give a row the same bits: measured on an H100, docs/USAGE.md).
 INVARIANT_MIN_ROWS = 64
 
 
 def invariant_rows(gate_up_proj: ExpertWeight, hidden_dtype: torch.dtype) -> int:
-    """The least plan height of batch-invariant experts: ``INVARIANT_MIN_ROWS`` (wgmma) for 16-bit and fp8 weights;
-    32 for fp32, whose tiles are at most 32 rows (FMA products: one tile shape at every size); none for MXFP4 W4A16,
-    whose rows have the same bits on every height (its W4A8 plans are 128 rows at every size)."""
-    if isinstance(gate_up_proj, MXFP4):
+    """The least plan height of batch-invariant experts: ``INVARIANT_MIN_ROWS`` (wgmma) for 16-bit weights; 32 for
+    fp32, whose tiles are at most 32 rows (FMA products: one tile shape at every size); none for fp8 block-scale
+    weights, whose shorter tiles then run swapped wgmma (``experts_fp8(wgmma=True)``: a row has the bits of a 64-row
+    tile), nor for MXFP4 W4A16, whose rows have the same bits on every height (its W4A8 plans are 128 rows at every
+    size)."""
+    if isinstance(gate_up_proj, (MXFP4, BlockFP8)):
         return 0
     return 32 if hidden_dtype == torch.float32 else INVARIANT_MIN_ROWS
 
@@ -287,7 +289,7 @@ def plan_block_m(
     the W4A8 kernels' 128 rows for MXFP4 with ``activation_quant="fp8"``, or for fp8 block-scale on Hopper the
     persistent kernels' 128 rows where the GPU's table chose them (without a table: from
     ``persistent.FP8_MIN_TOKENS`` tokens) unless ``persistent`` turns them off. With ``batch_invariant`` (None: the
-    process default) 16-bit and fp8 plans are at least ``INVARIANT_MIN_ROWS`` rows."""
+    process default) plans are at least :func:`invariant_rows` rows (``INVARIANT_MIN_ROWS`` for 16-bit weights)."""
     quant = resolve_activation_quant(gate_up_proj, activation_quant)
     if isinstance(gate_up_proj, MXFP4) and quant == "fp8":
         return mxfp4_w4a8.BLOCK_M
@@ -312,13 +314,14 @@ def launch_variant(gate_up_proj: ExpertWeight, num_rows: int, activation_quant: 
                    batch_invariant: bool = False) -> tuple:
     """What besides the tiles decides which kernels ``moe_experts`` compiles for a plan of ``num_rows`` rows on these
     weights and (resolved) ``activation_quant``: fp8 block-scale's split of GEMM1 along K (none where
-    ``batch_invariant``) or into gate and up halves (the columns each of their programs sums), MXFP4's W4A8 kernels.
-    Warm-up keys on it."""
+    ``batch_invariant``, whose GEMM1 also runs wgmma on every tile) or into gate and up halves (the columns each of
+    their programs sums), MXFP4's W4A8 kernels. Warm-up keys on it."""
     if isinstance(gate_up_proj, BlockFP8):
         width, device = gate_up_proj.shape[1] // 2, gate_up_proj.values.device
         split = 1 if batch_invariant else fp8_kernels.default_split_k(num_rows, width, device)
         halves = fp8_kernels.default_halves(num_rows, width, 1 if batch_invariant else None, device)
-        return ("split_k", split, fp8_kernels.default_half_columns(num_rows, width, device) if halves else 0)
+        return ("split_k", split, fp8_kernels.default_half_columns(num_rows, width, device) if halves else 0,
+                "wgmma" if batch_invariant else "")
     if isinstance(gate_up_proj, MXFP4):
         return ("activations", activation_quant)
     return ()
@@ -460,7 +463,7 @@ def _format(cls: type[QuantizedWeight], name: str, launch: Callable[..., None],
             reference(hidden, gate_up, down, plan, swiglu_limit=swiglu_limit, out=out)
             return
         launch(hidden, gate_up, down, plan, out, GemmTiles(*tiles[:5]), GemmTiles(*tiles[5:]), swiglu_limit,
-               use_pdl=use_pdl, workspace=workspace, persistent=bool(flags[0]), split_k=flags[1] or None)
+               use_pdl=use_pdl, workspace=workspace, persistent=bool(flags[0]), batch_invariant=bool(flags[1]))
 
     impl.__name__ = impl.__qualname__ = f"_{name}_impl"
     op = torch.library.custom_op(f"moefuse::{name}", impl, mutates_args=("out", "workspace"))
@@ -471,21 +474,22 @@ def _format(cls: type[QuantizedWeight], name: str, launch: Callable[..., None],
 def _fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, plan: DispatchPlan, out: torch.Tensor,
          gemm1_tiles: GemmTiles, gemm2_tiles: GemmTiles, swiglu_limit: Optional[float], *,
          use_pdl: bool = False, workspace: Optional[torch.Tensor] = None, persistent: bool = True,
-         split_k: Optional[int] = None) -> None:
+         batch_invariant: bool = False) -> None:
     """W8A8: the persistent kernels where they take the shapes (128-row plans on Hopper, which ``plan_block_m`` gives
-    where they measured faster) unless ``persistent`` is off, else the ``tl`` kernels (GEMM1 split along K in
-    ``split_k`` runs; None: ``fp8.kernels.default_split_k``)."""
+    where they measured faster) unless ``persistent`` is off, else the ``tl`` kernels: GEMM1 split along K where
+    ``fp8.kernels.default_split_k`` says, or with ``batch_invariant`` never split and on wgmma at every tile height
+    (a row's sums those of the 64-row and persistent tiles)."""
     if persistent and _persistent.eligible_fp8(hidden, gate_up, down, plan, out):
         _persistent.experts_persistent_fp8(hidden, gate_up, down, plan, out, swiglu_limit)
     else:
         experts_fp8(hidden, gate_up, down, plan, out, gemm1_tiles, gemm2_tiles, swiglu_limit, use_pdl=use_pdl,
-                    workspace=workspace, split_k=split_k)
+                    workspace=workspace, split_k=1 if batch_invariant else None, wgmma=batch_invariant)
 
 
 def _mxfp4_w4a16(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: DispatchPlan, out: torch.Tensor,
                  gemm1_tiles: GemmTiles, gemm2_tiles: GemmTiles, swiglu_limit: Optional[float], *,
                  use_pdl: bool = False, workspace: Optional[torch.Tensor] = None, persistent: bool = True,
-                 split_k: Optional[int] = None) -> None:
+                 batch_invariant: bool = False) -> None:
     """W4A16: the warp-specialized kernels on Hopper where they take the shapes, the ``tl`` kernels elsewhere (the
     same sums in the same order: bit-identical outputs, SPEC §6). They count no arrivals: ``workspace`` is not used."""
     if mxfp4_ws.ws_eligible(hidden, gate_up, down, plan):
@@ -498,7 +502,7 @@ def _mxfp4_w4a16(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: Dispat
 def _mxfp4_w4a8(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: DispatchPlan, out: torch.Tensor,
                 gemm1_tiles: GemmTiles, gemm2_tiles: GemmTiles, swiglu_limit: Optional[float], *,
                 use_pdl: bool = False, workspace: Optional[torch.Tensor] = None, persistent: bool = True,
-                split_k: Optional[int] = None) -> None:
+                batch_invariant: bool = False) -> None:
     """W4A8 (checked by ``_check_w4a8``): its kernels have their own tiles, no PDL and no counters (``workspace`` is
     not used)."""
     with _unit_column_stride(out) as rows:

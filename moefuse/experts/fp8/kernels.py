@@ -59,11 +59,12 @@ from ..configs import (
     GemmTiles,
     fp8_half_columns,
     fp8_halves,
+    fp8_halves_budget,
     fp8_split_k,
 )
 from .quantize import _quantize, quantize_rows_into, quantized_rows
 
-WGMMA_MIN_ROWS = 64  # GEMM2's shorter tiles swap their MMA's operands (``_add_scaled``)
+WGMMA_MIN_ROWS = 64  # shorter tiles swap their MMA's operands (``_add_scaled``): GEMM2's, and GEMM1's on ``wgmma``
 
 
 @triton.jit
@@ -75,11 +76,14 @@ def _add_scaled(acc, a, w, a_scale, w_scale, ONE_BLOCK: tl.constexpr, SWAP: tl.c
     ``SWAP``: ``acc`` is transposed, [BLOCK_N, BLOCK_M], and the product is ``w^T @ a^T``, so that a decode tile's few
     rows are the MMA's N and the weights its M: wgmma (64 rows or more) reads the fp8 weights from shared memory
     as they are, where a 16-row tile runs on mma.sync, which on sm_90 takes fp8 only after a conversion to fp16 in
-    registers (GEMM2's loop: 169 instructions a step against 298). Only GEMM2 swaps. wgmma sums fp8 products with
-    fewer bits than fp32, which in GEMM1 flips e4m3 roundings of the intermediate (SPEC §5): swapped, GEMM1 would
-    take DeepSeek-V3's experts at one token from 108.7 to 100.1 µs but their error from 2.8e-3 to 7.0e-3 (1.2e-2 at
-    128 tokens): too much error for the time. GEMM2's sums only meet the bf16 output rounding: 2.8e-3 either way,
-    108.6 -> 106.9 µs at one token (H200, 2026-12-01)."""
+    registers (GEMM2's loop: 169 instructions a step against 298). A row's sums have the same bits swapped as in a
+    64-row wgmma tile (16 rows against 64, 60 random draws of K = 7,168, every element equal: H100, 2026-12-06,
+    research/fp8_swap_bits.py). GEMM2 swaps by default; GEMM1 only where the sums must be a 64-row tile's
+    (``experts_fp8(wgmma=True)``, the batch-invariant order). wgmma sums fp8 products with fewer bits than fp32,
+    which in GEMM1 flips e4m3 roundings of the intermediate (SPEC §5): swapped, GEMM1 would take DeepSeek-V3's
+    experts at one token from 108.7 to 100.1 µs but their error from 2.8e-3 to 7.0e-3 (1.2e-2 at 128 tokens): too
+    much error for the default's time. GEMM2's sums only meet the bf16 output rounding: 2.8e-3 either way, 108.6 ->
+    106.9 µs at one token (H200, 2026-12-01)."""
     if SWAP:
         if ONE_BLOCK:
             acc += tl.dot(w.T, a.T) * (a_scale * w_scale)[None, :]
@@ -134,6 +138,7 @@ def _gemm1_fp8_kernel(
     HAS_LIMIT: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr, USE_PDL: tl.constexpr,
     UP_ALIGNED: tl.constexpr, SPLIT_K: tl.constexpr, BOXES: tl.constexpr, HALF_N: tl.constexpr = 0,
+    SWAP: tl.constexpr = False,
 ):
     """intermediate[rows, n] = quant(SwiGLU(deq(a) @ deq(W)[e, n]^T, ... [e, N + n]^T)). N = I, K = H; ``a``: the
     activations quantized in the plan's row order (``a_ptr``/``a_desc``, scales ``as_ptr``, from
@@ -154,6 +159,9 @@ def _gemm1_fp8_kernel(
     ``UP_ALIGNED``: N is a multiple of 128, so the up tile's rows N + cols start a weight block as the gate tile's do.
     ``BOXES``: K-adjacent 128-deep boxes a pipelined step (1 or 2; ``fp8_tiles``), each promoted on its own in K
     order, so the sums are the same whatever the count; a split's runs hold whole steps.
+
+    ``SWAP`` (tiles under 64 rows): the sums on swapped wgmma, the weights as M (``_add_scaled``), which gives a row
+    the bits of a 64-row wgmma tile (the batch-invariant order); unswapped, such a tile runs on mma.sync.
     """
     tile, col_block, expert = _program_start(num_tiles, N, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                                              BLOCK_M, BLOCK_N, GROUP_M, USE_PDL)
@@ -186,8 +194,12 @@ def _gemm1_fp8_kernel(
         gate_ptrs = (w_expert + (half * N + tile_cols)[None, :].to(tl.int64) * stride_wn
                      + (k_begin + ks)[:, None] * stride_wk)
         gate_scale_ptrs += half * (N // 128) * stride_sn
-    acc_gate = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
+    if SWAP:
+        acc_gate = tl.zeros([TILE_N, BLOCK_M], dtype=tl.float32)
+        acc_up = tl.zeros([TILE_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc_gate = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
     for k_step in range(k_begin, k_end, BOXES * BLOCK_K):
         for box in tl.static_range(BOXES):
             k0 = k_step + box * BLOCK_K
@@ -202,11 +214,14 @@ def _gemm1_fp8_kernel(
                 if not HALVES:
                     up_w = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
             step = group * stride_sk
-            acc_gate = _add_scaled(acc_gate, a, gate_w, a_scale, tl.load(gate_scale_ptrs + step), True, False)
+            acc_gate = _add_scaled(acc_gate, a, gate_w, a_scale, tl.load(gate_scale_ptrs + step), True, SWAP)
             if not HALVES:
-                acc_up = _add_scaled(acc_up, a, up_w, a_scale, tl.load(up_scale_ptrs + step), UP_ALIGNED, False)
+                acc_up = _add_scaled(acc_up, a, up_w, a_scale, tl.load(up_scale_ptrs + step), UP_ALIGNED, SWAP)
             gate_ptrs += BLOCK_K * stride_wk
             up_ptrs += BLOCK_K * stride_wk
+    if SWAP:
+        acc_gate = acc_gate.T
+        acc_up = acc_up.T
 
     if SPLIT_K > 1 or HALVES:
         done = row_ok[:, None] & col_ok[None, :]
@@ -289,7 +304,7 @@ def _gemm2_fp8_kernel(
 
 
 def fp8_tiles(tiles: GemmTiles, block_m: int, gemm1: bool, a_bytes: int, split_k: int = 1,
-              budget: int = SMEM_BUDGET, halves: bool = False) -> GemmTiles:
+              budget: int = SMEM_BUDGET, halves: int = 0) -> GemmTiles:
     """The tile choice adapted to the format: steps of one 128-deep box (one scale step), or of two K-adjacent boxes
     where the choice asks for steps of 256 or more (``configs.heuristic``, item 6: short tiles); GEMM1's BLOCK_N 128
     (one intermediate scale group per tile row), GEMM2's BLOCK_N at most 128; pipeline stages cut until the operand
@@ -297,10 +312,13 @@ def fp8_tiles(tiles: GemmTiles, block_m: int, gemm1: bool, a_bytes: int, split_k
     ``FP8_SPLIT_STAGES`` (``FP8_SPLIT_PAIR_STAGES`` of two-box steps), so that two programs share an SM. The model
     counts the activation tile at ``a_bytes`` an element for one-box steps, the stage counts every such launch was
     timed with (GEMM1 passes hidden's width), and at its e4m3 byte for two-box steps (counted at 2 bytes, GEMM1's 3
-    stages on 16 rows would be cut to 2). GEMM1 in gate and up ``halves`` takes a launch of its own: one-box steps
-    on ``FP8_HALVES_WARPS`` warps and ``FP8_HALVES_STAGES`` stages, whatever the choice asked for."""
+    stages on 16 rows would be cut to 2). GEMM1 in gate and up halves (``halves``: the columns each of their
+    programs sums; 0: whole tiles) takes a launch of its own, whatever the choice asked for: one-box steps on
+    ``FP8_HALVES_WARPS`` warps, and as many stages as fit in ``budget`` (at most ``FP8_HALVES_STAGES``, at least 2),
+    counting a stage's activation and weight boxes at their e4m3 bytes."""
     if halves:
-        tiles = GemmTiles(tiles.block_n, BLOCK, tiles.group_m, FP8_HALVES_WARPS, FP8_HALVES_STAGES)
+        stages = max(2, min(FP8_HALVES_STAGES, budget // (BLOCK * (block_m + halves))))
+        return GemmTiles(BLOCK, BLOCK, tiles.group_m, FP8_HALVES_WARPS, stages)
     block_n = 128 if gemm1 else min(tiles.block_n, 128)
     operands = 2 if gemm1 else 1
     paired = tiles.block_k >= 2 * BLOCK
@@ -352,15 +370,18 @@ def experts_fp8(
     workspace: Optional[torch.Tensor] = None,
     halves: Optional[bool] = None,
     half_columns: Optional[int] = None,
+    wgmma: bool = False,
 ) -> None:
     """Quantize the activations in the plan's row order, then launch GEMM1 (+ SwiGLU, intermediate quantization)
     and GEMM2, into ``out``.
     ``split_k``: GEMM1's K in that many runs of steps, each its own program (``_gemm1_fp8_kernel``; stages as
     ``fp8_tiles`` cuts them); None: :func:`default_split_k`. ``halves``: GEMM1's gate and up tiles as programs of
-    their own (``HALF_N``: the same bits, on a launch of their own, ``configs.FP8_HALVES_STAGES``; needs ``split_k``
-    1 or None and I a multiple of 128); None: :func:`default_halves`. ``half_columns``: the columns of a tile each
-    of the halves' programs sums, 128 (the whole tile) or 64 (two programs a half); None:
-    :func:`default_half_columns`. ``workspace``: int32 zeros (``moe_experts``'s)
+    their own (``HALF_N``: the same bits, on a launch of their own, ``fp8_tiles``; needs ``split_k`` 1 or None and I
+    a multiple of 128); None: :func:`default_halves`. ``half_columns``: the columns of a tile each of the halves'
+    programs sums, 128 (the whole tile) or 64 (two programs a half); None: :func:`default_half_columns`.
+    ``wgmma``: GEMM1 sums on wgmma at every tile height (tiles under 64 rows swapped: ``_add_scaled``), so that a
+    row's bits do not depend on the plan's ``block_m`` (the batch-invariant order); else such tiles run mma.sync,
+    whose fp32 sums of exact products are more accurate. ``workspace``: int32 zeros (``moe_experts``'s)
     that a split GEMM1 counts its runs' (or halves') arrivals in and leaves zeroed, where it holds a counter per
     program of the unsplit grid; else the counters are zeroed here, one more kernel before GEMM1 (which also keeps
     GEMM1 from starting under the previous kernel's tail with PDL).
@@ -376,6 +397,8 @@ def experts_fp8(
         raise TypeError(f"half_columns must be an int or None, got {type(half_columns).__name__}")
     if half_columns not in (None, BLOCK, BLOCK // 2):
         raise ValueError(f"half_columns must be None, {BLOCK} or {BLOCK // 2}, got {half_columns!r}")
+    if not isinstance(wgmma, bool):
+        raise TypeError(f"wgmma must be a bool, got {type(wgmma).__name__}")
     num_tiles = plan.tile_expert.numel()
     width, hidden_size = down.shape[2], hidden.shape[1]
     if num_tiles == 0 or width == 0:
@@ -395,7 +418,11 @@ def experts_fp8(
     # The stage model counts GEMM1's e4m3 activation tiles at hidden's width, the stage counts the fp8 tiles were
     # timed with: at 1 byte, 128-row tiles would take a fourth stage, which no timing backs.
     budget = SMEM_BUDGET if emulate else _runtime.gpu(device).smem - SMEM_SLACK  # the GPU's own shared memory
-    t1 = fp8_tiles(gemm1_tiles, plan.block_m, True, hidden.element_size(), split_k, budget, halves)
+    if halves:  # each program's share of an SM, so that the grid runs in one wave
+        gpu = _runtime.gpu(device) if device.type == "cuda" else _runtime.HOPPER
+        budget = fp8_halves_budget(plan.expanded_to_permuted.numel(), width, half_columns or BLOCK, gpu.sms, gpu.smem)
+    t1 = fp8_tiles(gemm1_tiles, plan.block_m, True, hidden.element_size(), split_k, budget,
+                   (half_columns or BLOCK) if halves else 0)
     t2 = fp8_tiles(gemm2_tiles, plan.block_m, False, 1, budget=budget)
     a, a_scales = quantized_rows(plan, hidden_size, device)
     quantize_rows_into(hidden, a, a_scales, plan, gather=True, use_pdl=use_pdl)
@@ -421,7 +448,8 @@ def experts_fp8(
         HAS_LIMIT=swiglu_limit is not None, EMULATE_RTNE=emulate, BLOCK_M=plan.block_m, BLOCK_N=t1.block_n,
         BLOCK_K=BLOCK, GROUP_M=t1.group_m, W_TMA=desc1 is not None, A_TMA=a_desc is not None, USE_PDL=use_pdl,
         UP_ALIGNED=width % BLOCK == 0, SPLIT_K=split_k, BOXES=t1.block_k // BLOCK,
-        HALF_N=columns if halves else 0, num_warps=t1.num_warps, num_stages=t1.num_stages, **launch,
+        HALF_N=columns if halves else 0, SWAP=wgmma and plan.block_m < WGMMA_MIN_ROWS, num_warps=t1.num_warps,
+        num_stages=t1.num_stages, **launch,
     )
     desc2 = weight_descriptor(down.values, t2.block_n, BLOCK)
     inter_desc = rows_descriptor(inter, plan.block_m, BLOCK)

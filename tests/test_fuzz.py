@@ -425,6 +425,7 @@ def _layer_tolerance(c: dict, layer: MoELayer) -> float:
     routed = fmts[0]
     heights = {pick_block_m(M, E + s, H, I, K + s, tile_dtype(weight, DTYPES[c["dtype"]])) for s in (0, 1)}
     heights |= {128} if routed == "w4a8" else set()
+    # batch-invariant 16-bit and fp8 experts sum on wgmma at every height (fp8 swapped below 64 rows)
     heights |= {32 if routed == "fp32" else 64} if c["invariant"] and routed not in ("mxfp4", "w4a8") else set()
     heights.add(pick_block_m(M, 1, H, I * max(c["shared"], 1), 1, torch.float8_e4m3fn if layer.shared_quant else
                              DTYPES[c["dtype"]]))

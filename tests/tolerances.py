@@ -15,6 +15,8 @@ does not fail, and an O(1) error (a wrong scale, row or expert) always does. Key
 
 from __future__ import annotations
 
+import torch
+
 # (max relative error, RMS relative error) over the rows a plan computes; beside each, the largest max / RMS that
 # results/errors.md measured for it (H200, 2026-12-03, 8 seeds on the narrow shapes and 2 on the wide, every shape).
 # Headroom is 2.5-5x on the max: the max over a few seeds grows with more of them, and an O(1) bug errs 20x past it.
@@ -68,3 +70,16 @@ def experts_tolerance(fmt: str, block_m: int, rows: int | None = None) -> tuple[
     if rows:
         rms_tol = max(rms_tol, max_tol / rows ** 0.25)
     return max_tol, rms_tol
+
+
+# The router linear's fp32 sums: error relative to the sum of |x_k w_k| each logit adds up (a bound that cancellation
+# in the logit itself cannot break; relative to the largest logit, one logit of E = 1 summing 141 terms that nearly
+# cancel measured 1.04e-6 on an H100 in the batch-invariant kernel, 2026-12-06).
+ROUTER_TOL = 1e-5
+
+
+def router_error(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    """The largest ``|out - x @ w.T|`` in float64 over the sum of ``|x_k w_k|`` it adds up, over every logit."""
+    ref = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    return ((out.double() - ref).abs() / scale.clamp_min(1e-30)).max().item() if out.numel() else 0.0

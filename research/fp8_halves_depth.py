@@ -36,7 +36,7 @@ from moefuse.layer import MoELayer, routed_experts
 from research.fp8_decode_probe import kernel_us
 
 LAUNCHES = {"one_box_s3": (1, 3), "two_boxes_s2": (2, 2), "two_boxes_s3": (2, 3)}  # boxes a step, stages
-# --layers: the halves' launch as experts_fp8 picks it (stages by fp8_halves_budget), and forced ones
+# --layers: the halves' launch as experts_fp8 picks it, and forced ones
 LAYER_LAUNCHES: dict[str, tuple[int, int] | None] = {
     "rule": None, "one_box_s3": (1, 3), "one_box_s4": (1, 4), "one_box_s6": (1, 6), "one_box_s8": (1, 8),
     "two_boxes_s3": (2, 3)}
@@ -46,7 +46,7 @@ def _depth(boxes: int, stages: int):  # noqa: ANN202 - a stand-in for fp8_kernel
     """``fp8_tiles`` with the halves' launch stepping ``boxes`` boxes on ``stages`` stages."""
     original = fp8_kernels.fp8_tiles
 
-    def tiles(t, block_m, gemm1, a_bytes, split_k=1, budget=fp8_kernels.SMEM_BUDGET, halves=0):  # noqa: ANN001, ANN202
+    def tiles(t, block_m, gemm1, a_bytes, split_k=1, budget=fp8_kernels.SMEM_BUDGET, halves=False):  # noqa: ANN001, ANN202
         got = original(t, block_m, gemm1, a_bytes, split_k, budget, halves)
         return replace(got, block_k=boxes * fp8_kernels.BLOCK, num_stages=stages) if halves else got
 

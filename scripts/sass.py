@@ -433,13 +433,10 @@ def experts(args: argparse.Namespace) -> list[str]:
             # below 64 rows), in halves where its grid fills at most two programs an SM
             rows = M * (c.top_k + 1)
             inv = configs.pick(M, c.num_experts + 1, c.hidden_size, c.intermediate_size, c.top_k + 1, dtype, arch)
-            gpu = configs.gpu_of(arch)
-            halves = configs.fp8_halves(rows, c.intermediate_size, gpu.sms)
-            columns = configs.fp8_half_columns(rows, c.intermediate_size, gpu.sms) if halves else 0
-            budget = (configs.fp8_halves_budget(rows, c.intermediate_size, columns, gpu.sms, gpu.smem) if halves
-                      else configs.SMEM_BUDGET)
-            gemms.append((1, experts_fp8.fp8_tiles(inv.gemm1, inv.block_m, True, 2, 1, budget, columns),
-                          c.hidden_size))
+            sms = configs.gpu_of(arch).sms
+            halves = configs.fp8_halves(rows, c.intermediate_size, sms)
+            columns = configs.fp8_half_columns(rows, c.intermediate_size, sms) if halves else 0
+            gemms.append((1, experts_fp8.fp8_tiles(inv.gemm1, inv.block_m, True, 2, halves=halves), c.hidden_size))
             launches.append((inv.block_m, 1, columns, True))
         if mxfp4:
             gemms = [(g, experts_mxfp4.mxfp4_tiles(t), k) for g, t, k in gemms]

@@ -384,21 +384,12 @@ def test_half_columns_where_every_program_has_an_sm():
     assert fp8_kernels.default_half_columns(1, 2048, torch.device("cpu")) == 128
 
 
-def test_halves_take_the_stages_that_fit_their_share_of_an_sm():
-    """The halves' pipeline holds as many stages as fit each program's share of an SM when the grid runs in one wave
-    (an H100: 132 SMs, 227 KB a block): DeepSeek-V3's token with its shared slot (288 programs, three an SM) 3 stages
-    on 64-row tiles (the most measured fastest there) and 4 on 16-row ones; DeepSeek-V4-Flash's shared expert (64
-    programs of 64 columns) as many as ``FP8_HALVES_STAGES`` allows; never fewer than 2."""
-    gpu = _runtime.HOPPER
-    slot = configs.fp8_halves_budget(9, 2048, 128, gpu.sms, gpu.smem)
-    assert (gpu.smem + 1024) // 3 - 2048 == slot
-    stages = {block_m: fp8_kernels.fp8_tiles(GemmTiles(128, 256, 0, 8, 3), block_m, True, 2, 1, slot, 128).num_stages
-              for block_m in (16, 64)}
-    assert stages == {16: 4, 64: 3}
-    alone = configs.fp8_halves_budget(1, 2048, 64, gpu.sms, gpu.smem)
-    got = fp8_kernels.fp8_tiles(GemmTiles(128, 256, 0, 8, 3), 16, True, 2, 1, alone, 64)
-    assert (got.block_k, got.num_warps, got.num_stages) == (128, configs.FP8_HALVES_WARPS, configs.FP8_HALVES_STAGES)
-    assert fp8_kernels.fp8_tiles(GemmTiles(128, 256, 0, 8, 3), 64, True, 2, 1, 1024, 128).num_stages == 2
+def test_halves_take_a_launch_of_their_own():
+    """GEMM1's halves step one box on ``FP8_HALVES_WARPS`` warps and ``FP8_HALVES_STAGES`` stages on every tile height,
+    whatever the tile choice asked for (two-box steps, 8 warps)."""
+    for block_m in (16, 64):
+        got = fp8_kernels.fp8_tiles(GemmTiles(128, 256, 0, 8, 2), block_m, True, 2, 1, configs.SMEM_BUDGET, True)
+        assert got == GemmTiles(128, 128, 0, configs.FP8_HALVES_WARPS, configs.FP8_HALVES_STAGES)
 
 
 def test_split_k_where_the_grid_leaves_sms_idle():

@@ -67,13 +67,14 @@ FP8_SPLIT_STAGES = 3
 # by box against 82.6 in pairs, 76.6 at the floor (H100, 2026-12-05).
 FP8_PAIR_STAGES = 3
 FP8_SPLIT_PAIR_STAGES = 2
-# GEMM1 in gate and up halves (``fp8_halves``) runs 128-deep steps on this many warps, and on as many pipeline stages
-# as fit each program's share of an SM (``fp8_halves_budget``), up to this many. On 64-row tiles DeepSeek-V3's
-# batch-invariant token with its shared slot (288 half programs) took 162.6 µs on 4 warps and 3 stages (what fits),
-# 167.3 on 4 and 4, 205.6 and 215.1 on 2 stages; 168.0 as whole tiles (H100, 2026-12-06,
-# research/invariant_one_token.py).
+# GEMM1 in gate and up halves (``fp8_halves``) runs 128-deep steps on this many warps and pipeline stages, whatever
+# the tile choice asked for. DeepSeek-V3's batch-invariant token with its shared slot (288 half programs): on
+# 16-row swapped tiles the layer took 161.1 µs on 3 stages, 164.9 on 4, 170.1 on 6 (three programs fit an SM, two
+# on 6); on 64-row tiles GEMM1 162.6 on 3, 167.3 on 4, 205.6 and 215.1 on 2, 168.0 as whole tiles.
+# DeepSeek-V4-Flash's shared expert (64 programs): the layer 65.1-66.7 µs on 3-8 stages (H100, 2026-12-06,
+# research/invariant_one_token.py and research/fp8_halves_depth.py --layers).
 FP8_HALVES_WARPS = 4
-FP8_HALVES_STAGES = 6
+FP8_HALVES_STAGES = 3
 FP8_SPLIT_MAX = 4  # the most runs fp8_split_k splits GEMM1's K into (5, 6 and 8 measured no faster)
 MXFP4_FEW_ROWS = 16  # at most this many routed rows: MXFP4's deeper decode tiles (heuristic, item 7)
 # MXFP4's tile heights and the most rows per touched expert each takes before the next is faster (heuristic, item 7);
@@ -470,20 +471,6 @@ def fp8_half_columns(rows: int, width: int, sms: int) -> int:
     programs of 64 columns against 110 on 288 of 128; DeepSeek-V4-Flash's fp8 shared expert beside the MXFP4
     experts 39.5 on 64 against 49.1 on 32 (H100, layer graph replays, research/layer_graph_timeline.py)."""
     return 64 if 4 * _gemm1_programs(rows, width) <= sms else 128
-
-
-def fp8_halves_budget(rows: int, width: int, columns: int, sms: int, smem: int) -> int:
-    """The shared memory each program of fp8 GEMM1's halves (programs of ``columns`` columns) may take on a plan of
-    ``rows`` token rows and intermediate width ``width``: an SM's (``smem``, the most a block may take, and the 1 KB
-    the SM keeps a block) shared by the programs each of its ``sms`` SMs must hold for the grid to run in one wave,
-    less 1 KB for the pipeline's barriers. The weight bytes a program keeps in flight grow with its stages, and what
-    one SM keeps in flight sets the rate: on 64-row tiles halves stepping two boxes deep, one or two programs an SM
-    where one box fitted three, were slower (DeepSeek-V3's one-token GEMM1 108.7 and 118.5 against 101.5 µs; DRAM
-    at 70.8 and 64.6 against 74.1% of peak, the default's split 81.6; H100, 2026-12-06, research/fp8_halves_depth.py
-    and Nsight Compute with the clocks unlocked)."""
-    programs = 2 * _gemm1_programs(rows, width) * -(-128 // columns)
-    sharing = -(-programs // sms)
-    return (smem + 1024) // sharing - 2048
 
 
 def _gemm1_programs(rows: int, width: int) -> int:

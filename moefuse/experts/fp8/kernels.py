@@ -59,7 +59,6 @@ from ..configs import (
     GemmTiles,
     fp8_half_columns,
     fp8_halves,
-    fp8_halves_budget,
     fp8_split_k,
 )
 from .quantize import _quantize, quantize_rows_into, quantized_rows
@@ -304,7 +303,7 @@ def _gemm2_fp8_kernel(
 
 
 def fp8_tiles(tiles: GemmTiles, block_m: int, gemm1: bool, a_bytes: int, split_k: int = 1,
-              budget: int = SMEM_BUDGET, halves: int = 0) -> GemmTiles:
+              budget: int = SMEM_BUDGET, halves: bool = False) -> GemmTiles:
     """The tile choice adapted to the format: steps of one 128-deep box (one scale step), or of two K-adjacent boxes
     where the choice asks for steps of 256 or more (``configs.heuristic``, item 6: short tiles); GEMM1's BLOCK_N 128
     (one intermediate scale group per tile row), GEMM2's BLOCK_N at most 128; pipeline stages cut until the operand
@@ -312,13 +311,10 @@ def fp8_tiles(tiles: GemmTiles, block_m: int, gemm1: bool, a_bytes: int, split_k
     ``FP8_SPLIT_STAGES`` (``FP8_SPLIT_PAIR_STAGES`` of two-box steps), so that two programs share an SM. The model
     counts the activation tile at ``a_bytes`` an element for one-box steps, the stage counts every such launch was
     timed with (GEMM1 passes hidden's width), and at its e4m3 byte for two-box steps (counted at 2 bytes, GEMM1's 3
-    stages on 16 rows would be cut to 2). GEMM1 in gate and up halves (``halves``: the columns each of their
-    programs sums; 0: whole tiles) takes a launch of its own, whatever the choice asked for: one-box steps on
-    ``FP8_HALVES_WARPS`` warps, and as many stages as fit in ``budget`` (at most ``FP8_HALVES_STAGES``, at least 2),
-    counting a stage's activation and weight boxes at their e4m3 bytes."""
+    stages on 16 rows would be cut to 2). GEMM1 in gate and up ``halves`` takes a launch of its own: one-box steps
+    on ``FP8_HALVES_WARPS`` warps and ``FP8_HALVES_STAGES`` stages, whatever the choice asked for."""
     if halves:
-        stages = max(2, min(FP8_HALVES_STAGES, budget // (BLOCK * (block_m + halves))))
-        return GemmTiles(BLOCK, BLOCK, tiles.group_m, FP8_HALVES_WARPS, stages)
+        return GemmTiles(BLOCK, BLOCK, tiles.group_m, FP8_HALVES_WARPS, FP8_HALVES_STAGES)
     block_n = 128 if gemm1 else min(tiles.block_n, 128)
     operands = 2 if gemm1 else 1
     paired = tiles.block_k >= 2 * BLOCK
@@ -418,11 +414,7 @@ def experts_fp8(
     # The stage model counts GEMM1's e4m3 activation tiles at hidden's width, the stage counts the fp8 tiles were
     # timed with: at 1 byte, 128-row tiles would take a fourth stage, which no timing backs.
     budget = SMEM_BUDGET if emulate else _runtime.gpu(device).smem - SMEM_SLACK  # the GPU's own shared memory
-    if halves:  # each program's share of an SM, so that the grid runs in one wave
-        gpu = _runtime.gpu(device) if device.type == "cuda" else _runtime.HOPPER
-        budget = fp8_halves_budget(plan.expanded_to_permuted.numel(), width, half_columns or BLOCK, gpu.sms, gpu.smem)
-    t1 = fp8_tiles(gemm1_tiles, plan.block_m, True, hidden.element_size(), split_k, budget,
-                   (half_columns or BLOCK) if halves else 0)
+    t1 = fp8_tiles(gemm1_tiles, plan.block_m, True, hidden.element_size(), split_k, budget, halves)
     t2 = fp8_tiles(gemm2_tiles, plan.block_m, False, 1, budget=budget)
     a, a_scales = quantized_rows(plan, hidden_size, device)
     quantize_rows_into(hidden, a, a_scales, plan, gather=True, use_pdl=use_pdl)

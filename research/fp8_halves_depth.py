@@ -46,8 +46,9 @@ def _depth(boxes: int, stages: int):  # noqa: ANN202 - a stand-in for fp8_kernel
     """``fp8_tiles`` with the halves' launch stepping ``boxes`` boxes on ``stages`` stages."""
     original = fp8_kernels.fp8_tiles
 
-    def tiles(t, block_m, gemm1, a_bytes, split_k=1, budget=fp8_kernels.SMEM_BUDGET, halves=False):  # noqa: ANN001, ANN202
-        got = original(t, block_m, gemm1, a_bytes, split_k, budget, halves)
+    def tiles(t, block_m, gemm1, a_bytes, split_k=1, budget=fp8_kernels.SMEM_BUDGET, halves=False,  # noqa: ANN001, ANN202
+              wgmma=False):
+        got = original(t, block_m, gemm1, a_bytes, split_k, budget, halves, wgmma)
         return replace(got, block_k=boxes * fp8_kernels.BLOCK, num_stages=stages) if halves else got
 
     return tiles

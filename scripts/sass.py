@@ -34,7 +34,8 @@ kernel without wgmma, and on stores of 1 or 2 bytes (the epilogue's 16-byte stor
 
 ``--check`` exits with status 1 when a kernel fails to compile, needs more shared memory than a Hopper block
 may have (227 KB; on a GPU that is an ``OutOfResources`` at launch), or, for the experts, when a 16-bit tile of
-64 rows or more is not on wgmma. The tests run it, so a tile-table edit that would only break on a GPU fails CI.
+64 rows or more, or an fp8 launch of the batch-invariant order, is not on wgmma. The tests run it, so a tile-table
+edit that would only break on a GPU fails CI.
 
 Static counts and sizes, not GPU timings. Run with ``TRITON_INTERPRET`` unset: the kernels must be compiled.
 """
@@ -429,15 +430,16 @@ def experts(args: argparse.Namespace) -> list[str]:
         if fp8:
             gemms = [(g, experts_fp8.fp8_tiles(t, cfg.block_m, g == 1, 2 if g == 1 else 1,
                                                split if g == 1 else 1), k) for g, t, k in gemms]
-            # the batch-invariant layer's GEMM1 with the shared slot: K unsplit, on wgmma at every height (swapped
-            # below 64 rows), in halves where its grid fills at most two programs an SM
+            # the batch-invariant layer's GEMMs with the shared slot, on wgmma at every height (swapped below 64
+            # rows): GEMM1 with K unsplit, in halves where its grid fills at most two programs an SM
             rows = M * (c.top_k + 1)
             inv = configs.pick(M, c.num_experts + 1, c.hidden_size, c.intermediate_size, c.top_k + 1, dtype, arch)
             sms = configs.gpu_of(arch).sms
             halves = configs.fp8_halves(rows, c.intermediate_size, sms)
             columns = configs.fp8_half_columns(rows, c.intermediate_size, sms) if halves else 0
-            gemms.append((1, experts_fp8.fp8_tiles(inv.gemm1, inv.block_m, True, 2, halves=halves), c.hidden_size))
-            launches.append((inv.block_m, 1, columns, True))
+            gemms += [(1, experts_fp8.fp8_tiles(inv.gemm1, inv.block_m, True, 2, halves=halves), c.hidden_size),
+                      (2, experts_fp8.fp8_tiles(inv.gemm2, inv.block_m, False, 1, wgmma=True), c.intermediate_size)]
+            launches += [(inv.block_m, 1, columns, True), (inv.block_m, 1, 0, True)]
         if mxfp4:
             gemms = [(g, experts_mxfp4.mxfp4_tiles(t), k) for g, t, k in gemms]
         for (gemm, tiles, k), (block_m, split_k, half_columns, wgmma) in zip(gemms, launches):
@@ -466,7 +468,7 @@ def experts(args: argparse.Namespace) -> list[str]:
                   f"{tiles.block_n:4d}x{tiles.block_k:<4d} {tiles.group_m:5d} {tiles.num_warps:5d} "
                   f"{tiles.num_stages:6d} {smem:6d} {s['regs']:4d} {s['stack']:5d} {s['hgmma']:5d} "
                   f"{s['hmma']:5d} {per_weight:11.2f}", flush=True)
-            if dtype != torch.float32 and block_m >= 64 and s["hgmma"] == 0:
+            if dtype != torch.float32 and (block_m >= 64 or wgmma) and s["hgmma"] == 0:
                 problems.append(f"{where}: a {block_m}-row tile without wgmma (HGMMA)")
     return problems
 

@@ -384,6 +384,19 @@ def test_half_columns_where_every_program_has_an_sm():
     assert fp8_kernels.default_half_columns(1, 2048, torch.device("cpu")) == 128
 
 
+def test_swapped_wgmma_tiles_are_at_least_64_columns_wide():
+    """On the batch-invariant order (``wgmma``) a swapped tile's columns are its MMA's M, which wgmma needs at 64 or
+    more (sm_90 SASS: GEMM2 on 16 and 32 rows runs HMMA at 32 columns, HGMMA at 64). A narrow model's GEMM2
+    (hidden 32: the tile choice asks for 32 columns) otherwise summed a lone token on mma.sync and the same token
+    among 17 on a 64-row wgmma tile: a GPU run of the layer fuzz found the last bit apart."""
+    narrow = GemmTiles(32, 128, 1, 4, 3)
+    for block_m in (16, 32):
+        assert fp8_kernels.fp8_tiles(narrow, block_m, False, 1, wgmma=True).block_n == fp8_kernels.WGMMA_MIN_ROWS
+        assert fp8_kernels.fp8_tiles(narrow, block_m, False, 1).block_n == 32  # the default keeps its tile
+    assert fp8_kernels.fp8_tiles(narrow, 64, False, 1, wgmma=True).block_n == 32  # unswapped: its rows are M
+    assert fp8_kernels.fp8_tiles(GemmTiles(128, 128, 1, 4, 3), 16, False, 1, wgmma=True).block_n == 128
+
+
 def test_halves_take_a_launch_of_their_own():
     """GEMM1's halves step one box on ``FP8_HALVES_WARPS`` warps and ``FP8_HALVES_STAGES`` stages on every tile height,
     whatever the tile choice asked for (two-box steps, 8 warps)."""

@@ -18,3 +18,5 @@ def test_halves_take_the_launch_named_and_nothing_else_does():
         assert stages * boxes * fp8_kernels.BLOCK * (128 + 64) <= 227 * 1024
         for args in ((base, 64, True, 2, 3), (base, 16, False, 1)):
             assert tiles(*args) == fp8_kernels.fp8_tiles(*args)
+        narrow = configs.GemmTiles(32, 128, 1, 4, 3)
+        assert tiles(narrow, 16, False, 1, wgmma=True) == fp8_kernels.fp8_tiles(narrow, 16, False, 1, wgmma=True)

@@ -303,7 +303,7 @@ def _gemm2_fp8_kernel(
 
 
 def fp8_tiles(tiles: GemmTiles, block_m: int, gemm1: bool, a_bytes: int, split_k: int = 1,
-              budget: int = SMEM_BUDGET, halves: bool = False) -> GemmTiles:
+              budget: int = SMEM_BUDGET, halves: bool = False, wgmma: bool = False) -> GemmTiles:
     """The tile choice adapted to the format: steps of one 128-deep box (one scale step), or of two K-adjacent boxes
     where the choice asks for steps of 256 or more (``configs.heuristic``, item 6: short tiles); GEMM1's BLOCK_N 128
     (one intermediate scale group per tile row), GEMM2's BLOCK_N at most 128; pipeline stages cut until the operand
@@ -312,10 +312,15 @@ def fp8_tiles(tiles: GemmTiles, block_m: int, gemm1: bool, a_bytes: int, split_k
     counts the activation tile at ``a_bytes`` an element for one-box steps, the stage counts every such launch was
     timed with (GEMM1 passes hidden's width), and at its e4m3 byte for two-box steps (counted at 2 bytes, GEMM1's 3
     stages on 16 rows would be cut to 2). GEMM1 in gate and up ``halves`` takes a launch of its own: one-box steps
-    on ``FP8_HALVES_WARPS`` warps and ``FP8_HALVES_STAGES`` stages, whatever the choice asked for."""
+    on ``FP8_HALVES_WARPS`` warps and ``FP8_HALVES_STAGES`` stages, whatever the choice asked for. ``wgmma`` (the
+    batch-invariant order): a swapped tile (under ``WGMMA_MIN_ROWS`` rows) takes at least that many columns, its
+    MMA's M, below which Triton runs the swapped product on mma.sync (sm_90 SASS of GEMM2 on 16 and 32 rows: HMMA
+    at 32 columns, HGMMA at 64 and 128)."""
     if halves:
         return GemmTiles(BLOCK, BLOCK, tiles.group_m, FP8_HALVES_WARPS, FP8_HALVES_STAGES)
     block_n = 128 if gemm1 else min(tiles.block_n, 128)
+    if wgmma and block_m < WGMMA_MIN_ROWS:
+        block_n = max(block_n, WGMMA_MIN_ROWS)
     operands = 2 if gemm1 else 1
     paired = tiles.block_k >= 2 * BLOCK
     depth, cap = (2 * BLOCK, FP8_SPLIT_PAIR_STAGES) if paired else (BLOCK, FP8_SPLIT_STAGES)
@@ -375,9 +380,10 @@ def experts_fp8(
     their own (``HALF_N``: the same bits, on a launch of their own, ``fp8_tiles``; needs ``split_k`` 1 or None and I
     a multiple of 128); None: :func:`default_halves`. ``half_columns``: the columns of a tile each of the halves'
     programs sums, 128 (the whole tile) or 64 (two programs a half); None: :func:`default_half_columns`.
-    ``wgmma``: GEMM1 sums on wgmma at every tile height (tiles under 64 rows swapped: ``_add_scaled``), so that a
-    row's bits do not depend on the plan's ``block_m`` (the batch-invariant order); else such tiles run mma.sync,
-    whose fp32 sums of exact products are more accurate. ``workspace``: int32 zeros (``moe_experts``'s)
+    ``wgmma``: both GEMMs sum on wgmma at every tile height (tiles under 64 rows swapped: ``_add_scaled``; GEMM2's
+    at least 64 columns wide, ``fp8_tiles``), so that a row's bits do not depend on the plan's ``block_m`` (the
+    batch-invariant order); else GEMM1's short tiles run mma.sync, whose fp32 sums of exact products are more
+    accurate, and GEMM2's narrower than 64 columns too. ``workspace``: int32 zeros (``moe_experts``'s)
     that a split GEMM1 counts its runs' (or halves') arrivals in and leaves zeroed, where it holds a counter per
     program of the unsplit grid; else the counters are zeroed here, one more kernel before GEMM1 (which also keeps
     GEMM1 from starting under the previous kernel's tail with PDL).
@@ -415,7 +421,7 @@ def experts_fp8(
     # timed with: at 1 byte, 128-row tiles would take a fourth stage, which no timing backs.
     budget = SMEM_BUDGET if emulate else _runtime.gpu(device).smem - SMEM_SLACK  # the GPU's own shared memory
     t1 = fp8_tiles(gemm1_tiles, plan.block_m, True, hidden.element_size(), split_k, budget, halves)
-    t2 = fp8_tiles(gemm2_tiles, plan.block_m, False, 1, budget=budget)
+    t2 = fp8_tiles(gemm2_tiles, plan.block_m, False, 1, budget=budget, wgmma=wgmma)
     a, a_scales = quantized_rows(plan, hidden_size, device)
     quantize_rows_into(hidden, a, a_scales, plan, gather=True, use_pdl=use_pdl)
     a_desc = rows_descriptor(a, plan.block_m, BLOCK)  # boxes of one scale group; a step loads t1.block_k // BLOCK

@@ -266,9 +266,9 @@ def test_heuristic_without_arch_and_forced_block_m():
 
 
 def test_fp8_tall_decode_stages_follow_the_gemm1_waves():
-    """fp8 64-row GEMM1 on a few rows (a batch-invariant token): 5 stages where its programs (tiles x 128-column
-    blocks) fit the SMs once, 2 where they need up to two an SM (two share one: the invariant DeepSeek-V3 token with
-    its shared slot, 9 x 16 = 144 programs on 132 SMs, 179.3 -> 170.2 us on an H100), 4 beyond."""
+    """fp8 64-row GEMM1 on a few rows (a plan forced to 64 rows at decode): 5 stages where its programs (tiles x
+    128-column blocks) fit the SMs once, 2 where they need up to two an SM (two share one: DeepSeek-V3's token with
+    its shared slot on 64-row tiles, 9 x 16 = 144 programs on 132 SMs, 179.3 -> 170.2 us on an H100), 4 beyond."""
     fp8 = torch.float8_e4m3fn
     stages = {tiles: configs.heuristic(1, 256, 7168, 2048, tiles, fp8, block_m=64).gemm1.num_stages
               for tiles in (8, 9, 16, 17)}  # one tile per routed expert (and the slot) at one token

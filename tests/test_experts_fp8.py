@@ -316,8 +316,8 @@ def test_gate_and_up_halves_give_the_unsplit_bits(M, shape, block_m, columns, ge
 
 @pytest.mark.parametrize("shape", [(520, 136), (392, 256)], ids=["pointer-rows-straddling", "tma-rows"])
 def test_wgmma_gives_a_row_the_same_bits_on_every_height(shape, gen, device):
-    """``wgmma=True`` (the batch-invariant order): GEMM1 on swapped wgmma below 64 rows gives each row the bits of a
-    64-row wgmma tile, on 16- and 32-row plans, whole and in gate and up halves (I a multiple of 128), with -1
+    """``wgmma=True`` (the batch-invariant order): both GEMMs on swapped wgmma below 64 rows give each row the bits of
+    a 64-row wgmma tile, on 16- and 32-row plans, whole and in gate and up halves (I a multiple of 128), with -1
     slots, the clamp and a NaN token; rows read by pointers with the up tile straddling two weight blocks (I = 136:
     a scale per column) or through TMA. Without it the short tiles run mma.sync, whose bits differ on a GPU."""
     H, I = shape

@@ -19,11 +19,11 @@ How:
   the rows' activation scales and the tile's weight-block scale (one scalar per step: a tile's columns lie in one
   block) and added to the fp32 accumulator: DeepSeek-V3's recipe (promotion every 128 products). Within a step,
   Hopper's fp8 wgmma (GEMM1's tiles of 64 rows or more, all of GEMM2's: ``_add_scaled``) sums with fewer bits than
-  fp32; GEMM1's 16-row tiles run on mma.sync, which sums in fp32. Promoting more often (Triton's
-  ``max_num_imprecise_acc``) buys little accuracy for much time: every 32 products against every 128, 5.4e-3
-  against 7.8e-3 max and 2.5e-3 against 3.6e-3 RMS from float64, and 7,796 against 5,931 µs at 4096 tokens
-  (DeepSeek-V3 widths, H200, 2026-12-01). The largest errors (3e-2 max on narrow test shapes, the same at 32, 64
-  and 128) come from e4m3 roundings of the intermediate that any non-fp32 sum flips.
+  fp32; GEMM1's 16-row tiles run on mma.sync, which sums in fp32 (on wgmma too in the batch-invariant order).
+  Promoting more often (Triton's ``max_num_imprecise_acc``) buys little accuracy for much time: every 32 products
+  against every 128, 5.4e-3 against 7.8e-3 max and 2.5e-3 against 3.6e-3 RMS from float64, and 7,796 against
+  5,931 µs at 4096 tokens (DeepSeek-V3 widths, H200, 2026-12-01). The largest errors (3e-2 max on narrow test
+  shapes, the same at 32, 64 and 128) come from e4m3 roundings of the intermediate that any non-fp32 sum flips.
 - **GEMM1's epilogue quantizes the intermediate**: SwiGLU (and the clamp) in fp32, then per row of the 128-column
   tile the same quantization, written as e4m3 plus one scale per row.
 
@@ -77,7 +77,7 @@ def _add_scaled(acc, a, w, a_scale, w_scale, ONE_BLOCK: tl.constexpr, SWAP: tl.c
     as they are, where a 16-row tile runs on mma.sync, which on sm_90 takes fp8 only after a conversion to fp16 in
     registers (GEMM2's loop: 169 instructions a step against 298). A row's sums have the same bits swapped as in a
     64-row wgmma tile (16 rows against 64, 60 random draws of K = 7,168, every element equal: H100, 2026-12-06,
-    research/fp8_swap_bits.py). GEMM2 swaps by default; GEMM1 only where the sums must be a 64-row tile's
+    research/swap_bits.py). GEMM2 swaps by default; GEMM1 only where the sums must be a 64-row tile's
     (``experts_fp8(wgmma=True)``, the batch-invariant order). wgmma sums fp8 products with fewer bits than fp32,
     which in GEMM1 flips e4m3 roundings of the intermediate (SPEC §5): swapped, GEMM1 would take DeepSeek-V3's
     experts at one token from 108.7 to 100.1 µs but their error from 2.8e-3 to 7.0e-3 (1.2e-2 at 128 tokens): too

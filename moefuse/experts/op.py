@@ -399,7 +399,7 @@ def _experts_impl(
     """Compute into ``out``; arguments were validated, backend and tiles chosen by the public wrapper.
 
     ``tiles`` is GEMM1's then GEMM2's (block_n, block_k, group_m, num_warps, num_stages); ``flags``: whether the
-    persistent kernels may run, and fp8 GEMM1's split along K (0: the default).
+    persistent kernels may run, and whether the sums take the batch-invariant order.
     """
     plan = DispatchPlan(gate_up_proj.shape[0], top_k, block_m, expert_offsets, permuted_to_expanded,
                         expanded_to_permuted, tile_expert, tile_row_start)

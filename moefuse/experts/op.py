@@ -72,8 +72,8 @@ def moe_experts(
             the same time, on different streams, must not share one; calls one after another on a stream may.
         batch_invariant: None (the process default, ``moefuse.set_defaults``), or True for sums in one order at
             every plan size: 16-bit weights then need a plan of ``block_m`` >= 64 (``plan_block_m(...,
-            batch_invariant=True)`` gives it), and fp8 GEMM1 is never split along K and runs wgmma on every tile
-            height. A row's output is then the same bits in any batch (docs/USAGE.md, batch invariance).
+            batch_invariant=True)`` gives it), fp8 GEMMs run wgmma on every tile height and GEMM1 is never split
+            along K. A row's output is then the same bits in any batch (docs/USAGE.md, batch invariance).
         persistent: None (the process default), or "auto" / "all" / "none": which persistent prefill kernels run
             where they apply (``experts/persistent.py``; "auto": the fp8 ones).
 
@@ -314,7 +314,7 @@ def launch_variant(gate_up_proj: ExpertWeight, num_rows: int, activation_quant: 
                    batch_invariant: bool = False) -> tuple:
     """What besides the tiles decides which kernels ``moe_experts`` compiles for a plan of ``num_rows`` rows on these
     weights and (resolved) ``activation_quant``: fp8 block-scale's split of GEMM1 along K (none where
-    ``batch_invariant``, whose GEMM1 also runs wgmma on every tile) or into gate and up halves (the columns each of
+    ``batch_invariant``, whose GEMMs also run wgmma on every tile) or into gate and up halves (the columns each of
     their programs sums), MXFP4's W4A8 kernels. Warm-up keys on it."""
     if isinstance(gate_up_proj, BlockFP8):
         width, device = gate_up_proj.shape[1] // 2, gate_up_proj.values.device

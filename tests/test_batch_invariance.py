@@ -225,7 +225,7 @@ def test_router_stages_alone_and_batched(x_dtype, w_dtype, device, gen):
         batch[M - 1] = row[0]
         got = router_logits(batch, weight, backend="triton", batch_invariant=True)
         assert torch.equal(got[M - 1], logits[0]), M
-        assert router_error(got, batch, weight) <= ROUTER_TOL, M
+        assert rel_error(got, batch.double() @ weight.double().T) <= 1e-6, M
         weights, ids = moe_fused_gate(got, None, 4, "softmax", backend="triton", batch_invariant=True)
         alone = moe_fused_gate(logits, None, 4, "softmax", backend="triton", batch_invariant=True)
         assert torch.equal(weights[M - 1], alone[0][0]) and torch.equal(ids[M - 1], alone[1][0])

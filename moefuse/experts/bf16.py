@@ -49,6 +49,7 @@ Triton 3.6 to 3.9) and bf16 results are rounded to nearest on the bits (its cast
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -59,7 +60,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .. import _runtime
 from ..dispatch import DispatchPlan
 from .common import _program_start, _round, _swiglu, _tma_readable, weight_descriptor
-from .configs import GemmTiles
+from .configs import SMEM_BUDGET, GemmTiles, smem_bytes
 
 
 @triton.jit
@@ -113,12 +114,23 @@ def _load_weight_tile(w_desc, row, k0, ptrs, ks, k_left, W_TMA: tl.constexpr, EV
 
 
 @triton.jit
+def _swapped_dot(w, a, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc`` [BLOCK_N, BLOCK_M] plus ``w^T @ a^T`` (``w`` [BLOCK_K, BLOCK_N], ``a`` [BLOCK_M, BLOCK_K]): the weights
+    as the MMA's M, so that a short tile runs wgmma. Under the interpreter (``UPCAST``) numpy orders a product's sums
+    by its operands' shapes, so there the product is taken unswapped and transposed: a row gets the bits of an
+    unswapped tile, as wgmma gives it on a GPU."""
+    if UPCAST:
+        return tl.dot(a, w, acc.T, input_precision=PRECISION).T
+    return tl.dot(w.T, a.T, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _gemm1_tile(
     hidden_ptr, w_ptr, w_desc, inter_ptr, p2e_ptr, expert, row_start, row_end, col_block,
     N, K, top_k, limit, stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_im, stride_in,
     HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     EMULATE_RTNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    W_TMA: tl.constexpr, W_JOINT: tl.constexpr, TAIL_M: tl.constexpr = 0,
+    W_TMA: tl.constexpr, W_JOINT: tl.constexpr, TAIL_M: tl.constexpr = 0, SWAP: tl.constexpr = False,
 ):
     """One GEMM1 tile: rows [row_start, min(row_start + BLOCK_M + TAIL_M, row_end)) x columns of ``col_block``.
 
@@ -127,7 +139,11 @@ def _gemm1_tile(
 
     W_JOINT (``w_desc`` a :func:`gate_up_descriptor`): one TMA copy brings the gate and the up tile as one
     [2·BLOCK_N, BLOCK_K] operand, and one MMA of twice the width multiplies it (wgmma N = 256 for BLOCK_N = 128),
-    reading the activation tile from shared memory once per step instead of once per half."""
+    reading the activation tile from shared memory once per step instead of once per half.
+
+    SWAP (tiles under 64 rows, the batch-invariant order; neither W_JOINT nor TAIL_M): the products summed as
+    ``W @ a^T``, the weights the MMA's M and the rows its N, so that the tile runs wgmma, which gives a row the
+    bits of a 64-row tile (``swapped``)."""
     rows = row_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] permuted rows
     row_ok = rows < row_end
     # Rows past the expert's end are masked out of the activation loads (zeros): the prefill GEMMs are bound by
@@ -146,6 +162,9 @@ def _gemm1_tile(
     gate_row = expert * 2 * N + col_block * BLOCK_N  # first weight row of the tile in the [E·2N, K] view
     if W_JOINT:
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+    elif SWAP:
+        acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -174,8 +193,12 @@ def _gemm1_tile(
         else:
             gate_w = _load_weight_tile(w_desc, gate_row, k0, gate_ptrs, ks, K - k0, W_TMA, EVEN_K, UPCAST)
             up_w = _load_weight_tile(w_desc, gate_row + N, k0, up_ptrs, ks, K - k0, W_TMA, EVEN_K, UPCAST)
-            acc_gate = tl.dot(a, gate_w, acc_gate, input_precision=PRECISION)
-            acc_up = tl.dot(a, up_w, acc_up, input_precision=PRECISION)
+            if SWAP:
+                acc_gate = _swapped_dot(gate_w, a, acc_gate, PRECISION, UPCAST)
+                acc_up = _swapped_dot(up_w, a, acc_up, PRECISION, UPCAST)
+            else:
+                acc_gate = tl.dot(a, gate_w, acc_gate, input_precision=PRECISION)
+                acc_up = tl.dot(a, up_w, acc_up, input_precision=PRECISION)
             if TAIL_M > 0:
                 tail_gate = tl.dot(t, gate_w, tail_gate, input_precision=PRECISION)
                 tail_up = tl.dot(t, up_w, tail_up, input_precision=PRECISION)
@@ -185,6 +208,9 @@ def _gemm1_tile(
 
     if W_JOINT:
         acc_gate, acc_up = _halves(acc, BLOCK_M, BLOCK_N)
+    elif SWAP:
+        acc_gate = acc_gate.T
+        acc_up = acc_up.T
     act = _swiglu(acc_gate, acc_up, limit, HAS_LIMIT)  # [BLOCK_M, BLOCK_N]
     out_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_in
     tl.store(out_ptrs, _round(act, inter_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
@@ -208,6 +234,7 @@ def _gemm1_swiglu_kernel(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_RTNE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_TMA: tl.constexpr, W_JOINT: tl.constexpr, HALF_TILES: tl.constexpr, USE_PDL: tl.constexpr,
+    SWAP: tl.constexpr = False,
 ):
     """intermediate[rows, n] = SwiGLU(hidden[tok(rows)] @ W[e, n]^T, hidden[tok(rows)] @ W[e, N + n]^T).
 
@@ -233,7 +260,8 @@ def _gemm1_swiglu_kernel(
     else:
         _gemm1_tile(hidden_ptr, w_ptr, w_desc, inter_ptr, p2e_ptr, expert, row_start, row_end, col_block,
                     N, K, top_k, limit, stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_im, stride_in,
-                    HAS_LIMIT, EVEN_K, PRECISION, UPCAST, EMULATE_RTNE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, W_JOINT)
+                    HAS_LIMIT, EVEN_K, PRECISION, UPCAST, EMULATE_RTNE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, W_JOINT,
+                    0, SWAP)
 
 
 @triton.jit
@@ -242,10 +270,10 @@ def _gemm2_tile(
     stride_im, stride_ik, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_RTNE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
-    TAIL_M: tl.constexpr = 0,
+    TAIL_M: tl.constexpr = 0, SWAP: tl.constexpr = False,
 ):
     """One GEMM2 tile: rows [row_start, min(row_start + BLOCK_M + TAIL_M, row_end)) x columns of ``col_block``
-    (TAIL_M: a second piece of rows on the same weight tiles, as in GEMM1)."""
+    (TAIL_M: a second piece of rows on the same weight tiles, as in GEMM1; SWAP: the product swapped, as there)."""
     rows = row_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] permuted rows
     row_ok = rows < row_end
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -258,7 +286,10 @@ def _gemm2_tile(
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + (cols % N)[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk)  # [BLOCK_K, BLOCK_N]
     w_row = expert * N + col_block * BLOCK_N  # first weight row of the tile in the [E·N, K] view
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if TAIL_M > 0:
         tail_rows = row_start + BLOCK_M + tl.arange(0, TAIL_M)  # [TAIL_M]
         tail_ok = tail_rows < row_end
@@ -267,7 +298,10 @@ def _gemm2_tile(
     for k0 in range(0, K, BLOCK_K):
         a = _load_rows_tile(a_ptrs, row_ok, ks, K - k0, EVEN_K, UPCAST)  # [BLOCK_M, BLOCK_K]
         w = _load_weight_tile(w_desc, w_row, k0, w_ptrs, ks, K - k0, W_TMA, EVEN_K, UPCAST)  # [BLOCK_K, BLOCK_N]
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if SWAP:
+            acc = _swapped_dot(w, a, acc, PRECISION, UPCAST)
+        else:
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if TAIL_M > 0:
             t = _load_rows_tile(tail_ptrs, tail_ok, ks, K - k0, EVEN_K, UPCAST)  # [TAIL_M, BLOCK_K]
             tail_acc = tl.dot(t, w, tail_acc, input_precision=PRECISION)
@@ -275,6 +309,8 @@ def _gemm2_tile(
         a_ptrs += BLOCK_K * stride_ik
         w_ptrs += BLOCK_K * stride_wk
 
+    if SWAP:
+        acc = acc.T
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on  # [BLOCK_M, BLOCK_N]
     tl.store(out_ptrs, _round(acc, out_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
     if TAIL_M > 0:
@@ -292,7 +328,7 @@ def _gemm2_kernel(
     stride_im, stride_ik, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_RTNE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    W_TMA: tl.constexpr, HALF_TILES: tl.constexpr, USE_PDL: tl.constexpr,
+    W_TMA: tl.constexpr, HALF_TILES: tl.constexpr, USE_PDL: tl.constexpr, SWAP: tl.constexpr = False,
 ):
     """out[rows, n] = intermediate[rows] @ down_proj[e, n]^T.  N = H (output columns), K = I (reduction)."""
     tile, col_block, expert = _program_start(num_tiles, N, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
@@ -314,7 +350,7 @@ def _gemm2_kernel(
     else:
         _gemm2_tile(inter_ptr, w_ptr, w_desc, out_ptr, expert, row_start, row_end, col_block, N, K,
                     stride_im, stride_ik, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-                    EVEN_K, PRECISION, UPCAST, EMULATE_RTNE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA)
+                    EVEN_K, PRECISION, UPCAST, EMULATE_RTNE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, 0, SWAP)
 
 
 def _dtype_flags(dtype: torch.dtype) -> dict:
@@ -340,6 +376,24 @@ def joint_operand(block_m: int, block_n: int) -> bool:
     return block_m >= JOINT_MIN_BLOCK_M and 2 * block_n <= JOINT_MAX_COLUMNS
 
 
+WGMMA_MIN_ROWS = 64  # wgmma's M: shorter tiles of the batch-invariant order swap their product (``swapped``)
+
+
+def swapped(block_m: int, tiles: GemmTiles, operands: int, element_size: int) -> Optional[GemmTiles]:
+    """The launch of a batch-invariant tile of ``block_m`` rows, or None where it runs unswapped (64 rows or more,
+    or fp32, whose sums are FMAs on every tile): the product swapped, the weights the MMA's M and the rows its N, so
+    that it runs wgmma, which gives a row the bits of a 64-row tile (16 rows against 64, bf16 and fp16: every
+    element equal over 20 random draws of K = 7,168, H100, 2026-12-06, research/swap_bits.py). wgmma's M is at
+    least 64, so the tile takes at least 64 columns (narrower, Triton runs the product on mma.sync), and as many
+    pipeline stages as then fit."""
+    if block_m >= WGMMA_MIN_ROWS or element_size == 4:
+        return None
+    tiles = replace(tiles, block_n=max(tiles.block_n, WGMMA_MIN_ROWS))
+    while tiles.num_stages > 2 and smem_bytes(block_m, tiles, operands, element_size) > SMEM_BUDGET:
+        tiles = replace(tiles, num_stages=tiles.num_stages - 1)
+    return tiles
+
+
 def gate_up_descriptor(gate_up_proj: torch.Tensor, block_n: int, block_k: int) -> Optional[TensorDescriptor]:
     """A TMA descriptor of ``gate_up_proj`` [E, 2I, H] seen as [E·2, I, H] with [2, block_n, block_k] boxes (a
     gate tile and the up tile of the same columns in one copy; zeros past I and H), or None where
@@ -360,12 +414,16 @@ def gemm1_swiglu(
     swiglu_limit: Optional[float] = None,
     *,
     use_pdl: bool = False,
+    wgmma: bool = False,
 ) -> None:
-    """Launch GEMM1 + SwiGLU into ``intermediate`` [M·K, I] with the plan's BLOCK_M and these tiles."""
+    """Launch GEMM1 + SwiGLU into ``intermediate`` [M·K, I] with the plan's BLOCK_M and these tiles; ``wgmma``
+    (the batch-invariant order): tiles under 64 rows swapped (:func:`swapped`)."""
     num_tiles = plan.tile_expert.numel()
     n, k = intermediate.shape[1], hidden.shape[1]
     if num_tiles == 0 or n == 0:
         return
+    swap = swapped(plan.block_m, tiles, 2, hidden.element_size()) if wgmma else None
+    tiles = swap or tiles
     grid = (num_tiles * triton.cdiv(n, tiles.block_n),)
     desc = None
     if joint_operand(plan.block_m, tiles.block_n):
@@ -381,7 +439,8 @@ def gemm1_swiglu(
         HAS_LIMIT=swiglu_limit is not None, EVEN_K=k % tiles.block_k == 0, **_dtype_flags(hidden.dtype),
         BLOCK_M=plan.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         W_TMA=desc is not None, W_JOINT=joint, HALF_TILES=plan.block_m >= HALF_TILES_MIN_BLOCK_M, USE_PDL=use_pdl,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"launch_pdl": True} if use_pdl else {}),
+        SWAP=swap is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **({"launch_pdl": True} if use_pdl else {}),
     )
 
 
@@ -393,12 +452,15 @@ def gemm2(
     tiles: GemmTiles,
     *,
     use_pdl: bool = False,
+    wgmma: bool = False,
 ) -> None:
-    """Launch GEMM2 into ``out`` [M·K, H] with the plan's BLOCK_M and these tiles."""
+    """Launch GEMM2 into ``out`` [M·K, H] with the plan's BLOCK_M and these tiles; ``wgmma`` as GEMM1 takes it."""
     num_tiles = plan.tile_expert.numel()
     n, k = out.shape[1], intermediate.shape[1]
     if num_tiles == 0 or n == 0:
         return
+    swap = swapped(plan.block_m, tiles, 1, intermediate.element_size()) if wgmma else None
+    tiles = swap or tiles
     grid = (num_tiles * triton.cdiv(n, tiles.block_n),)
     desc = weight_descriptor(down_proj, tiles.block_n, tiles.block_k)
     _gemm2_kernel[grid](
@@ -409,5 +471,6 @@ def gemm2(
         EVEN_K=k % tiles.block_k == 0, **_dtype_flags(intermediate.dtype),
         BLOCK_M=plan.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         W_TMA=desc is not None, HALF_TILES=plan.block_m >= HALF_TILES_MIN_BLOCK_M, USE_PDL=use_pdl,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **({"launch_pdl": True} if use_pdl else {}),
+        SWAP=swap is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **({"launch_pdl": True} if use_pdl else {}),
     )

@@ -43,8 +43,11 @@ the registers and instructions of the weight addresses, which lets the prefill t
 - GEMM2 reads the contiguous intermediate rows of its tile and multiplies by ``down_proj[e]^T``.
 
 Reductions run in fp32 (``tl.dot`` accumulators); fp32 operands use IEEE products, not TF32. Under
-Triton's interpreter, 16-bit operands are upcast to fp32 first (its ``tl.dot`` on bf16/fp16 is wrong in
-Triton 3.6 to 3.9) and bf16 results are rounded to nearest on the bits (its cast truncates).
+Triton's interpreter, 16-bit operands are upcast to float64 first (its ``tl.dot`` on bf16/fp16 is wrong in
+Triton 3.6 to 3.9) and summed in float64, then rounded to fp32 once: numpy's fp32 sums follow the operands'
+shapes (a 16- and a 64-row fp16 tile differed by fp16's least subnormal in one output of 1,280), its float64 sums
+of 16-bit products are exact, so a row gets the same bits on every tile, as on a GPU's wgmma; bf16 results are
+rounded to nearest on the bits (its cast truncates).
 """
 
 from __future__ import annotations
@@ -87,13 +90,13 @@ def _halves(acc, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _load_rows_tile(ptrs, row_ok, ks, k_left, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
     """An activation tile [rows, BLOCK_K] at ``ptrs``: rows not ``row_ok`` (past the expert's end) read zeros, and,
-    unless ``EVEN_K``, so do columns at or past ``k_left``; fp32 under the interpreter (``UPCAST``)."""
+    unless ``EVEN_K``, so do columns at or past ``k_left``; float64 under the interpreter (``UPCAST``)."""
     if EVEN_K:
         x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
     else:
         x = tl.load(ptrs, mask=row_ok[:, None] & (ks < k_left)[None, :], other=0.0)
     if UPCAST:
-        x = x.to(tl.float32)
+        x = x.to(tl.float64)
     return x
 
 
@@ -101,7 +104,7 @@ def _load_rows_tile(ptrs, row_ok, ks, k_left, EVEN_K: tl.constexpr, UPCAST: tl.c
 def _load_weight_tile(w_desc, row, k0, ptrs, ks, k_left, W_TMA: tl.constexpr, EVEN_K: tl.constexpr,
                       UPCAST: tl.constexpr):
     """A weight tile [BLOCK_K, BLOCK_N] at K offset ``k0``: rows ``row ..`` of the [E·R, K] view through TMA (zeros
-    past K), else through ``ptrs`` (masked at or past ``k_left`` unless ``EVEN_K``); fp32 under the interpreter."""
+    past K), else through ``ptrs`` (masked at or past ``k_left`` unless ``EVEN_K``); float64 under the interpreter."""
     if W_TMA:
         w = w_desc.load([row, k0]).T
     elif EVEN_K:
@@ -109,19 +112,8 @@ def _load_weight_tile(w_desc, row, k0, ptrs, ks, k_left, W_TMA: tl.constexpr, EV
     else:
         w = tl.load(ptrs, mask=(ks < k_left)[:, None], other=0.0)
     if UPCAST:
-        w = w.to(tl.float32)
+        w = w.to(tl.float64)
     return w
-
-
-@triton.jit
-def _swapped_dot(w, a, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc`` [BLOCK_N, BLOCK_M] plus ``w^T @ a^T`` (``w`` [BLOCK_K, BLOCK_N], ``a`` [BLOCK_M, BLOCK_K]): the weights
-    as the MMA's M, so that a short tile runs wgmma. Under the interpreter (``UPCAST``) numpy orders a product's sums
-    by its operands' shapes, so there the product is taken unswapped and transposed: a row gets the bits of an
-    unswapped tile, as wgmma gives it on a GPU."""
-    if UPCAST:
-        return tl.dot(a, w, acc.T, input_precision=PRECISION).T
-    return tl.dot(w.T, a.T, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -160,24 +152,25 @@ def _gemm1_tile(
     gate_ptrs = w_expert + (cols % N)[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
     up_ptrs = gate_ptrs + N * stride_wn  # [BLOCK_K, BLOCK_N]
     gate_row = expert * 2 * N + col_block * BLOCK_N  # first weight row of the tile in the [E·2N, K] view
+    ACC: tl.constexpr = tl.float64 if UPCAST else tl.float32  # the interpreter's sums: exact, whatever the shape
     if W_JOINT:
-        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=ACC)
     elif SWAP:
-        acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=ACC)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=ACC)
     else:
-        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
     if TAIL_M > 0:
         tail_rows = row_start + BLOCK_M + tl.arange(0, TAIL_M)  # [TAIL_M]
         tail_ok = tail_rows < row_end
         tail_tokens = tl.load(p2e_ptr + tail_rows, mask=tail_ok, other=0) // top_k
         tail_ptrs = hidden_ptr + tail_tokens.to(tl.int64)[:, None] * stride_hm + ks[None, :] * stride_hk
         if W_JOINT:
-            tail_acc = tl.zeros([TAIL_M, 2 * BLOCK_N], dtype=tl.float32)
+            tail_acc = tl.zeros([TAIL_M, 2 * BLOCK_N], dtype=ACC)
         else:
-            tail_gate = tl.zeros([TAIL_M, BLOCK_N], dtype=tl.float32)
-            tail_up = tl.zeros([TAIL_M, BLOCK_N], dtype=tl.float32)
+            tail_gate = tl.zeros([TAIL_M, BLOCK_N], dtype=ACC)
+            tail_up = tl.zeros([TAIL_M, BLOCK_N], dtype=ACC)
     for k0 in range(0, K, BLOCK_K):
         a = _load_rows_tile(a_ptrs, row_ok, ks, K - k0, EVEN_K, UPCAST)  # [BLOCK_M, BLOCK_K]
         if TAIL_M > 0:
@@ -186,7 +179,7 @@ def _gemm1_tile(
         if W_JOINT:  # zero-filled past N and K
             w = w_desc.load([2 * expert, col_block * BLOCK_N, k0]).reshape(2 * BLOCK_N, BLOCK_K).T
             if UPCAST:
-                w = w.to(tl.float32)
+                w = w.to(tl.float64)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)  # [BLOCK_M, 2·BLOCK_N]: gate, then up columns
             if TAIL_M > 0:
                 tail_acc = tl.dot(t, w, tail_acc, input_precision=PRECISION)
@@ -194,8 +187,8 @@ def _gemm1_tile(
             gate_w = _load_weight_tile(w_desc, gate_row, k0, gate_ptrs, ks, K - k0, W_TMA, EVEN_K, UPCAST)
             up_w = _load_weight_tile(w_desc, gate_row + N, k0, up_ptrs, ks, K - k0, W_TMA, EVEN_K, UPCAST)
             if SWAP:
-                acc_gate = _swapped_dot(gate_w, a, acc_gate, PRECISION, UPCAST)
-                acc_up = _swapped_dot(up_w, a, acc_up, PRECISION, UPCAST)
+                acc_gate = tl.dot(gate_w.T, a.T, acc_gate, input_precision=PRECISION)
+                acc_up = tl.dot(up_w.T, a.T, acc_up, input_precision=PRECISION)
             else:
                 acc_gate = tl.dot(a, gate_w, acc_gate, input_precision=PRECISION)
                 acc_up = tl.dot(a, up_w, acc_up, input_precision=PRECISION)
@@ -207,17 +200,20 @@ def _gemm1_tile(
         up_ptrs += BLOCK_K * stride_wk
 
     if W_JOINT:
-        acc_gate, acc_up = _halves(acc, BLOCK_M, BLOCK_N)
+        acc_gate, acc_up = _halves(acc.to(tl.float32), BLOCK_M, BLOCK_N)
     elif SWAP:
-        acc_gate = acc_gate.T
-        acc_up = acc_up.T
+        acc_gate = acc_gate.to(tl.float32).T
+        acc_up = acc_up.to(tl.float32).T
+    else:
+        acc_gate = acc_gate.to(tl.float32)
+        acc_up = acc_up.to(tl.float32)
     act = _swiglu(acc_gate, acc_up, limit, HAS_LIMIT)  # [BLOCK_M, BLOCK_N]
     out_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_in
     tl.store(out_ptrs, _round(act, inter_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
     if TAIL_M > 0:
         if W_JOINT:
-            tail_gate, tail_up = _halves(tail_acc, TAIL_M, BLOCK_N)
-        act = _swiglu(tail_gate, tail_up, limit, HAS_LIMIT)  # [TAIL_M, BLOCK_N]
+            tail_gate, tail_up = _halves(tail_acc.to(tl.float32), TAIL_M, BLOCK_N)
+        act = _swiglu(tail_gate.to(tl.float32), tail_up.to(tl.float32), limit, HAS_LIMIT)  # [TAIL_M, BLOCK_N]
         out_ptrs = inter_ptr + tail_rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_in
         tl.store(out_ptrs, _round(act, inter_ptr.dtype.element_ty, EMULATE_RTNE),
                  mask=tail_ok[:, None] & col_ok[None, :])
@@ -286,20 +282,21 @@ def _gemm2_tile(
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + (cols % N)[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk)  # [BLOCK_K, BLOCK_N]
     w_row = expert * N + col_block * BLOCK_N  # first weight row of the tile in the [E·N, K] view
+    ACC: tl.constexpr = tl.float64 if UPCAST else tl.float32  # as in GEMM1
     if SWAP:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=ACC)
     else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
     if TAIL_M > 0:
         tail_rows = row_start + BLOCK_M + tl.arange(0, TAIL_M)  # [TAIL_M]
         tail_ok = tail_rows < row_end
         tail_ptrs = inter_ptr + tail_rows.to(tl.int64)[:, None] * stride_im + ks[None, :] * stride_ik
-        tail_acc = tl.zeros([TAIL_M, BLOCK_N], dtype=tl.float32)
+        tail_acc = tl.zeros([TAIL_M, BLOCK_N], dtype=ACC)
     for k0 in range(0, K, BLOCK_K):
         a = _load_rows_tile(a_ptrs, row_ok, ks, K - k0, EVEN_K, UPCAST)  # [BLOCK_M, BLOCK_K]
         w = _load_weight_tile(w_desc, w_row, k0, w_ptrs, ks, K - k0, W_TMA, EVEN_K, UPCAST)  # [BLOCK_K, BLOCK_N]
         if SWAP:
-            acc = _swapped_dot(w, a, acc, PRECISION, UPCAST)
+            acc = tl.dot(w.T, a.T, acc, input_precision=PRECISION)
         else:
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if TAIL_M > 0:
@@ -309,13 +306,14 @@ def _gemm2_tile(
         a_ptrs += BLOCK_K * stride_ik
         w_ptrs += BLOCK_K * stride_wk
 
+    acc = acc.to(tl.float32)
     if SWAP:
         acc = acc.T
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on  # [BLOCK_M, BLOCK_N]
     tl.store(out_ptrs, _round(acc, out_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
     if TAIL_M > 0:
         out_ptrs = out_ptr + tail_rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
-        tl.store(out_ptrs, _round(tail_acc, out_ptr.dtype.element_ty, EMULATE_RTNE),
+        tl.store(out_ptrs, _round(tail_acc.to(tl.float32), out_ptr.dtype.element_ty, EMULATE_RTNE),
                  mask=tail_ok[:, None] & col_ok[None, :])
 
 
@@ -358,7 +356,7 @@ def _dtype_flags(dtype: torch.dtype) -> dict:
     bf16 cast need the work-arounds above."""
     interpreting = _runtime.interpreting()
     return {
-        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "PRECISION": "ieee" if dtype == torch.float32 or interpreting else "tf32",
         "UPCAST": interpreting and dtype != torch.float32,
         "EMULATE_RTNE": interpreting and dtype == torch.bfloat16,
     }

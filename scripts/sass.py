@@ -222,9 +222,11 @@ def router(args: argparse.Namespace) -> list[str]:
     return problems
 
 
-def compile_gemm(gemm: int, dtype: torch.dtype, block_m: int, tiles: configs.GemmTiles, k: int, has_limit: bool):
+def compile_gemm(gemm: int, dtype: torch.dtype, block_m: int, tiles: configs.GemmTiles, k: int, has_limit: bool,
+                 swap: bool = False):
     """GEMM1 (``gemm=1``) or GEMM2 of reduction length ``k``, as ``gemm1_swiglu`` / ``gemm2`` launch it on sm_90
-    for contiguous weights: TMA weight loads, PDL, half-tile pieces for tall tiles."""
+    for contiguous weights: TMA weight loads, PDL, half-tile pieces for tall tiles; ``swap``: the batch-invariant
+    order's swapped product (``tiles`` as ``bf16.swapped`` gives them)."""
     fn = experts_bf16._gemm1_swiglu_kernel if gemm == 1 else experts_bf16._gemm2_kernel
     ty = TYPE_NAMES[dtype]
     joint = gemm == 1 and experts_bf16.joint_operand(block_m, tiles.block_n)
@@ -237,6 +239,7 @@ def compile_gemm(gemm: int, dtype: torch.dtype, block_m: int, tiles: configs.Gem
         # Contiguous tensors: the launcher passes these strides as 1, which Triton specialises to a constant.
         **{name: 1 for name in UNIT_STRIDES if name in fn.arg_names},
         **({"HAS_LIMIT": has_limit} if gemm == 1 else {}),
+        "SWAP": swap,
     }
     index_pointers = ("tile_expert_ptr", "tile_row_start_ptr", "expert_offsets_ptr", "p2e_ptr")
     signature = {}
@@ -440,6 +443,14 @@ def experts(args: argparse.Namespace) -> list[str]:
             gemms += [(1, experts_fp8.fp8_tiles(inv.gemm1, inv.block_m, True, 2, halves=halves), c.hidden_size),
                       (2, experts_fp8.fp8_tiles(inv.gemm2, inv.block_m, False, 1, wgmma=True), c.intermediate_size)]
             launches += [(inv.block_m, 1, columns, True), (inv.block_m, 1, 0, True)]
+        elif not mxfp4 and dtype != torch.float32:
+            # the batch-invariant layer's GEMMs with the shared slot: the default's heights, swapped below 64 rows
+            inv = configs.pick(M, c.num_experts + 1, c.hidden_size, c.intermediate_size, c.top_k + 1, dtype, arch)
+            size = dtype.itemsize
+            swapped = [(g, experts_bf16.swapped(inv.block_m, t, 3 - g, size), k)
+                       for g, t, k in ((1, inv.gemm1, c.hidden_size), (2, inv.gemm2, c.intermediate_size))]
+            gemms += [(g, t, k) for g, t, k in swapped if t is not None]
+            launches += [(inv.block_m, 1, 0, True) for _, t, _ in swapped if t is not None]
         if mxfp4:
             gemms = [(g, experts_mxfp4.mxfp4_tiles(t), k) for g, t, k in gemms]
         for (gemm, tiles, k), (block_m, split_k, half_columns, wgmma) in zip(gemms, launches):
@@ -456,7 +467,7 @@ def experts(args: argparse.Namespace) -> list[str]:
             result = compiled_stats(where, problems, lambda: (
                 compile_fp8_gemm(gemm, block_m, tiles, has_limit, split_k, half_columns, wgmma) if fp8
                 else compile_mxfp4_gemm(gemm, block_m, tiles, has_limit) if mxfp4
-                else compile_gemm(gemm, dtype, block_m, tiles, k, has_limit)))
+                else compile_gemm(gemm, dtype, block_m, tiles, k, has_limit, wgmma)))
             if result is None:
                 continue
             text, s, smem = result

@@ -186,11 +186,11 @@ def test_process_default(device, gen, monkeypatch):
     assert not _runtime.read_environment({}).batch_invariant
     with pytest.raises(ValueError, match="MOEFUSE_BATCH_INVARIANT"):
         _runtime.read_environment({"MOEFUSE_BATCH_INVARIANT": "yes"})
-    weight = _layer(None, "default", torch.bfloat16, device).experts.weights()[0]
-    assert plan_block_m(1, weight, 2, torch.bfloat16, arch=None) < 64
+    weight = _layer(None, "default", torch.float32, device).experts.weights()[0]
+    assert plan_block_m(1, weight, 2, torch.float32, arch=None) < 32
     with _runtime.defaults(batch_invariant=True):
-        assert plan_block_m(1, weight, 2, torch.bfloat16, arch=None) == 64
-        assert plan_block_m(1, weight, 2, torch.bfloat16, arch=None, batch_invariant=False) < 64
+        assert plan_block_m(1, weight, 2, torch.float32, arch=None) == 32
+        assert plan_block_m(1, weight, 2, torch.float32, arch=None, batch_invariant=False) < 32
     with pytest.raises(TypeError, match="batch_invariant"):
         moefuse.set_defaults(batch_invariant="yes")
     with pytest.raises(TypeError, match="unknown"):
@@ -198,12 +198,13 @@ def test_process_default(device, gen, monkeypatch):
 
 
 def test_ops_refuse_a_plan_that_cannot_be_invariant(device, gen):
-    x = torch.randn(3, 64, generator=gen).bfloat16().to(device)
-    w1 = torch.randn(4, 64, 64, generator=gen).bfloat16().to(device)
-    w2 = torch.randn(4, 64, 32, generator=gen).bfloat16().to(device)
+    """fp32 sums on FMAs, one tile shape at every size: a 16-row plan would sum a row otherwise than 32-row ones."""
+    x = torch.randn(3, 64, generator=gen).to(device)
+    w1 = torch.randn(4, 64, 64, generator=gen).to(device)
+    w2 = torch.randn(4, 64, 32, generator=gen).to(device)
     ids = torch.randint(0, 4, (3, 2), generator=gen).int().to(device)
     plan = moe_dispatch(ids, 4, 16, backend="triton")
-    with pytest.raises(ValueError, match="block_m >= 64"):
+    with pytest.raises(ValueError, match="block_m >= 32"):
         moe_experts(x, w1, w2, plan, backend="triton", batch_invariant=True)
     with pytest.raises(TypeError, match="batch_invariant"):
         moe_experts(x, w1, w2, plan, backend="triton", batch_invariant=1)

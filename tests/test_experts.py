@@ -118,6 +118,43 @@ def test_tall_tiles_take_their_short_tail(dtype, hidden, gen, device):
     assert plan.expert_offsets.diff().tolist() == counts
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden, width", [(32, 40), (256, 128)], ids=["narrow-pointers", "tma"])
+def test_invariant_rows_have_the_bits_of_a_64_row_tile(dtype, hidden, width, gen, device):
+    """``batch_invariant=True``: 16- and 32-row plans run both GEMMs swapped on wgmma (``bf16.swapped``), which gives
+    each row the bits of a 64-row tile, with -1 slots, the clamp and a NaN token; a narrow GEMM2 (hidden 32: its tile
+    choice asks for 32 columns, under wgmma's 64) as much as a wide one read through TMA. Without it the short tiles
+    run mma.sync, whose bits differ on a GPU (the interpreter sums exactly: ``experts/bf16.py``)."""
+    x, w1, w2, ids = (t.to(device) for t in make_inputs(gen, 24, 2, dtype, hidden=hidden, width=width, invalid=0.2))
+    x[1, 7] = float("nan")
+    ids[1] = torch.tensor([0, 3], dtype=ids.dtype)
+    valid = (ids >= 0).flatten()
+
+    def rows(block_m):
+        plan = moe_dispatch(ids, E, block_m, backend="triton")
+        out = moe_experts(x, w1, w2, plan, swiglu_limit=1.5, backend="triton", batch_invariant=True)
+        return out[plan.expanded_to_permuted.long()[valid]]
+
+    want = rows(64)
+    assert want.isnan().any() and not want.isnan().all()  # the NaN token's rows, and the others finite
+    for got in (rows(16), rows(32)):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def test_swapped_tiles_are_64_columns_wide_and_fit():
+    """A batch-invariant tile under 64 rows swaps its product: at least 64 columns (wgmma's M; narrower ones run
+    mma.sync), as many of the tile choice's stages as then fit; 64-row tiles and fp32 keep their tiles."""
+    from moefuse.experts import bf16
+
+    narrow = GemmTiles(32, 256, 1, 4, 4)
+    got = bf16.swapped(16, narrow, 2, 2)
+    assert got is not None and got.block_n == 64 and got.block_k == 256
+    assert configs.smem_bytes(16, got, 2, 2) <= configs.SMEM_BUDGET < configs.smem_bytes(16, GemmTiles(64, 256, 1, 4,
+                                                                                                       4), 2, 2)
+    assert bf16.swapped(32, GemmTiles(128, 64, 1, 4, 3), 1, 2) == GemmTiles(128, 64, 1, 4, 3)
+    assert bf16.swapped(64, narrow, 2, 2) is None and bf16.swapped(16, narrow, 2, 4) is None
+
+
 def test_weights_go_through_tma_only_where_it_can_read_them(device):
     """Contiguous weights get a descriptor; H-major storage or a misaligned base falls back to pointer loads.
     (The interpreter takes descriptors too, so CPU runs cover the same choice as Hopper.)"""

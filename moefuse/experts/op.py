@@ -71,9 +71,10 @@ def moe_experts(
             that the call launches no kernel to zero them. Give each caller its own (a layer): calls in flight at
             the same time, on different streams, must not share one; calls one after another on a stream may.
         batch_invariant: None (the process default, ``moefuse.set_defaults``), or True for sums in one order at
-            every plan size: 16-bit weights then need a plan of ``block_m`` >= 64 (``plan_block_m(...,
-            batch_invariant=True)`` gives it), fp8 GEMMs run wgmma on every tile height and GEMM1 is never split
-            along K. A row's output is then the same bits in any batch (docs/USAGE.md, batch invariance).
+            every plan size: 16-bit and fp8 GEMMs run wgmma on every tile height (shorter tiles swapped), fp8 GEMM1
+            is never split along K, and fp32 weights need a plan of ``block_m`` >= 32 (``plan_block_m(...,
+            batch_invariant=True)`` gives it). A row's output is then the same bits in any batch (docs/USAGE.md,
+            batch invariance).
         persistent: None (the process default), or "auto" / "all" / "none": which persistent prefill kernels run
             where they apply (``experts/persistent.py``; "auto": the fp8 ones).
 
@@ -124,21 +125,18 @@ def moe_experts(
     return out
 
 
-# Batch-invariant plans of 16-bit weights: tiles of at least this many rows, so that their GEMMs run on wgmma at every
-# size (16- and 32-row tiles run on mma.sync, whose sums differ in the last bits; 64- and 128-row wgmma tiles, the tl
-# and the persistent kernels, give a row the same bits: measured on an H100, docs/USAGE.md).
+# The tiles of ``rows_linear`` (16-bit): wgmma's 64 rows, whose sums give a row the same bits at every M.
 INVARIANT_MIN_ROWS = 64
 
 
 def invariant_rows(gate_up_proj: ExpertWeight, hidden_dtype: torch.dtype) -> int:
-    """The least plan height of batch-invariant experts: ``INVARIANT_MIN_ROWS`` (wgmma) for 16-bit weights; 32 for
-    fp32, whose tiles are at most 32 rows (FMA products: one tile shape at every size); none for fp8 block-scale
-    weights, whose shorter tiles then run swapped wgmma (``experts_fp8(wgmma=True)``: a row has the bits of a 64-row
-    tile), nor for MXFP4 W4A16, whose rows have the same bits on every height (its W4A8 plans are 128 rows at every
-    size)."""
+    """The least plan height of batch-invariant experts: 32 for fp32, whose tiles are at most 32 rows (FMA products:
+    one tile shape at every size); none for 16-bit and fp8 block-scale weights, whose tiles under 64 rows then run
+    swapped wgmma (``bf16.swapped``, ``experts_fp8(wgmma=True)``: a row has the bits of a 64-row tile), nor for
+    MXFP4 W4A16, whose rows have the same bits on every height (its W4A8 plans are 128 rows at every size)."""
     if isinstance(gate_up_proj, (MXFP4, BlockFP8)):
         return 0
-    return 32 if hidden_dtype == torch.float32 else INVARIANT_MIN_ROWS
+    return 32 if hidden_dtype == torch.float32 else 0
 
 
 # Counters in a workspace: GEMM1 split along K needs one per program of its unsplit grid, and is split only where
@@ -289,7 +287,7 @@ def plan_block_m(
     the W4A8 kernels' 128 rows for MXFP4 with ``activation_quant="fp8"``, or for fp8 block-scale on Hopper the
     persistent kernels' 128 rows where the GPU's table chose them (without a table: from
     ``persistent.FP8_MIN_TOKENS`` tokens) unless ``persistent`` turns them off. With ``batch_invariant`` (None: the
-    process default) plans are at least :func:`invariant_rows` rows (``INVARIANT_MIN_ROWS`` for 16-bit weights)."""
+    process default) plans are at least :func:`invariant_rows` rows (32 for fp32 weights)."""
     quant = resolve_activation_quant(gate_up_proj, activation_quant)
     if isinstance(gate_up_proj, MXFP4) and quant == "fp8":
         return mxfp4_w4a8.BLOCK_M
@@ -313,9 +311,9 @@ def plan_block_m(
 def launch_variant(gate_up_proj: ExpertWeight, num_rows: int, activation_quant: Optional[str],
                    batch_invariant: bool = False) -> tuple:
     """What besides the tiles decides which kernels ``moe_experts`` compiles for a plan of ``num_rows`` rows on these
-    weights and (resolved) ``activation_quant``: fp8 block-scale's split of GEMM1 along K (none where
-    ``batch_invariant``, whose GEMMs also run wgmma on every tile) or into gate and up halves (the columns each of
-    their programs sums), MXFP4's W4A8 kernels. Warm-up keys on it."""
+    weights and (resolved) ``activation_quant``: the batch-invariant order (16-bit and fp8 GEMMs on wgmma at every
+    tile height), fp8 block-scale's split of GEMM1 along K (none where ``batch_invariant``) or into gate and up
+    halves (the columns each of their programs sums), MXFP4's W4A8 kernels. Warm-up keys on it."""
     if isinstance(gate_up_proj, BlockFP8):
         width, device = gate_up_proj.shape[1] // 2, gate_up_proj.values.device
         split = 1 if batch_invariant else fp8_kernels.default_split_k(num_rows, width, device)
@@ -324,7 +322,7 @@ def launch_variant(gate_up_proj: ExpertWeight, num_rows: int, activation_quant: 
                 "wgmma" if batch_invariant else "")
     if isinstance(gate_up_proj, MXFP4):
         return ("activations", activation_quant)
-    return ()
+    return ("wgmma",) if batch_invariant else ()
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
@@ -346,10 +344,11 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto")
 
 def rows_linear_tiles(M: int, weight: torch.Tensor, dtype: torch.dtype, arch: Arch) -> configs.TileConfig:
     """The tiles :func:`rows_linear` launches for M rows of ``dtype`` times ``weight`` [N, K]^T on ``arch`` (warm-up
-    keys on them): one expert holding every row, on plans of :func:`invariant_rows`."""
+    keys on them): one expert holding every row, on plans of ``INVARIANT_MIN_ROWS`` (32 in fp32)."""
     N, K = weight.shape
     gpu = configs.gpu_of(arch)
-    tiles = configs.heuristic(M, 1, N, K, 1, dtype, block_m=invariant_rows(weight, dtype), gpu=gpu)
+    tiles = configs.heuristic(M, 1, N, K, 1, dtype, block_m=32 if dtype == torch.float32 else INVARIANT_MIN_ROWS,
+                              gpu=gpu)
     # A few rows make one row of tiles, each program reading its columns' whole weight: narrower column blocks (to
     # 32) until every SM has a program. The width changes no row's sums: wgmma adds the same K steps in one order.
     block_n = configs.spread_columns(tiles.gemm2.block_n, -(-M // tiles.block_m), N, 32, gpu)
@@ -410,8 +409,10 @@ def _experts_impl(
         _persistent.experts_persistent(hidden, gate_up_proj, down_proj, plan, out, swiglu_limit)
         return
     intermediate = torch.empty(plan.num_rows, gate_up_proj.shape[1] // 2, dtype=hidden.dtype, device=hidden.device)
-    gemm1_swiglu(hidden, gate_up_proj, plan, intermediate, GemmTiles(*tiles[:5]), swiglu_limit, use_pdl=use_pdl)
-    gemm2(intermediate, down_proj, plan, out, GemmTiles(*tiles[5:]), use_pdl=use_pdl)
+    invariant = bool(flags[1])
+    gemm1_swiglu(hidden, gate_up_proj, plan, intermediate, GemmTiles(*tiles[:5]), swiglu_limit, use_pdl=use_pdl,
+                 wgmma=invariant)
+    gemm2(intermediate, down_proj, plan, out, GemmTiles(*tiles[5:]), use_pdl=use_pdl, wgmma=invariant)
 
 
 _experts_op = torch.library.custom_op("moefuse::experts", _experts_impl, mutates_args=("out",))

@@ -10,7 +10,12 @@ magnitudes, and counts the output elements whose bits differ: fp8 through the ex
 128-deep step's product promoted by its scales, SPEC §5), bf16 and fp16 as the 16-bit GEMMs sum (the products of
 the steps accumulated in fp32 by the MMA). Prints one JSON object a dtype.
 
-    python -m research.swap_bits [--dtypes fp8 bf16 fp16] [--draws 60] [--k 7168]
+With ``--permute`` the swapped 16 rows multiply both operands with K permuted within each group of 32 as an fp8
+register operand would hold a thread's packed word (:func:`word_order`), against the 64-row tile in natural order:
+does an MXFP4 W4A8 decode tile that converts each thread's word into its operand registers keep the 128-row
+kernel's bits?
+
+    python -m research.swap_bits [--dtypes fp8 bf16 fp16] [--draws 60] [--k 7168] [--permute]
 """
 
 from __future__ import annotations
@@ -25,6 +30,16 @@ import triton.language as tl
 from moefuse.experts.fp8.kernels import _add_scaled
 
 DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def word_order(K: int, device: str = "cpu") -> torch.Tensor:
+    """Column ``p`` of the permuted operand is column ``order[p]`` of the natural one: in each group of 32, an fp8
+    wgmma register operand's thread t holds positions 4t..4t+3 and 16+4t..16+4t+3, and a thread converting its own
+    word (MXFP4 codes 8t..8t+7) puts codes 8t..8t+3 at the first four and 8t+4..8t+7 at the second."""
+    p = torch.arange(32)
+    t, j, high = (p % 16) // 4, p % 4, p // 16
+    group = 8 * t + 4 * high + j
+    return (torch.arange(0, K, 32)[:, None] + group[None, :]).reshape(-1).to(device)
 
 
 @triton.jit
@@ -52,8 +67,9 @@ def _steps_kernel(a_ptr, w_ptr, as_ptr, ws_ptr, out_ptr, K, BLOCK_M: tl.constexp
     tl.store(out_ptr + rows[:, None] * 128 + cols[None, :], acc)
 
 
-def differing(name: str, draws: int, K: int, device: str = "cuda") -> dict:
-    """The elements of ``draws`` draws whose bits differ between the 64-row tile and the swapped 16 rows."""
+def differing(name: str, draws: int, K: int, device: str = "cuda", permute: bool = False) -> dict:
+    """The elements of ``draws`` draws whose bits differ between the 64-row tile and the swapped 16 rows (with
+    ``permute``, those on K in :func:`word_order`)."""
     dtype, scaled = DTYPES[name], name == "fp8"
     count, wgmma = 0, None
     for draw in range(draws):
@@ -70,13 +86,14 @@ def differing(name: str, draws: int, K: int, device: str = "cuda") -> dict:
         short = torch.empty(16, 128, device=device)
         c64 = _steps_kernel[(1,)](a, w, a_scales, w_scales, tall, K, BLOCK_M=64, SWAP=False, SCALED=scaled,
                                   num_warps=4)
-        c16 = _steps_kernel[(1,)](a[:16].contiguous(), w, a_scales[:16].contiguous(), w_scales, short, K,
-                                  BLOCK_M=16, SWAP=True, SCALED=scaled, num_warps=4)
+        order = word_order(K, device) if permute else slice(None)
+        c16 = _steps_kernel[(1,)](a[:16, order].contiguous(), w[:, order].contiguous(), a_scales[:16].contiguous(),
+                                  w_scales, short, K, BLOCK_M=16, SWAP=True, SCALED=scaled, num_warps=4)
         count += int((tall[:16].view(torch.int32) != short.view(torch.int32)).sum())
         if device == "cuda":
             wgmma = "wgmma" in c64.asm["ptx"] and "wgmma" in c16.asm["ptx"]
-    return {"dtype": name, "draws": draws, "K": K, "elements": draws * 16 * 128, "differing": count,
-            "both_on_wgmma": wgmma}
+    return {"dtype": name, "draws": draws, "K": K, "permuted": permute, "elements": draws * 16 * 128,
+            "differing": count, "both_on_wgmma": wgmma}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -84,9 +101,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     parser.add_argument("--draws", type=int, default=60)
     parser.add_argument("--k", type=int, default=7168, help="the reduction length, a multiple of 128")
+    parser.add_argument("--permute", action="store_true", help="the swapped rows on K in word_order")
     args = parser.parse_args(argv)
     for name in args.dtypes:
-        row = differing(name, args.draws, args.k)
+        row = differing(name, args.draws, args.k, permute=args.permute)
         print(json.dumps({**row, "gpu": torch.cuda.get_device_name()}), flush=True)
 
 

@@ -63,7 +63,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .. import _runtime
 from ..dispatch import DispatchPlan
 from .common import _program_start, _round, _swiglu, _tma_readable, weight_descriptor
-from .configs import SMEM_BUDGET, GemmTiles, smem_bytes
+from .configs import SMEM_BUDGET, WGMMA_MIN_ROWS, GemmTiles, smem_bytes
 
 
 @triton.jit
@@ -372,9 +372,6 @@ def joint_operand(block_m: int, block_n: int) -> bool:
     """Whether GEMM1 tiles of this shape read gate and up as one operand (``gate_up_descriptor``): wgmma tiles
     (64 rows or more) of at most 256 columns (the widest wgmma)."""
     return block_m >= JOINT_MIN_BLOCK_M and 2 * block_n <= JOINT_MAX_COLUMNS
-
-
-WGMMA_MIN_ROWS = 64  # wgmma's M: shorter tiles of the batch-invariant order swap their product (``swapped``)
 
 
 def swapped(block_m: int, tiles: GemmTiles, operands: int, element_size: int) -> Optional[GemmTiles]:

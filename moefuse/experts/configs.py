@@ -47,6 +47,9 @@ TABLES: dict[str, Path] = {name: _CONFIGS / f"experts_{name}.json" for name in (
 HOPPER_SMEM = HOPPER.smem  # the most shared memory one block may opt in to on sm_90 (227 KB)
 SMEM_SLACK = 15 * 1024  # the heuristic keeps its upper model of the operand buffers this far under the GPU's limit
 SMEM_BUDGET = HOPPER_SMEM - SMEM_SLACK  # on an H100: 212 KB
+# wgmma's M: tiles of fewer rows that must run wgmma swap their product (the weights as M, the rows as N) and take at
+# least this many columns (fp8 GEMM2's decode tiles; 16-bit and fp8 GEMMs in the batch-invariant order).
+WGMMA_MIN_ROWS = 64
 
 # The tile tables' formats: the dtype that keys a tile choice (``formats.tile_dtype``) -> the name of its entries.
 TABLE_FORMATS: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "bf16",

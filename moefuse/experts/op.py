@@ -125,18 +125,12 @@ def moe_experts(
     return out
 
 
-# The tiles of ``rows_linear`` (16-bit): wgmma's 64 rows, whose sums give a row the same bits at every M.
-INVARIANT_MIN_ROWS = 64
-
-
 def invariant_rows(gate_up_proj: ExpertWeight, hidden_dtype: torch.dtype) -> int:
     """The least plan height of batch-invariant experts: 32 for fp32, whose tiles are at most 32 rows (FMA products:
     one tile shape at every size); none for 16-bit and fp8 block-scale weights, whose tiles under 64 rows then run
     swapped wgmma (``bf16.swapped``, ``experts_fp8(wgmma=True)``: a row has the bits of a 64-row tile), nor for
     MXFP4 W4A16, whose rows have the same bits on every height (its W4A8 plans are 128 rows at every size)."""
-    if isinstance(gate_up_proj, (MXFP4, BlockFP8)):
-        return 0
-    return 32 if hidden_dtype == torch.float32 else 0
+    return 32 if tile_dtype(gate_up_proj, hidden_dtype) == torch.float32 else 0
 
 
 # Counters in a workspace: GEMM1 split along K needs one per program of its unsplit grid, and is split only where
@@ -326,10 +320,10 @@ def launch_variant(gate_up_proj: ExpertWeight, num_rows: int, activation_quant: 
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-    """``x @ weight^T`` in x's dtype (x [M, K], weight [N, K] of x's dtype, any strides): the experts' GEMM2 kernel on
-    one expert holding every row, tiles ``INVARIANT_MIN_ROWS`` tall (32 in fp32), so that a row's products are summed
-    in one order at every M: the batch-invariant layer's dense projections (its shared expert), where cuBLAS would
-    pick its kernel by M. The reference backend computes ``F.linear``."""
+    """``x @ weight^T`` in x's dtype (x [M, K], weight [N, K] of x's dtype, any strides): the experts' GEMM2 kernel
+    on one expert holding every row, tiles ``configs.WGMMA_MIN_ROWS`` tall (32 in fp32), so that a row's products
+    are summed in one order at every M: the batch-invariant layer's dense projections (its shared expert), where
+    cuBLAS would pick its kernel by M. The reference backend computes ``F.linear``."""
     M, K = x.shape
     N = weight.shape[0]
     resolved = _runtime.resolve_backend(backend, x.device)
@@ -344,10 +338,10 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto")
 
 def rows_linear_tiles(M: int, weight: torch.Tensor, dtype: torch.dtype, arch: Arch) -> configs.TileConfig:
     """The tiles :func:`rows_linear` launches for M rows of ``dtype`` times ``weight`` [N, K]^T on ``arch`` (warm-up
-    keys on them): one expert holding every row, on plans of ``INVARIANT_MIN_ROWS`` (32 in fp32)."""
+    keys on them): one expert holding every row, on plans of ``configs.WGMMA_MIN_ROWS`` rows (32 in fp32)."""
     N, K = weight.shape
     gpu = configs.gpu_of(arch)
-    tiles = configs.heuristic(M, 1, N, K, 1, dtype, block_m=32 if dtype == torch.float32 else INVARIANT_MIN_ROWS,
+    tiles = configs.heuristic(M, 1, N, K, 1, dtype, block_m=32 if dtype == torch.float32 else configs.WGMMA_MIN_ROWS,
                               gpu=gpu)
     # A few rows make one row of tiles, each program reading its columns' whole weight: narrower column blocks (to
     # 32) until every SM has a program. The width changes no row's sums: wgmma adds the same K steps in one order.

@@ -56,14 +56,13 @@ from ..configs import (
     FP8_SPLIT_STAGES,
     SMEM_BUDGET,
     SMEM_SLACK,
+    WGMMA_MIN_ROWS,
     GemmTiles,
     fp8_half_columns,
     fp8_halves,
     fp8_split_k,
 )
 from .quantize import _quantize, quantize_rows_into, quantized_rows
-
-WGMMA_MIN_ROWS = 64  # shorter tiles swap their MMA's operands (``_add_scaled``): GEMM2's, and GEMM1's on ``wgmma``
 
 
 @triton.jit

@@ -56,16 +56,26 @@ def _quantize(x, EMULATE_RTNE: tl.constexpr):
     return _to_e4m3(y, EMULATE_RTNE), tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
 
 
+@triton.jit
+def word_position(k):
+    """Where W4A8's decode kernels want column ``k`` (``mxfp4/w4a8_decode.py``): within each group of 32, column
+    8t + 4h + j at 4t + 16h + j, so that the eight codes of a packed word (columns 8t..8t+7) land in thread t's two
+    registers of the fp8 wgmma operand (positions 4t..4t+3 and 16+4t..16+4t+3)."""
+    return (k & ~31) | (k & 3) | (((k >> 3) & 3) << 2) | (((k >> 2) & 1) << 4)
+
+
 # stride_sg: the rows, for column-major scales; run_groups follows the row count
 @triton.jit(do_not_specialize=["num_rows", "stride_sg", "run_groups"])
 def _quantize_rows_kernel(
     source_ptr, q_ptr, s_ptr, p2e_ptr, expert_offsets_ptr, num_experts, num_rows, K, top_k, run_groups,
     stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
-    GATHER: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
+    GATHER: tl.constexpr, WORD_ORDER: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_R: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """q[p], s[p] = quant(x) per 128 columns for the plan's valid rows p, x = source[permuted_to_expanded[p] //
-    top_k] (``GATHER``) or source[p]; without a plan (``expert_offsets_ptr`` None), for rows p < num_rows.
-    Program (r, c): rows r·BLOCK_R onwards, the c-th run of ``run_groups`` groups of 128 columns
+    top_k] (``GATHER``) or source[p]; without a plan (``expert_offsets_ptr`` None), for rows p < num_rows; column
+    k of q at :func:`word_position` (k) with ``WORD_ORDER`` (a permutation within each group of 32, so the scales
+    are the same). Program (r, c): rows r·BLOCK_R onwards, the c-th run of ``run_groups`` groups of 128 columns
     (:func:`groups_per_program`)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the plan comes from dispatch
@@ -87,7 +97,8 @@ def _quantize_rows_kernel(
         x = tl.load(source_ptr + sources[:, None] * stride_xm + (k0 + ks)[None, :] * stride_xk, mask=mask,
                     other=0.0)
         q, scale = _quantize(x.to(tl.float32), EMULATE_RTNE)
-        tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + (k0 + ks)[None, :] * stride_qk, q, mask=mask)
+        to = word_position(k0 + ks) if WORD_ORDER else k0 + ks
+        tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + to[None, :] * stride_qk, q, mask=mask)
         tl.store(s_ptr + rows.to(tl.int64) * stride_sm + k0 // 128 * stride_sg, scale, mask=row_ok)
 
 
@@ -114,11 +125,14 @@ def quantized_rows(plan: DispatchPlan, width: int, device: torch.device) -> tupl
 
 
 def quantize_rows_into(source: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, plan: Optional[DispatchPlan], *,
-                       gather: bool, use_pdl: bool = False) -> None:
+                       gather: bool, use_pdl: bool = False, word_order: bool = False) -> None:
     """Quantize the plan's valid rows (SPEC §5) into ``q`` [num_rows, W] (e4m3) and ``scales`` [num_rows, W/128]
     (fp32, any strides): of ``source``'s token rows (``gather``: row p from token permuted_to_expanded[p] // top_k)
     or its rows as they are (the W4A8 kernels' intermediate). Rows past the valid ones are left unwritten. Without
-    a plan (``gather`` off), every row of ``q``."""
+    a plan (``gather`` off), every row of ``q``. ``word_order``: each group of 32 columns of ``q`` permuted as
+    :func:`word_position` places them (W4A8's decode kernels; W a multiple of 32)."""
+    if word_order and q.shape[1] % 32:
+        raise ValueError(f"q: word order permutes groups of 32 columns; got {q.shape[1]} columns")
     block_r = 16
     launch = {"launch_pdl": True} if use_pdl else {}
     args: tuple[Optional[torch.Tensor], Optional[torch.Tensor], int, int, int, int]
@@ -133,6 +147,7 @@ def quantize_rows_into(source: torch.Tensor, q: torch.Tensor, scales: torch.Tens
     per_program = groups_per_program(row_blocks, groups)
     _quantize_rows_kernel[(row_blocks, triton.cdiv(groups, per_program))](
         source, q, scales, *args, per_program, source.stride(0), source.stride(1), *q.stride(), *scales.stride(),
-        GATHER=gather, EMULATE_RTNE=_runtime.interpreting(), BLOCK_R=block_r, USE_PDL=use_pdl,
+        GATHER=gather, WORD_ORDER=word_order, EMULATE_RTNE=_runtime.interpreting(), BLOCK_R=block_r,
+        USE_PDL=use_pdl,
         num_warps=4, **launch,
     )

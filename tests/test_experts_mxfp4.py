@@ -568,6 +568,28 @@ def test_w4a8_matches_float64(shape, block_m, M, far, limit, gen, device):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Gluon kernels run on sm_90 only (CI compiles them: test_sm90.py)")
+@pytest.mark.parametrize("block_m", sorted(mxfp4_w4a8_decode.LAUNCH))
+@pytest.mark.parametrize("shape", [WS_SHAPE, (6, 384, 128)], ids=["even-steps", "odd-steps"])
+def test_w4a8_decode_kernels_give_the_128_row_bits(shape, block_m, gen, device):
+    """W4A8's decode kernels (``mxfp4/w4a8_decode.py``: the weights as the wgmma's first operand, from registers)
+    and its 128-row kernels (the tokens first, both from shared memory) hand the wgmma each row's products in one K
+    order (word order): every valid slot of an 11-token batch bitwise equal (-1 slots, an empty expert, the clamp).
+    What W4A8's batch invariance rests on: fp8 wgmma gives a row the same sums swapped (``research/swap_bits.py``
+    measured it for 16 rows against 64)."""
+    E, H, I = shape
+    x, w1, w2, ids = _inputs(gen, 11, 3, E, H, I, empty=2, device=device)
+    slots = []
+    for height in (block_m, 128):
+        plan = moe_dispatch(ids, E, height, backend="triton")
+        out = _run(x, w1, w2, plan, 1.5, "fp8")
+        valid = plan.expanded_to_permuted.long() >= 0
+        slots.append(out[plan.expanded_to_permuted.long()[valid]])
+    assert slots[0].numel() > 0 and bool(slots[0].isfinite().all())
+    assert torch.equal(slots[0].view(torch.int16), slots[1].view(torch.int16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon kernels run on sm_90 only (CI compiles them: test_sm90.py)")
 def test_w4a8_row_bases_are_each_rows_own(gen, device):
     """Each weight row is converted against its own base (from its largest exponent, SPEC §6), which the transform
     finds per item from the item's rows: rows whose exponents sit 2^-6..2^6 apart from item to item, so a base taken
@@ -644,9 +666,9 @@ def test_activation_quant_choices(gen, device):
     x, w1, w2, ids = _inputs(gen, 5, 2, E, H, I, device=device)
     assert resolve_activation_quant(w1, "default") is None and resolve_activation_quant(w1, "fp8") == "fp8"
     # W4A8 plans: W4A16's height where a decode kernel takes it (here 16 rows), else 128 rows; batch-invariant
-    # ones 128 rows at every size (the decode kernels' wgmmas see K in another order)
+    # ones alike (both kernels sum in one K order)
     assert plan_block_m(5, w1, 2, x.dtype, "fp8", arch=None) == plan_block_m(5, w1, 2, x.dtype, arch=None) == 16
-    assert plan_block_m(5, w1, 2, x.dtype, "fp8", arch=None, batch_invariant=True) == mxfp4_w4a8.BLOCK_M
+    assert plan_block_m(5, w1, 2, x.dtype, "fp8", arch=None, batch_invariant=True) == 16
     assert plan_block_m(4096, w1, 2, x.dtype, "fp8", arch=None) == mxfp4_w4a8.BLOCK_M
     plan = moe_dispatch(ids, E, 128, backend="triton")
     got = moe_experts(x, w1, w2, plan, activation_quant="fp8", backend="reference")

@@ -89,9 +89,9 @@ def _tiles(signature: tuple):
 
 def test_w4a8_layers_plan_w4a16_heights_or_128_rows():
     """MXFP4 experts with fp8 activations run the W4A8 kernels at every batch size: on W4A16's plan height where it
-    is a decode kernel's (16 or 32 rows, ``mxfp4/w4a8_decode.py``), else on 128-row tiles; batch-invariant layers on
-    128 rows at every size (the decode kernels' K order differs). The signature says so for every count; by default
-    (W4A16) no count is W4A8."""
+    is a decode kernel's (16 or 32 rows, ``mxfp4/w4a8_decode.py``), else on 128-row tiles; batch-invariant layers
+    alike (both kernels sum in one K order). The signature says so for every count; by default (W4A16) no count is
+    W4A8."""
     from moefuse.experts.mxfp4 import w4a8_decode
 
     config = preset("deepseek-v4-flash").scaled()
@@ -104,7 +104,7 @@ def test_w4a8_layers_plan_w4a16_heights_or_128_rows():
         height = _tiles(launch_signature(w4a8, tokens)).block_m
         assert height == (w4a16_height if w4a16_height in w4a8_decode.LAUNCH else 128)
         heights.add(height)
-        assert _tiles(launch_signature(invariant, tokens)).block_m == 128
+        assert _tiles(launch_signature(invariant, tokens)).block_m == height
         assert launch_signature(w4a8, tokens) != launch_signature(w4a16, tokens)
     assert heights & set(w4a8_decode.LAUNCH) and 128 in heights
 

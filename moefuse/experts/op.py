@@ -130,8 +130,8 @@ def invariant_rows(gate_up_proj: ExpertWeight, hidden_dtype: torch.dtype) -> int
     """The least plan height of batch-invariant experts: 32 for fp32, whose tiles are at most 32 rows (FMA products:
     one tile shape at every size); none for 16-bit and fp8 block-scale weights, whose tiles under 64 rows then run
     swapped wgmma (``bf16.swapped``, ``experts_fp8(wgmma=True)``: a row has the bits of a 64-row tile), nor for
-    MXFP4 W4A16, whose rows have the same bits on every height (invariant W4A8 plans are 128 rows at every size:
-    :func:`plan_block_m`)."""
+    MXFP4, whose rows have the same bits on every height and kernel (W4A8's decode and 128-row kernels sum in one
+    K order)."""
     return 32 if tile_dtype(gate_up_proj, hidden_dtype) == torch.float32 else 0
 
 
@@ -282,7 +282,7 @@ def plan_block_m(
 ) -> int:
     """The dispatch plan's ``block_m`` for ``moe_experts`` on these weights: the tile table's (``pick_block_m``);
     for MXFP4 with ``activation_quant="fp8"`` (W4A8) the table's where the decode kernels take it (16 and 32 rows,
-    ``mxfp4/w4a8_decode.py``), else, and at every size with ``batch_invariant``, the 128-row kernels'; for fp8
+    ``mxfp4/w4a8_decode.py``), else the 128-row kernels' (the same sums in the same order); for fp8
     block-scale on Hopper the persistent kernels' 128 rows where the GPU's table chose them (without a table: from
     ``persistent.FP8_MIN_TOKENS`` tokens) unless ``persistent`` turns them off. With ``batch_invariant`` (None:
     the process default) plans are at least :func:`invariant_rows` rows (32 for fp32 weights)."""
@@ -293,12 +293,9 @@ def plan_block_m(
     target = configs.resolve_arch(arch)
     dtype = tile_dtype(gate_up_proj, hidden_dtype)
     height = pick_block_m(num_tokens, E, H, I, top_k, dtype, target)  # cached: the table's, else the heuristic's
-    invariant = _runtime.batch_invariant(batch_invariant)
     if isinstance(gate_up_proj, MXFP4) and quant == "fp8":  # W4A16's height, where W4A8 has kernels of it
-        # The decode kernels' wgmmas see K in another order than the 128-row kernels' (``w4a8_decode``).
-        decode = height in mxfp4_w4a8_decode.LAUNCH and not invariant
-        return height if decode else mxfp4_w4a8.BLOCK_M
-    floor = invariant_rows(gate_up_proj, hidden_dtype) if invariant else 0
+        return height if height in mxfp4_w4a8_decode.LAUNCH else mxfp4_w4a8.BLOCK_M
+    floor = invariant_rows(gate_up_proj, hidden_dtype) if _runtime.batch_invariant(batch_invariant) else 0
     if isinstance(gate_up_proj, BlockFP8):  # 128 rows are the persistent kernels' (the tl kernels' spill)
         tuned = configs.tuned(E, H, I, top_k, dtype, target)
         tall = height == _persistent.BLOCK_M if tuned else num_tokens >= _persistent.FP8_MIN_TOKENS

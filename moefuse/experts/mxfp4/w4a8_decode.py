@@ -20,9 +20,10 @@ registers) carry W4A8's arithmetic (SPEC §6):
   the sum is multiplied by the row's 2^(base - 127) at the end; base = max(the row's largest exponent - 6, 1),
   found by each consumer for its 64 rows before its first step, while the producer's first loads are in flight.
 
-That is the 128-row kernels' arithmetic element by element, but their wgmmas see K in natural order: fp8 wgmma
-sums a step's products in fewer bits than fp32 (SPEC §5), so a token's bits may differ between the two kernels,
-and ``batch_invariant`` keeps W4A8 on 128-row tiles at every size (``op.plan_block_m``).
+That is the 128-row kernels' arithmetic element by element in their K order (they take word order too), with the
+weights as the MMA's first operand instead of its second: where wgmma gives a row the same sums either way
+(``research/swap_bits.py`` found it so for fp8 tiles of 16 rows against 64) a token's output does not depend on
+which kernel its batch ran (tested on the GPU: ``tests/test_batch_invariance.py``).
 """
 from __future__ import annotations
 

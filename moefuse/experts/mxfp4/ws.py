@@ -53,7 +53,7 @@ try:  # Gluon ships with Triton >= 3.5; without it (or off Hopper) the Triton ke
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ..gluon_common import swiglu, tma_load
+    from ..gluon_common import swiglu, tma_load, word_position
 except ImportError:  # pragma: no cover - every supported Triton has it
     gluon = None
 
@@ -161,13 +161,13 @@ if gluon is not None:
         """``out[rows, col0 + n] = acc[n, rows - row_start]`` in bf16 for the expert's rows (``acc`` [COLS,
         BLOCK_M] in layout ``MMA``), column n of each group of 32 where the next GEMM's operand wants it: as it is
         (``ORDER`` "natural"), column 8t + 4b + j at 8j + 2t + b ("paired": W4A16's K order) or at 4t + 16b + j
-        ("words": W4A8's decode kernels, ``fp8.quantize.word_position``)."""
+        ("words": W4A8's, ``gluon_common.word_position``)."""
         m = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
         n = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(1, MMA))
         if ORDER == "paired":
             n = (n & ~31) | ((n & 3) << 3) | (((n >> 3) & 3) << 1) | ((n >> 2) & 1)
         elif ORDER == "words":
-            n = (n & ~31) | (n & 3) | (((n >> 3) & 3) << 2) | (((n >> 2) & 1) << 4)
+            n = word_position(n)
         ptrs = out_ptr + gl.expand_dims(m.to(gl.int64) * stride_om, 0) + gl.expand_dims(n, 1)
         gl.store(ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(m < row_end, 0) & gl.expand_dims(n >= 0, 1))
 

@@ -7,7 +7,8 @@ of an fp32 tile (sm_90 only; the ``tl`` kernels' counterparts are in ``common.py
 - :func:`row_inverse`, :func:`e4m3`, :func:`scale_of`: SPEC §5's quantization of 128 fp32 values of a row, as
   ``fp8/quantize.py``'s ``_quantize`` does it (same bits): the epilogue of the kernels that write GEMM1's
   intermediate quantized (``mxfp4/w4a8.py``, ``persistent.py``).
-- :func:`word_position`: the W4A8 kernels' column order within each group of 32 (``mxfp4/w4a8_decode.py``).
+- :func:`word_position`: the W4A8 kernels' column order within each group of 32 (``mxfp4/w4a8.py``,
+  ``w4a8_decode.py``).
 
 A piece one kernel family alone uses stays in its own file. Nothing is defined without Gluon (Triton < 3.5): the
 importers then fall back to the ``tl`` kernels.

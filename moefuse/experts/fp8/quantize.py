@@ -58,7 +58,7 @@ def _quantize(x, EMULATE_RTNE: tl.constexpr):
 
 @triton.jit
 def word_position(k):
-    """Where W4A8's decode kernels want column ``k`` (``mxfp4/w4a8_decode.py``): within each group of 32, column
+    """Where the W4A8 kernels want column ``k`` (``mxfp4/w4a8.py``, ``w4a8_decode.py``): within each group of 32, column
     8t + 4h + j at 4t + 16h + j, so that the eight codes of a packed word (columns 8t..8t+7) land in thread t's two
     registers of the fp8 wgmma operand (positions 4t..4t+3 and 16+4t..16+4t+3)."""
     return (k & ~31) | (k & 3) | (((k >> 3) & 3) << 2) | (((k >> 2) & 1) << 4)
@@ -130,7 +130,7 @@ def quantize_rows_into(source: torch.Tensor, q: torch.Tensor, scales: torch.Tens
     (fp32, any strides): of ``source``'s token rows (``gather``: row p from token permuted_to_expanded[p] // top_k)
     or its rows as they are (the W4A8 kernels' intermediate). Rows past the valid ones are left unwritten. Without
     a plan (``gather`` off), every row of ``q``. ``word_order``: each group of 32 columns of ``q`` permuted as
-    :func:`word_position` places them (W4A8's decode kernels; W a multiple of 32)."""
+    :func:`word_position` places them (the W4A8 kernels' K order; W a multiple of 32)."""
     if word_order and q.shape[1] % 32:
         raise ValueError(f"q: word order permutes groups of 32 columns; got {q.shape[1]} columns")
     block_r = 16

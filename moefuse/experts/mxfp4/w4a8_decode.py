@@ -23,7 +23,8 @@ registers) carry W4A8's arithmetic (SPEC §6):
 That is the 128-row kernels' arithmetic element by element in their K order (they take word order too), with the
 weights as the MMA's first operand instead of its second: where wgmma gives a row the same sums either way
 (``research/swap_bits.py`` found it so for fp8 tiles of 16 rows against 64) a token's output does not depend on
-which kernel its batch ran (tested on the GPU: ``tests/test_batch_invariance.py``).
+which kernel its batch ran (tested on the GPU: ``tests/test_experts_mxfp4.py``,
+``test_w4a8_decode_kernels_give_the_128_row_bits``).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from ...dispatch import DispatchPlan
 from ...formats import MXFP4
 from ..fp8.quantize import quantize_rows_into, quantized_rows
 from . import w4a8
-from .ws import PRODUCER_REGS, ROWS, Launch, _exponent_words, gluon
+from .ws import PRODUCER_REGS, ROWS, Launch, _exponent_words, gluon, widths_fit
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -43,6 +44,7 @@ if gluon is not None:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..gluon_common import swiglu
+    from .w4a8 import _offsets
     from .ws import WORD_LAYOUT, _produce, _program, _ring, _store
 
 BLOCK_K = 128  # one activation scale and one int32 of weight exponents per row and step
@@ -58,7 +60,7 @@ LAUNCH = {
 def fits(block_m: int, hidden_size: int, width: int) -> bool:
     """Whether these kernels take a plan of ``block_m``-row tiles on experts of these widths (where
     ``ws.ws_eligible`` holds, which they need too)."""
-    return block_m in LAUNCH and w4a8.fits(w4a8.BLOCK_M, hidden_size, width)
+    return block_m in LAUNCH and widths_fit(hidden_size, width)
 
 
 if gluon is not None:
@@ -112,7 +114,7 @@ if gluon is not None:
         acc = gl.zeros([_ROWS, BLOCK_M], gl.float32, MMA)
         for i in range(k_steps):
             s = i % STAGES
-            d = ((gl.expand_dims(exponents, 1) >> shift) & 0xFF) - gl.expand_dims(base, 1)
+            d = _offsets(exponents, shift, gl.expand_dims(base, 1))
             exponents = gl.load(first + (s_rows + gl.minimum(i + 1, k_steps - 1)))  # the next step's, meanwhile
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             codes = w_smem.index(2 * s + PART).load(CL)

@@ -112,6 +112,30 @@ def slot_launches(layer: MoELayer, gen: torch.Generator) -> dict:
     return row
 
 
+def bf16_slot_launches(layer: MoELayer, gen: torch.Generator) -> dict:
+    """The invariant bf16 routed experts with the shared slot at one token, GEMM1 on 128- and 64-column tiles of
+    2-4 stages (swapped wgmma tiles: a column's sum does not depend on the tile's width, so the bits stay), the
+    table's GEMM2. With the slot DeepSeek-V3's 128-column GEMM1 is 144 programs that fit one an SM, a second wave
+    of 12 on 132 SMs; 64 columns make 288 that may fit two."""
+    c = layer.config
+    x = torch.randn(1, c.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+    slot = layer.shared_slot_weights()
+    layer.batch_invariant = True
+    with torch.no_grad():
+        weights, ids = layer.gate(x, num_fused_shared_experts=1)
+    layer.batch_invariant = None
+    base = configs.pick(1, c.num_experts + 1, c.hidden_size, c.intermediate_size, c.top_k + 1, torch.bfloat16)
+    row: dict = {"slot_launches": "bf16", "base": base.to_dict()}
+    for columns in (128, 64):
+        for stages in (2, 3, 4):
+            tiles = replace(base, gemm1=replace(base.gemm1, block_n=columns, num_stages=stages))
+            with configs.override(tiles), torch.no_grad():
+                row[f"n{columns}_s{stages}"] = _us(partial(
+                    routed_experts, x, *slot, weights, ids, swiglu_limit=c.swiglu_limit,
+                    activation_quant=layer.activation_quant, batch_invariant=True))
+    return row
+
+
 def router_runs(H: int, E: int, M: int) -> dict:
     """The invariant router linear (bf16 x, fp32 weight) with K cut into each of ``RUNS``, and on each of
     ``ROUTER_TILES`` at the committed run count."""
@@ -142,14 +166,20 @@ def router_runs(H: int, E: int, M: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--cases", nargs="+", default=[f"{m}:{q or 'bf16'}" for m, q in CASES],
+                        help="model:format pairs (format bf16, fp8 or mxfp4)")
     args = parser.parse_args(argv)
     gen = torch.Generator("cuda").manual_seed(0)
-    for model, quant in CASES:
+    for case in args.cases:
+        model, fmt = case.split(":")
+        quant = None if fmt == "bf16" else fmt
         layer = MoELayer(preset(model), device="cuda", quant=quant).init_random_(0)
         for M in args.tokens:
             print(json.dumps({"model": model, "quant": quant, **stages(layer, M, gen)}), flush=True)
         if quant == "fp8":
             print(json.dumps(slot_launches(layer, gen)), flush=True)
+        if quant is None and layer.shared_slot_weights() is not None:
+            print(json.dumps(bf16_slot_launches(layer, gen)), flush=True)
         c = layer.config
         del layer
         torch.cuda.empty_cache()

@@ -62,8 +62,8 @@ if gluon is not None:
 
     @gluon.jit
     def word_position(n):
-        """Where the W4A8 kernels want column ``n`` of an e4m3 operand (``fp8.quantize.word_position``, the ``tl``
-        twin): within each group of 32, column 8t + 4h + j at 4t + 16h + j."""
+        """Where the W4A8 kernels want column ``n`` of an e4m3 operand (``fp8.quantize``'s pass
+        writes rows in it with ``word_order``): within each group of 32, column 8t + 4h + j at 4t + 16h + j."""
         return (n & ~31) | (n & 3) | (((n >> 3) & 3) << 2) | (((n >> 2) & 1) << 4)
 
     @gluon.jit

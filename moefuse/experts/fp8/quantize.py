@@ -56,14 +56,6 @@ def _quantize(x, EMULATE_RTNE: tl.constexpr):
     return _to_e4m3(y, EMULATE_RTNE), tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
 
 
-@triton.jit
-def word_position(k):
-    """Where the W4A8 kernels want column ``k`` (``mxfp4/w4a8.py``, ``w4a8_decode.py``): within each group of 32, column
-    8t + 4h + j at 4t + 16h + j, so that the eight codes of a packed word (columns 8t..8t+7) land in thread t's two
-    registers of the fp8 wgmma operand (positions 4t..4t+3 and 16+4t..16+4t+3)."""
-    return (k & ~31) | (k & 3) | (((k >> 3) & 3) << 2) | (((k >> 2) & 1) << 4)
-
-
 # stride_sg: the rows, for column-major scales; run_groups follows the row count
 @triton.jit(do_not_specialize=["num_rows", "stride_sg", "run_groups"])
 def _quantize_rows_kernel(
@@ -74,8 +66,8 @@ def _quantize_rows_kernel(
 ):
     """q[p], s[p] = quant(x) per 128 columns for the plan's valid rows p, x = source[permuted_to_expanded[p] //
     top_k] (``GATHER``) or source[p]; without a plan (``expert_offsets_ptr`` None), for rows p < num_rows; column
-    k of q at :func:`word_position` (k) with ``WORD_ORDER`` (a permutation within each group of 32, so the scales
-    are the same). Program (r, c): rows r·BLOCK_R onwards, the c-th run of ``run_groups`` groups of 128 columns
+    k of q at ``gluon_common.word_position`` (k) with ``WORD_ORDER`` (a permutation within each group of 32, so the
+    scales are the same). Program (r, c): rows r·BLOCK_R onwards, the c-th run of ``run_groups`` groups of 128 columns
     (:func:`groups_per_program`)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the plan comes from dispatch
@@ -97,8 +89,12 @@ def _quantize_rows_kernel(
         x = tl.load(source_ptr + sources[:, None] * stride_xm + (k0 + ks)[None, :] * stride_xk, mask=mask,
                     other=0.0)
         q, scale = _quantize(x.to(tl.float32), EMULATE_RTNE)
-        to = word_position(k0 + ks) if WORD_ORDER else k0 + ks
-        tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + to[None, :] * stride_qk, q, mask=mask)
+        if WORD_ORDER:
+            # Column 32g + 8t + 4h + j to 32g + 16h + 4t + j (``gluon_common.word_position``), moved in registers:
+            # stored through permuted addresses, each thread's 16-byte run would go out as 16 single-byte stores
+            # (sm_90 SASS), 16 times the store instructions and a sector written per byte.
+            q = tl.reshape(tl.permute(tl.reshape(q, (BLOCK_R, 4, 4, 2, 4)), (0, 1, 3, 2, 4)), (BLOCK_R, 128))
+        tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + (k0 + ks)[None, :] * stride_qk, q, mask=mask)
         tl.store(s_ptr + rows.to(tl.int64) * stride_sm + k0 // 128 * stride_sg, scale, mask=row_ok)
 
 
@@ -130,7 +126,7 @@ def quantize_rows_into(source: torch.Tensor, q: torch.Tensor, scales: torch.Tens
     (fp32, any strides): of ``source``'s token rows (``gather``: row p from token permuted_to_expanded[p] // top_k)
     or its rows as they are (the W4A8 kernels' intermediate). Rows past the valid ones are left unwritten. Without
     a plan (``gather`` off), every row of ``q``. ``word_order``: each group of 32 columns of ``q`` permuted as
-    :func:`word_position` places them (the W4A8 kernels' K order; W a multiple of 32)."""
+    ``gluon_common.word_position`` places them (the W4A8 kernels' K order; W a multiple of 32)."""
     if word_order and q.shape[1] % 32:
         raise ValueError(f"q: word order permutes groups of 32 columns; got {q.shape[1]} columns")
     block_r = 16

@@ -280,12 +280,21 @@ if gluon is not None:
     def _store(values, out_ptr, row0, row_end, col0, stride_om, WORDS: gl.constexpr = False):
         """``out[row0 + i, col0 + j] = values[i, j]`` for the rows before ``row_end`` (the expert's); with
         ``WORDS`` column col0 + j at its word position (``gluon_common.word_position``: GEMM2's K order)."""
-        m = row0 + gl.arange(0, values.shape[0], layout=gl.SliceLayout(1, values.type.layout))
-        n = col0 + gl.arange(0, values.shape[1], layout=gl.SliceLayout(0, values.type.layout))
         if WORDS:
-            n = word_position(n)
-        ptrs = out_ptr + gl.expand_dims(m.to(gl.int64) * stride_om, 1) + gl.expand_dims(n, 0)
-        gl.store(ptrs, values, mask=gl.expand_dims(m < row_end, 1) & gl.expand_dims(n >= 0, 0))
+            # A thread holds columns 2c and 2c + 1, which word order keeps side by side: one 2-byte store a pair
+            # (through permuted addresses the compiler would store each byte on its own).
+            lo, hi = values.to(gl.int8, bitcast=True).reshape(values.shape[0], values.shape[1] // 2, 2).split()
+            pairs = (hi.to(gl.int16) << 8) | (lo.to(gl.int16) & 0xFF)
+            m = row0 + gl.arange(0, pairs.shape[0], layout=gl.SliceLayout(1, pairs.type.layout))
+            n = word_position(col0 + 2 * gl.arange(0, pairs.shape[1], layout=gl.SliceLayout(0, pairs.type.layout)))
+            ptrs = (out_ptr.to(gl.pointer_type(gl.int16), bitcast=True)
+                    + gl.expand_dims(m.to(gl.int64) * (stride_om // 2), 1) + gl.expand_dims(n // 2, 0))
+            gl.store(ptrs, pairs, mask=gl.expand_dims(m < row_end, 1) & gl.expand_dims(n >= 0, 0))
+        else:
+            m = row0 + gl.arange(0, values.shape[0], layout=gl.SliceLayout(1, values.type.layout))
+            n = col0 + gl.arange(0, values.shape[1], layout=gl.SliceLayout(0, values.type.layout))
+            ptrs = out_ptr + gl.expand_dims(m.to(gl.int64) * stride_om, 1) + gl.expand_dims(n, 0)
+            gl.store(ptrs, values, mask=gl.expand_dims(m < row_end, 1) & gl.expand_dims(n >= 0, 0))
 
     @gluon.jit
     def _store_quantized(left, right, q_ptr, qs_ptr, row0, row_end, col0, stride_qm, stride_qs):

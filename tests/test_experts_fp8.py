@@ -495,7 +495,7 @@ def test_quantize_rows_pass(gather, word_order, per_program, gen, device, monkey
     they are, quantized per SPEC §5 bit for bit as ``quantize_rows``, the other rows left unwritten; its groups of
     128 columns in runs of ``per_program`` a program (forced here; ``groups_per_program`` picks it by the row
     count), on H = 520 (five groups, the last of 8 columns, so that runs of 2 and 4 leave a short last run); -1
-    slots, a NaN in a routed row. ``word_order``: W4A8's decode kernels' column order (``gluon_common.word_position``: column
+    slots, a NaN in a routed row. ``word_order``: W4A8's column order (``gluon_common.word_position``: column
     8t + 4h + j of each 32 at 4t + 16h + j), on H = 544 (W a multiple of 32, five groups of 128, the last of 32):
     the same values moved, the same scales."""
     from moefuse.experts.fp8 import quantize

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from functools import partial
 
@@ -72,10 +73,9 @@ def stages(layer: MoELayer, M: int, gen: torch.Generator) -> dict:
     return row
 
 
-def slot_launches(layer: MoELayer, gen: torch.Generator) -> dict:
-    """The invariant fp8 routed experts with the shared slot at one token, GEMM1 on each stage and warp count, on
-    steps of two boxes (256 deep; the same bits: each box is promoted on its own), which cuts its stages to 2, and
-    in gate and up halves (``experts_fp8``'s ``halves``: twice the programs, the same bits) or not."""
+def slot_token(layer: MoELayer, gen: torch.Generator) -> tuple[torch.Tensor, Callable[[], object]]:
+    """A random token routed by the batch-invariant gate with the shared slot, and a call of the invariant routed
+    experts with the slot on it (under whatever :func:`configs.override` is active when it runs)."""
     c = layer.config
     x = torch.randn(1, c.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
     slot = layer.shared_slot_weights()
@@ -83,6 +83,16 @@ def slot_launches(layer: MoELayer, gen: torch.Generator) -> dict:
     with torch.no_grad():
         weights, ids = layer.gate(x, num_fused_shared_experts=1)
     layer.batch_invariant = None
+    return ids, partial(routed_experts, x, *slot, weights, ids, swiglu_limit=c.swiglu_limit,
+                        activation_quant=layer.activation_quant, batch_invariant=True)
+
+
+def slot_launches(layer: MoELayer, gen: torch.Generator) -> dict:
+    """The invariant fp8 routed experts with the shared slot at one token, GEMM1 on each stage and warp count, on
+    steps of two boxes (256 deep; the same bits: each box is promoted on its own), which cuts its stages to 2, and
+    in gate and up halves (``experts_fp8``'s ``halves``: twice the programs, the same bits) or not."""
+    c = layer.config
+    ids, call = slot_token(layer, gen)
     base = configs.pick(1, c.num_experts + 1, c.hidden_size, c.intermediate_size, c.top_k + 1,
                         torch.float8_e4m3fn, block_m=64)
     row: dict = {"slot_launches": "fp8", "gemm1": asdict(base.gemm1)}
@@ -101,14 +111,12 @@ def slot_launches(layer: MoELayer, gen: torch.Generator) -> dict:
             tiles = replace(base, gemm1=replace(base.gemm1, block_k=depth, num_stages=stages, num_warps=warps))
             with configs.override(tiles), torch.no_grad():
                 row[f"stages{stages}_warps{warps}" + ("_two_boxes" if depth == 256 else "")
-                    + (f"_halves{'' if columns == 128 else columns}" if halves else "")] = _us(partial(
-                        routed_experts, x, *slot, weights, ids, swiglu_limit=c.swiglu_limit,
-                        activation_quant=layer.activation_quant, batch_invariant=True))
+                    + (f"_halves{'' if columns == 128 else columns}" if halves else "")] = _us(call)
     finally:
         fp8_kernels.default_halves, fp8_kernels.default_half_columns = rule, columns_rule
         fp8_kernels.FP8_HALVES_WARPS, fp8_kernels.FP8_HALVES_STAGES = halves_launch
-    row["halves_by_rule"] = rule(int(ids.numel()), c.intermediate_size, 1, x.device)
-    row["half_columns_by_rule"] = columns_rule(int(ids.numel()), c.intermediate_size, x.device)
+    row["halves_by_rule"] = rule(int(ids.numel()), c.intermediate_size, 1, ids.device)
+    row["half_columns_by_rule"] = columns_rule(int(ids.numel()), c.intermediate_size, ids.device)
     return row
 
 
@@ -118,21 +126,14 @@ def bf16_slot_launches(layer: MoELayer, gen: torch.Generator) -> dict:
     table's GEMM2. With the slot DeepSeek-V3's 128-column GEMM1 is 144 programs that fit one an SM, a second wave
     of 12 on 132 SMs; 64 columns make 288 that may fit two."""
     c = layer.config
-    x = torch.randn(1, c.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
-    slot = layer.shared_slot_weights()
-    layer.batch_invariant = True
-    with torch.no_grad():
-        weights, ids = layer.gate(x, num_fused_shared_experts=1)
-    layer.batch_invariant = None
+    ids, call = slot_token(layer, gen)
     base = configs.pick(1, c.num_experts + 1, c.hidden_size, c.intermediate_size, c.top_k + 1, torch.bfloat16)
     row: dict = {"slot_launches": "bf16", "base": base.to_dict()}
     for columns in (128, 64):
         for stages in (2, 3, 4):
             tiles = replace(base, gemm1=replace(base.gemm1, block_n=columns, num_stages=stages))
             with configs.override(tiles), torch.no_grad():
-                row[f"n{columns}_s{stages}"] = _us(partial(
-                    routed_experts, x, *slot, weights, ids, swiglu_limit=c.swiglu_limit,
-                    activation_quant=layer.activation_quant, batch_invariant=True))
+                row[f"n{columns}_s{stages}"] = _us(call)
     return row
 
 

@@ -64,8 +64,8 @@ def launch_signature(layer: MoELayer, num_tokens: int) -> tuple:
     top_k = c.top_k + slot
     arch = configs.arch_of(device)
     gate_up = layer.experts.weights()[0]
-    # The plan's tile height and launch as the layer picks them (MXFP4 with fp8 activations: the W4A8 kernels' 128
-    # rows at every size; with the shared expert as a slot, the quantized formats' launch counts it).
+    # The plan's tile height and launch as the layer picks them (MXFP4 with fp8 activations: the W4A8 kernels'
+    # heights; with the shared expert as a slot, the quantized formats' launch counts it).
     invariant = _runtime.batch_invariant(layer.batch_invariant)
     _, tiles = layer.expert_tiles(num_tokens, device, slot)
     # What else the experts op keys its kernels on (its weights' format decides: experts.launch_variant).

@@ -12,8 +12,8 @@ the steps accumulated in fp32 by the MMA). Prints one JSON object a dtype.
 
 With ``--permute`` the swapped 16 rows multiply both operands with K permuted within each group of 32 as an fp8
 register operand would hold a thread's packed word (:func:`word_order`), against the 64-row tile in natural order:
-does an MXFP4 W4A8 decode tile that converts each thread's word into its operand registers keep the 128-row
-kernel's bits?
+does the order within 32 change fp8 wgmma's sums? (W4A8's decode and 128-row kernels both take this order, so
+their bits do not rest on the answer.)
 
     python -m research.swap_bits [--dtypes fp8 bf16 fp16] [--draws 60] [--k 7168] [--permute]
 """

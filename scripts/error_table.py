@@ -1,12 +1,12 @@
 """The routed experts' error against the float64 spec emulation, per format and tile path (GPU).
 
-For every format (plain bf16 / fp16 / fp32 weights; BlockFP8 with bf16 activations, W8A8; MXFP4 with bf16
-activations, W4A16; MXFP4 with ``activation_quant="fp8"``, W4A8), every tile height the plan can take (16, 32, 64,
-128 rows; W4A8 runs on 128), each kernel family (the ``tl`` kernels; on Hopper also the persistent ones of 16-bit
-and fp8 weights, on 128 rows) and four widths (the tests' narrow ones, a Qwen3-like and DeepSeek-V3's), many seeds
-of fresh random inputs (-1 slots, the clamp on every other seed): ``moe_experts`` on the Triton backend against its
-float64 oracle, max and RMS relative error over the rows the plan computes. ``tests/tolerances.py`` takes its
-tolerances from this table (the largest error seen, with headroom).
+For every format (plain bf16 / fp16 / fp32 weights; BlockFP8 with bf16 activations, W8A8; MXFP4 with bf16 activations,
+W4A16; MXFP4 with ``activation_quant="fp8"``, W4A8), every tile height the plan can take (16, 32, 64, 128 rows; W4A8
+runs on 16, 32 and 128), each kernel family (the ``tl`` kernels; on Hopper also the persistent ones of 16-bit and fp8
+weights, on 128 rows) and four widths (the tests' narrow ones, a Qwen3-like and DeepSeek-V3's), many seeds of fresh
+random inputs (-1 slots, the clamp on every other seed): ``moe_experts`` on the Triton backend against its float64
+oracle, max and RMS relative error over the rows the plan computes. ``tests/tolerances.py`` takes its tolerances from
+this table (the largest error seen, with headroom).
 
     python scripts/error_table.py [--seeds 12] [--out results] [--only FORMAT[:SHAPE[:PATH]] ...]
 
@@ -29,6 +29,7 @@ from moefuse import _runtime
 from moefuse.bench.timing import environment
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import moe_experts
+from moefuse.experts.mxfp4 import w4a8, w4a8_decode
 from moefuse.experts.reference import moe_experts_fp8_torch, moe_experts_torch, moe_experts_w4a8_torch
 from moefuse.formats import MXFP4, BlockFP8
 from moefuse.testing import rel_error, rms_rel_error
@@ -58,7 +59,7 @@ def accepts(fmt: str, H: int, I: int, block_m: int) -> bool:
     if fmt == "mxfp4":
         return H % 32 == 0 and I % 32 == 0
     if fmt == "w4a8":
-        return H % 128 == 0 and I % 128 == 0 and block_m == 128
+        return H % 128 == 0 and I % 128 == 0 and block_m in (*w4a8_decode.LAUNCH, w4a8.BLOCK_M)
     return True
 
 

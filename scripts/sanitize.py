@@ -3,7 +3,7 @@
 Shapes are chosen to hit the edges: widths that are not multiples of any tile, -1 slots, empty experts, a
 strided hidden state, 128-row tiles with short tails, the shared expert as a slot, and the layer's own graphs;
 then the quantized experts (SPEC §5, §6): fp8 block-scale, MXFP4 on the Triton kernels (widths not multiples of 128) and
-on the warp-specialized Gluon kernels at every tile height they launch (sm_90; W4A8 on 128-row tiles), and the fp8
+on the warp-specialized Gluon kernels at every tile height they launch (sm_90; W4A8 on 16, 32 and 128 rows), and the fp8
 and MXFP4 layers with their fp8 shared experts; then the persistent prefill GEMMs (sm_90).
 
     compute-sanitizer --tool memcheck python scripts/sanitize.py
@@ -18,6 +18,7 @@ import torch
 from moefuse import MoEConfig, MoELayer
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts, persistent
+from moefuse.experts.mxfp4 import w4a8_decode as mxfp4_w4a8_decode
 from moefuse.experts.mxfp4 import ws as mxfp4_ws
 from moefuse.finalize import moe_finalize_fuse_shared
 from moefuse.formats import MXFP4, BlockFP8, ExpertWeight, tile_dtype
@@ -106,10 +107,13 @@ def quantized() -> None:
             x = torch.randn(m, H + 3, device=dev, dtype=bf16)[:, 1:1 + H]  # strided rows
             ids = _ids(m, E, K)
             for gate_up, down in formats:
-                # The Gluon kernels (whole 128-deep steps, sm_90) at every height they launch; W4A8 on 128 rows.
+                # The Gluon kernels (whole 128-deep steps, sm_90) at every height they launch; W4A8 on its decode
+                # kernels' heights and 128 rows.
                 if isinstance(gate_up, MXFP4) and mxfp4_ws.widths_fit(H, I) and m >= 40:
                     heights = sorted(mxfp4_ws.LAUNCH)
-                    moe_experts(x, gate_up, down, moe_dispatch(ids, E, 128), swiglu_limit=7.0, activation_quant="fp8")
+                    for block_m in (*sorted(mxfp4_w4a8_decode.LAUNCH), 128):
+                        moe_experts(x, gate_up, down, moe_dispatch(ids, E, block_m), swiglu_limit=7.0,
+                                    activation_quant="fp8")
                 else:
                     heights = [configs.pick_block_m(m, E, H, I, K, tile_dtype(gate_up, bf16))]
                 for block_m in heights:

@@ -24,8 +24,9 @@ warp-specialized Gluon kernels on sm_90 (``experts/mxfp4/ws.py``: every preset, 
 left to ``mxfp4-ws``.
 
 ``mxfp4-ws``: those Gluon kernels at each tile height of ``mxfp4/ws.py``'s ``LAUNCH``, and the W4A8 ones of
-``mxfp4/w4a8.py``'s, with and without the clamp (they do not depend on the model otherwise): the same columns,
-the main-loop instructions per weight counted over a consumer's loop (W4A16) or the transform's (W4A8); ``--check``
+``mxfp4/w4a8.py``'s and ``mxfp4/w4a8_decode.py``'s (``W4A8d``), with and without the clamp (they do not depend on
+the model otherwise): the same columns, the main-loop instructions per weight counted over a consumer's loop (W4A16,
+W4A8d) or the transform's (W4A8); ``--check``
 also fails on a spill (their register budget is set to the edge).
 
 ``persistent``: the persistent prefill GEMMs of ``experts/persistent.py`` (Gluon; one launch shape for every model),
@@ -65,6 +66,7 @@ from moefuse.experts import persistent as experts_persistent
 from moefuse.experts.fp8 import kernels as experts_fp8
 from moefuse.experts.mxfp4 import kernels as experts_mxfp4
 from moefuse.experts.mxfp4 import w4a8 as experts_mxfp4_w4a8
+from moefuse.experts.mxfp4 import w4a8_decode as experts_mxfp4_w4a8_decode
 from moefuse.experts.mxfp4 import ws as experts_mxfp4_ws
 from moefuse.route import kernel as route_kernel
 from moefuse.route import linear as route_linear
@@ -358,6 +360,25 @@ def compile_mxfp4_w4a8_gemm(gemm: int, block_m: int, has_limit: bool):
     return compile_gluon(fn, types, constexprs, shape.maxnreg)
 
 
+def compile_mxfp4_w4a8_decode_gemm(gemm: int, block_m: int, has_limit: bool):
+    """The W4A8 decode GEMM1 or GEMM2 (``experts/mxfp4/w4a8_decode.py``, Gluon) as ``experts_mxfp4_w4a8_decode``
+    launches it on sm_90: ``ws.py``'s programs on packed bytes and e4m3 rows, registers and slots from ``LAUNCH``."""
+    from triton.experimental.gluon import language as gl
+
+    d = experts_mxfp4_w4a8_decode
+    fn = d._gemm1_kernel if gemm == 1 else d._gemm2_kernel
+    shape = d.LAUNCH[block_m]
+    constexprs = {"BLOCK_M": block_m, "STAGES": shape.stages, "PRODUCER_REGS": experts_mxfp4_ws.PRODUCER_REGS,
+                  "CONSUMER_REGS": shape.consumer_regs, **({"HAS_LIMIT": has_limit} if gemm == 1 else {})}
+    w_box, a_box = [d.ROWS, d.BLOCK_K // 2], [block_m, d.BLOCK_K]
+    w_layout = gl.NVMMASharedLayout.get_default_for(w_box, gl.int8)
+    a_layout = gl.NVMMASharedLayout.get_default_for(a_box, gl.float8e4nv)
+    types = {"w_desc": f"tensordesc<i8[{w_box[0]}, {w_box[1]}],{w_layout!r}>",
+             "a_desc": f"tensordesc<fp8e4nv[{a_box[0]}, {a_box[1]}],{a_layout!r}>",
+             "s_ptr": "*i32", "as_ptr": "*fp32", "inter_ptr": "*bf16", "out_ptr": "*bf16", "limit": "fp32"}
+    return compile_gluon(fn, types, constexprs, shape.maxnreg)
+
+
 def compile_persistent_gemm(gemm: int, has_limit: bool, dtype: str = "bf16", dynamic: bool = False):
     """The persistent warp-specialized GEMM1 or GEMM2 (``experts/persistent.py``, Gluon) as ``experts_persistent``
     (``dtype`` bf16 or fp16) or ``experts_persistent_fp8`` (``dtype`` fp8: e4m3 operands, bf16 output) launches it
@@ -487,7 +508,7 @@ def experts(args: argparse.Namespace) -> list[str]:
 def mxfp4_ws(args: argparse.Namespace) -> list[str]:
     """The warp-specialized MXFP4 GEMMs at every tile height of their ``LAUNCH`` tables (the same for every model:
     widths are run-time arguments), with and without the SwiGLU clamp: W4A16 (``mxfp4/ws.py``) and W4A8
-    (``mxfp4/w4a8.py``)."""
+    (``mxfp4/w4a8.py``, ``mxfp4/w4a8_decode.py``)."""
     problems = []
     print(f"{'MMA':5s} {'GEMM':4s} {'BLOCK_M':>7s} {'clamp':>5s} {'maxnreg':>7s} {'stages':>6s} {'smem':>6s} "
           f"{'regs':>4s} {'stack':>5s} {'HGMMA':>5s} {'loop/weight':>11s}")
@@ -497,6 +518,8 @@ def mxfp4_ws(args: argparse.Namespace) -> list[str]:
                   partial(compile_mxfp4_ws_gemm, narrow=True)) for block_m in experts_mxfp4_ws.NARROW_HEIGHTS]
     launches += [("W4A8", block_m, shape.maxnreg, shape.stages, compile_mxfp4_w4a8_gemm)
                  for block_m, shape in experts_mxfp4_w4a8.LAUNCH.items()]
+    launches += [("W4A8d", block_m, shape.maxnreg, shape.stages, compile_mxfp4_w4a8_decode_gemm)
+                 for block_m, shape in experts_mxfp4_w4a8_decode.LAUNCH.items()]
     for mma, block_m, maxnreg, stages, build in launches:
         for gemm, has_limit in ((1, False), (1, True), (2, False)):
             where = f"warp-specialized MXFP4 {mma} GEMM{gemm}, BLOCK_M {block_m}, clamp {has_limit}"
@@ -504,10 +527,10 @@ def mxfp4_ws(args: argparse.Namespace) -> list[str]:
             if result is None:
                 continue
             text, s, smem = result
-            # W4A16: a consumer thread's K step, 64 rows x 128 columns of weights over its warp group's 128
-            # threads. W4A8: the transform's (the shortest loop that stores to shared memory), 128 rows x 128
-            # over 128 threads, TRANSFORM_STEPS steps an iteration.
-            per_weight = (main_loop_instructions(text, shortest_with="GMMA") / 64 if mma.startswith("W4A16")
+            # W4A16 and W4A8's decode kernels: a consumer thread's K step, 64 rows x 128 columns of weights over
+            # its warp group's 128 threads. W4A8: the transform's (the shortest loop that stores to shared memory),
+            # 128 rows x 128 over 128 threads, TRANSFORM_STEPS steps an iteration.
+            per_weight = (main_loop_instructions(text, shortest_with="GMMA") / 64 if mma != "W4A8"
                           else main_loop_instructions(text, shortest_with="STS")
                           / (128 * experts_mxfp4_w4a8.TRANSFORM_STEPS))
             print(f"{mma:5s} {gemm:4d} {block_m:7d} {str(has_limit):>5s} {maxnreg:7d} {stages:6d} {smem:6d} "

@@ -141,6 +141,41 @@ def test_invariant_rows_have_the_bits_of_a_64_row_tile(dtype, hidden, width, gen
         assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_invariant_tiles_of_any_width_give_the_same_bits(dtype, gen, device):
+    """A batch-invariant (swapped) tile's columns are its MMA's M, so its width orders no sum: GEMM1 on 64 or 128
+    columns and 2 or 3 stages (``configs.one_wave`` narrows the slot layer's one-token tiles) gives every row the
+    same bits, with -1 slots and the clamp."""
+    x, w1, w2, ids = (t.to(device) for t in make_inputs(gen, 9, 2, dtype, hidden=256, width=256, invalid=0.2))
+    plan = moe_dispatch(ids, w1.shape[0], 16, backend="triton")
+    outs = []
+    for columns, stages in ((128, 3), (64, 2), (64, 3)):
+        tiles = TileConfig(16, GemmTiles(columns, 128, 1, 8, stages), GemmTiles(128, 128, 1, 4, 4))
+        with configs.override(tiles):
+            outs.append(moe_experts(x, w1, w2, plan, swiglu_limit=1.5, backend="triton", batch_invariant=True))
+    n = int(plan.expert_offsets[-1])
+    assert outs[0][:n].abs().sum() > 0
+    for out in outs[1:]:
+        assert torch.equal(out[:n], outs[0][:n])
+
+
+def test_one_wave_narrows_a_short_second_wave():
+    """``configs.one_wave``: 128-column programs that overflow one wave (one an SM by shared memory) become 64-column
+    programs on the deepest pipeline at which all are resident at once; where no such pipeline exists, or the grid
+    is one wave already, the tiles stay."""
+    from moefuse._runtime import HOPPER
+
+    slot = configs.heuristic(1, 257, 7168, 2048, 9, torch.bfloat16, gpu=HOPPER).gemm1  # 9 tiles: 144 programs
+    assert (slot.block_n, slot.num_stages) == (64, 2)
+    programs = 9 * 2048 // slot.block_n
+    assert programs <= HOPPER.sms * configs.programs_per_sm(configs.smem_bytes(16, slot, 2, 2), HOPPER)
+    wide = GemmTiles(128, 128, 1, 8, 3)
+    assert configs.programs_per_sm(configs.smem_bytes(16, wide, 2, 2), HOPPER) == 1
+    assert configs.one_wave(16, wide, 18, 2048, 2, 2, HOPPER) == wide  # 576 narrow programs fit no pipeline at once
+    assert configs.one_wave(16, wide, 8, 2048, 2, 2, HOPPER) == wide  # 128 programs: one wave already
+    assert configs.one_wave(16, GemmTiles(64, 128, 1, 8, 3), 9, 4096, 2, 2, HOPPER).block_n == 64
+
+
 def test_swapped_tiles_are_64_columns_wide_and_fit():
     """A batch-invariant tile under 64 rows swaps its product: at least 64 columns (wgmma's M; narrower ones run
     mma.sync), as many of the tile choice's stages as then fit; 64-row tiles and fp32 keep their tiles."""

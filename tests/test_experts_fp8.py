@@ -487,28 +487,39 @@ def test_passes_around_cublas_match_the_quantizer(M, limit, gen, device):
 
 
 @pytest.mark.parametrize("per_program", [1, 2, 4, 5])
-@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "rows"])
-def test_quantize_rows_pass(gather, per_program, gen, device, monkeypatch):
+@pytest.mark.parametrize("gather, word_order", [(True, False), (False, False), (True, True)],
+                         ids=["gathered", "rows", "gathered-in-word-order"])
+def test_quantize_rows_pass(gather, word_order, per_program, gen, device, monkeypatch):
     """The activation quantization pass (``quantize_rows_into``: fp8 GEMM1's rows, W4A8's, the
     fp8 shared expert's on cuBLAS): the plan's valid rows, gathered from the tokens or (GEMM2's intermediate) as
     they are, quantized per SPEC §5 bit for bit as ``quantize_rows``, the other rows left unwritten; its groups of
     128 columns in runs of ``per_program`` a program (forced here; ``groups_per_program`` picks it by the row
     count), on H = 520 (five groups, the last of 8 columns, so that runs of 2 and 4 leave a short last run); -1
-    slots, a NaN in a routed row."""
+    slots, a NaN in a routed row. ``word_order``: W4A8's column order (``gluon_common.word_position``: column
+    8t + 4h + j of each 32 at 4t + 16h + j), on H = 544 (W a multiple of 32, five groups of 128, the last of 32):
+    the same values moved, the same scales."""
     from moefuse.experts.fp8 import quantize
 
     monkeypatch.setattr(quantize, "groups_per_program", lambda row_blocks, groups: per_program)
-    x, _, _, ids = _inputs(gen, 19, 2, 4, 520, 128, invalid=0.2, device=device)
+    H = 544 if word_order else 520
+    x, _, _, ids = _inputs(gen, 19, 2, 4, H, 128, invalid=0.2, device=device)
     plan = moe_dispatch(ids, 4, 16, backend="triton")
     n = int(plan.expert_offsets[-1])
-    source = x if gather else torch.randn(plan.num_rows, 520, generator=gen).bfloat16().to(device)
+    source = x if gather else torch.randn(plan.num_rows, H, generator=gen).bfloat16().to(device)
     source[int(plan.permuted_to_expanded[0]) // 2 if gather else 0, 300] = float("nan")  # in the third group
-    q = torch.full((plan.num_rows, 520), 7.0, device=device).to(torch.float8_e4m3fn)
+    q = torch.full((plan.num_rows, H), 7.0, device=device).to(torch.float8_e4m3fn)
     scales = torch.full((plan.num_rows, 5), 7.0, device=device)
-    quantize.quantize_rows_into(source, q, scales, plan, gather=gather)
+    quantize.quantize_rows_into(source, q, scales, plan, gather=gather, word_order=word_order)
     rows = source[plan.permuted_to_expanded[:n].long() // 2] if gather else source[:n]
     want_q, want_s = quantize_rows(rows.cpu())
-    finite = want_s.isfinite().repeat_interleave(128, dim=1)[:, :520]  # a NaN group's values are unspecified
+    finite = want_s.isfinite().repeat_interleave(128, dim=1)[:, :H]  # a NaN group's values are unspecified
+    if word_order:  # column k at 4t + 16h + j of its 32 (k = 32g + 8t + 4h + j), written out by hand
+        k = torch.arange(H)
+        position = (k // 32) * 32 + 4 * ((k % 32) // 8) + 16 * ((k % 8) // 4) + k % 4
+        assert sorted(position.tolist()) == list(range(H)) and not torch.equal(position, k)
+        moved_q, moved_finite = torch.empty_like(want_q), torch.empty_like(finite)
+        moved_q[:, position], moved_finite[:, position] = want_q, finite
+        want_q, finite = moved_q, moved_finite
     assert bool(want_s.isnan().any())
     assert torch.equal(torch.where(finite, q[:n].cpu().view(torch.uint8), 0),
                        torch.where(finite, want_q.view(torch.uint8), 0))

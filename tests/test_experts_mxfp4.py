@@ -13,6 +13,7 @@ from tolerances import experts_tolerance
 
 import moefuse.experts.mxfp4.kernels as mxfp4_kernels
 import moefuse.experts.mxfp4.w4a8 as mxfp4_w4a8
+import moefuse.experts.mxfp4.w4a8_decode as mxfp4_w4a8_decode
 import moefuse.experts.mxfp4.ws as mxfp4_ws
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import GemmTiles, TileConfig, configs, moe_experts, moe_experts_torch
@@ -520,16 +521,19 @@ def test_w4a8_weight_flushes_only_far_groups(gen):
                     reason="the Gluon kernels run on sm_90 only (CI compiles them: test_sm90.py)")
 @pytest.mark.parametrize("limit", [None, 1.5], ids=["no-clamp", "clamp"])
 @pytest.mark.parametrize("far", [False, True], ids=["exact", "flushed-groups"])
-@pytest.mark.parametrize("M", [1, 37, 549, 4000], ids=["one-token", "decode", "an-item-a-program", "items-a-program"])
+@pytest.mark.parametrize("block_m, M", [(16, 1), (32, 37), (128, 1), (128, 549), (128, 4000)],
+                         ids=["decode-one-token", "decode-32-rows", "one-token", "an-item-a-program",
+                              "items-a-program"])
 @pytest.mark.parametrize("shape", [WS_SHAPE, (6, 384, 128)], ids=["even-steps", "odd-steps"])
-def test_w4a8_matches_float64(shape, M, far, limit, gen, device):
+def test_w4a8_matches_float64(shape, block_m, M, far, limit, gen, device):
     """With ``activation_quant="fp8"``, at every token count, the Gluon kernels multiply e4m3 activations and
     weights: against the float64 W4A8 reference (-1 slots, an empty expert, a NaN token); ``far``: a quarter of the
-    groups 12 or more under their row's largest exponent, which W4A8 flushes (the reference does the same). At
-    4,000 tokens the plan has more work items than an H200 has SMs (GEMM1 400, GEMM2 200), so the persistent
-    programs run several each and their ring and row-scale buffers carry on from item to item. ``odd-steps``: 3 and
-    1 steps of 128 (the transform unpacks two steps between fences, ``TRANSFORM_STEPS``, and an odd last one
-    alone)."""
+    groups 12 or more under their row's largest exponent, which W4A8 flushes (the reference does the same). The
+    decode kernels (16 and 32 rows, ``mxfp4/w4a8_decode.py``: activations and intermediate in word order) and the
+    128-row ones; at 4,000 tokens the plan has more work items than an H200 has SMs (GEMM1 400, GEMM2 200), so the
+    persistent programs run several each and their ring and row-scale buffers carry on from item to item.
+    ``odd-steps``: 3 and 1 steps of 128 (the transform unpacks two steps between fences, ``TRANSFORM_STEPS``, and
+    an odd last one alone)."""
     E, H, I = shape
     x, w1, w2, ids = _inputs(gen, M, 3, E, H, I, empty=4, device=device)
     if far:
@@ -543,8 +547,9 @@ def test_w4a8_matches_float64(shape, M, far, limit, gen, device):
         assert not torch.equal(w4a8_weight(w1).values, w1.values)
     if M > 1:  # a NaN token beside finite ones (alone, every row would be NaN)
         x[0, 70] = float("nan")
-    plan = moe_dispatch(ids, E, 128, backend="triton")
+    plan = moe_dispatch(ids, E, block_m, backend="triton")
     assert mxfp4_ws.ws_eligible(x, w1, w2, plan) and mxfp4_w4a8.fits(128, H, I)
+    assert block_m == 128 or mxfp4_w4a8_decode.fits(block_m, H, I)
     out = _run(x, w1, w2, plan, limit, "fp8")
     ref = moe_experts_w4a8_torch(x, w1, w2, plan, swiglu_limit=limit, dtype=torch.float64,
                                  out=torch.zeros(plan.num_rows, H, dtype=torch.float64, device=device))
@@ -554,11 +559,33 @@ def test_w4a8_matches_float64(shape, M, far, limit, gen, device):
     # table's, widened for few rows: at one token (3 rows of I = 128) the RMS is about the max, and a GPU run met
     # 1.55e-2 (seed 500794227, odd steps, flushed groups), which the 1e-2 once written here refused.
     finite = ref[:n_valid].isfinite().all(dim=1)  # the NaN token's rows (placement checked above)
-    tol, rms_tol = experts_tolerance("w4a8", 128, int(finite.sum()))
+    tol, rms_tol = experts_tolerance("w4a8", block_m, int(finite.sum()))
     assert_rel_close(out[:n_valid], ref[:n_valid], tol, "w4a8 gemm2_out")
     rms = rms_rel_error(out[:n_valid][finite], ref[:n_valid][finite])
     assert rms <= rms_tol, f"w4a8 gemm2_out: RMS relative error {rms:.3e} > {rms_tol}"
     assert out[n_valid:].isnan().all(), "rows with no token must be left unwritten"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon kernels run on sm_90 only (CI compiles them: test_sm90.py)")
+@pytest.mark.parametrize("block_m", sorted(mxfp4_w4a8_decode.LAUNCH))
+@pytest.mark.parametrize("shape", [WS_SHAPE, (6, 384, 128)], ids=["even-steps", "odd-steps"])
+def test_w4a8_decode_kernels_give_the_128_row_bits(shape, block_m, gen, device):
+    """W4A8's decode kernels (``mxfp4/w4a8_decode.py``: the weights as the wgmma's first operand, from registers)
+    and its 128-row kernels (the tokens first, both from shared memory) hand the wgmma each row's products in one K
+    order (word order): every valid slot of an 11-token batch bitwise equal (-1 slots, an empty expert, the clamp).
+    What W4A8's batch invariance rests on: fp8 wgmma gives a row the same sums swapped (``research/swap_bits.py``
+    measured it for 16 rows against 64)."""
+    E, H, I = shape
+    x, w1, w2, ids = _inputs(gen, 11, 3, E, H, I, empty=2, device=device)
+    slots = []
+    for height in (block_m, 128):
+        plan = moe_dispatch(ids, E, height, backend="triton")
+        out = _run(x, w1, w2, plan, 1.5, "fp8")
+        valid = plan.expanded_to_permuted.long() >= 0
+        slots.append(out[plan.expanded_to_permuted.long()[valid]])
+    assert slots[0].numel() > 0 and bool(slots[0].isfinite().all())
+    assert torch.equal(slots[0].view(torch.int16), slots[1].view(torch.int16))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -638,7 +665,11 @@ def test_activation_quant_choices(gen, device):
     E, H, I = 4, 256, 128
     x, w1, w2, ids = _inputs(gen, 5, 2, E, H, I, device=device)
     assert resolve_activation_quant(w1, "default") is None and resolve_activation_quant(w1, "fp8") == "fp8"
-    assert plan_block_m(5, w1, 2, x.dtype, "fp8", arch=None) == mxfp4_w4a8.BLOCK_M
+    # W4A8 plans: W4A16's height where a decode kernel takes it (here 16 rows), else 128 rows; batch-invariant
+    # ones alike (both kernels sum in one K order)
+    assert plan_block_m(5, w1, 2, x.dtype, "fp8", arch=None) == plan_block_m(5, w1, 2, x.dtype, arch=None) == 16
+    assert plan_block_m(5, w1, 2, x.dtype, "fp8", arch=None, batch_invariant=True) == 16
+    assert plan_block_m(4096, w1, 2, x.dtype, "fp8", arch=None) == mxfp4_w4a8.BLOCK_M
     plan = moe_dispatch(ids, E, 128, backend="triton")
     got = moe_experts(x, w1, w2, plan, activation_quant="fp8", backend="reference")
     want = moe_experts_w4a8_torch(x, w1, w2, plan)
@@ -648,8 +679,8 @@ def test_activation_quant_choices(gen, device):
     assert not torch.equal(got[:n], w4a16[:n])  # the precisions differ, so the argument is not ignored
     with pytest.raises(ValueError, match="activation_quant"):
         moe_experts(x, w1, w2, plan, activation_quant="int8")
-    small = moe_dispatch(ids, E, 16, backend="triton")
-    if device.type == "cuda":  # the Gluon kernels' tile height is 128 rows
+    small = moe_dispatch(ids, E, 64, backend="triton")  # no W4A8 kernel has 64-row tiles
+    if device.type == "cuda":  # the Gluon kernels take 16, 32 or 128 rows
         with pytest.raises(ValueError, match="activation_quant.*block_m"):
             moe_experts(x, w1, w2, small, activation_quant="fp8", backend="triton")
     else:  # the interpreter runs no Gluon

@@ -70,6 +70,8 @@ from moefuse.config import SCORING_FUNCS
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import experts_workspace, moe_experts, pick_block_m
 from moefuse.experts.fp8 import kernels as fp8_kernels
+from moefuse.experts.mxfp4 import w4a8 as mxfp4_w4a8
+from moefuse.experts.mxfp4 import w4a8_decode as mxfp4_w4a8_decode
 from moefuse.experts.mxfp4 import ws as mxfp4_ws
 from moefuse.experts.reference import moe_experts_fp8_torch, moe_experts_torch, moe_experts_w4a8_torch
 from moefuse.formats import MXFP4, BlockFP8, tile_dtype, ue8m0_to_float
@@ -106,6 +108,7 @@ else:
     LAYER_EXAMPLES = {None: 9, "fp8": 4, "mxfp4": 6}
     EXPERTS = (1, 2, 3, 5, 7, 8) * 2 + (77, 257, 300)  # many experts one time in five, with tiny H and I
 TILES = (16, 32, 64, 128)
+W4A8_TILES = (*sorted(mxfp4_w4a8_decode.LAUNCH), mxfp4_w4a8.BLOCK_M)  # its decode kernels' and the 128-row ones'
 
 
 def _fuzz(check: Callable[[dict], None], cases: st.SearchStrategy[dict], examples: int) -> None:
@@ -163,7 +166,7 @@ def experts_cases(draw: st.DrawFn, fmt: str) -> dict:
         fmt, (("default", None), ("fp8",)))
     aq = draw(st.sampled_from(takes * 3 + refused))
     # On Hopper, MXFP4 runs on Gluon kernels where H and I are multiples of 128 (W4A16 at every tile height, W4A8 on
-    # 128-row tiles only): on a GPU, half the MXFP4 examples have such widths, most W4A8 ones (else the refusal)
+    # W4A8_TILES): on a GPU, half the MXFP4 examples have such widths, most W4A8 ones (else the refusal)
     whole = GPU and fmt == "mxfp4" and draw(st.sampled_from((True, True, True, False)) if aq == "fp8" else
                                            st.booleans())
     w4a8 = whole and aq == "fp8"
@@ -179,7 +182,8 @@ def experts_cases(draw: st.DrawFn, fmt: str) -> dict:
     else:
         H = draw(_width(step, min(most, WEIGHTS // (E * step))))
     I = draw(_width(step, min(most, WEIGHTS // (E * H))))
-    block_m = 128 if w4a8 or persistent else draw(st.sampled_from(FP8_TILES if fmt == "fp8" else TILES))
+    block_m = (128 if persistent else draw(st.sampled_from(W4A8_TILES if w4a8 else FP8_TILES if fmt == "fp8"
+                                                           else TILES)))
     M = draw(_tokens(TOKENS_MANY if many else TOKENS))
     rows = ROWS_FP8 if fmt == "fp8" else ROWS
     K = draw(st.integers(1, max(1, min(E, 8, rows // max(M, 1)))))
@@ -261,11 +265,11 @@ def _ids(gen: torch.Generator, c: dict) -> torch.Tensor:
 def _refused(c: dict, x: torch.Tensor, w1: object, w2: object, plan: object) -> bool:
     """Whether ``activation_quant`` asks for numerics the op has no kernels for here: fp8 activations on plain
     weights, none on BlockFP8 (W8A8 only), W4A8 off Hopper's Gluon kernels (``ws_eligible``: sm_90, compiled, H and
-    I multiples of 128) or on tiles of other than 128 rows."""
+    I multiples of 128) or on tiles of a height it has no kernels of (``W4A8_TILES``)."""
     aq = c["activation_quant"]
     if aq == "fp8":
         if c["fmt"] == "mxfp4":
-            return not (mxfp4_ws.ws_eligible(x, w1, w2, plan) and c["block_m"] == 128)
+            return not (mxfp4_ws.ws_eligible(x, w1, w2, plan) and c["block_m"] in W4A8_TILES)
         return c["fmt"] != "fp8"
     return aq is None and c["fmt"] == "fp8"
 

@@ -36,7 +36,8 @@ def test_router_configs_fit_sm90():
 
 
 def test_mxfp4_warp_specialized_kernels_fit_sm90():
-    """The Gluon kernels (``experts/mxfp4/ws.py`` and ``w4a8.py``): compiled at every tile height, none spills."""
+    """The Gluon kernels (``experts/mxfp4/ws.py``, ``w4a8.py`` and ``w4a8_decode.py``): compiled at every tile
+    height, none spills."""
     run_check("mxfp4-ws")
 
 

@@ -87,16 +87,26 @@ def _tiles(signature: tuple):
     return tiles
 
 
-def test_w4a8_layers_plan_128_row_tiles_at_every_size():
-    """MXFP4 experts with fp8 activations run the W4A8 kernels at every batch size, on the plan's 128-row tiles
-    (``plan_block_m``): the signature says so for every count; by default (W4A16) no count is W4A8."""
+def test_w4a8_layers_plan_w4a16_heights_or_128_rows():
+    """MXFP4 experts with fp8 activations run the W4A8 kernels at every batch size: on W4A16's plan height where it
+    is a decode kernel's (16 or 32 rows, ``mxfp4/w4a8_decode.py``), else on 128-row tiles; batch-invariant layers
+    alike (both kernels sum in one K order). The signature says so for every count; by default (W4A16) no count is
+    W4A8."""
+    from moefuse.experts.mxfp4 import w4a8_decode
+
     config = preset("deepseek-v4-flash").scaled()
     w4a8 = MoELayer(config, quant="mxfp4", activation_quant="fp8", device="meta")
+    invariant = MoELayer(config, quant="mxfp4", activation_quant="fp8", batch_invariant=True, device="meta")
     w4a16 = MoELayer(config, quant="mxfp4", device="meta")
+    heights = set()
     for tokens in (1, 7, 64, 512, 4096):
-        assert _tiles(launch_signature(w4a8, tokens)).block_m == 128
+        w4a16_height = _tiles(launch_signature(w4a16, tokens)).block_m
+        height = _tiles(launch_signature(w4a8, tokens)).block_m
+        assert height == (w4a16_height if w4a16_height in w4a8_decode.LAUNCH else 128)
+        heights.add(height)
+        assert _tiles(launch_signature(invariant, tokens)).block_m == height
         assert launch_signature(w4a8, tokens) != launch_signature(w4a16, tokens)
-    assert len(token_counts(w4a8, 4096)) <= len(token_counts(w4a16, 4096))  # one tile height: fewer variants
+    assert heights & set(w4a8_decode.LAUNCH) and 128 in heights
 
 
 def test_signature_follows_the_shared_expert_format():

@@ -328,6 +328,36 @@ def spread_columns(block_n: int, num_tiles: int, n: int, least: int, gpu: GPU) -
     return block_n
 
 
+def programs_per_sm(program_smem: int, gpu: GPU) -> int:
+    """How many programs of ``program_smem`` bytes of shared memory fit one of ``gpu``'s SMs (a block's opt-in limit
+    and the 1 KB the driver reserves per block make up the SM's shared memory)."""
+    reserved = 1024
+    return (gpu.smem + reserved) // (program_smem + reserved)
+
+
+def one_wave(block_m: int, tiles: GemmTiles, num_tiles: int, n: int, operands: int, element_size: int,
+             gpu: GPU) -> GemmTiles:
+    """``tiles``, or where their programs exceed one wave on ``gpu``'s SMs, half as wide on the deepest pipeline
+    (at least 2 stages) at which every program of the narrower grid is resident at once, if there is one.
+
+    A short second wave runs on a few SMs while the rest idle. DeepSeek-V3's batch-invariant token with its shared
+    slot (9 tiles of 16 rows, I = 2,048): GEMM1 on 128 columns is 144 programs of 209 KB, one an SM, 132 then 12;
+    on 64 columns and 2 stages 288 programs of 74 KB, three an SM, one wave: the routed experts 282.6 -> 267.2 µs
+    (64 columns on 3 stages, two an SM and a second wave of 24: 283.9; H100, 2026-12-06,
+    research/invariant_one_token.py). The column width orders no sum: the same bits."""
+    programs = num_tiles * -(-n // tiles.block_n)
+    resident = programs_per_sm(smem_bytes(block_m, tiles, operands, element_size), gpu)
+    if tiles.block_n < 128 or programs <= gpu.sms * resident:
+        return tiles
+    narrow = replace(tiles, block_n=tiles.block_n // 2)
+    programs = num_tiles * -(-n // narrow.block_n)
+    for stages in range(tiles.num_stages, 1, -1):
+        narrow = replace(narrow, num_stages=stages)
+        if programs <= gpu.sms * programs_per_sm(smem_bytes(block_m, narrow, operands, element_size), gpu):
+            return narrow
+    return tiles
+
+
 def _fit(
     block_m: int, n: int, k: int, operands: int, element_size: int, num_tiles: int, *,
     block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int, spread: bool, gpu: GPU = HOPPER,
@@ -445,8 +475,8 @@ def heuristic(
         gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=128, block_k=block_k, group_m=0 if tall else 1,
                      num_warps=4, num_stages=4 if tall else FP8_PAIR_STAGES, spread=not tall, gpu=gpu)
     elif block_m <= 32:
-        gemm1 = _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=128, group_m=1, num_warps=8,
-                     num_stages=3, spread=True, gpu=gpu)
+        gemm1 = one_wave(block_m, _fit(block_m, I, H, 2, size, num_tiles, block_n=128, block_k=128, group_m=1,
+                                       num_warps=8, num_stages=3, spread=True, gpu=gpu), num_tiles, I, 2, size, gpu)
         gemm2 = _fit(block_m, H, I, 1, size, num_tiles, block_n=128, block_k=128, group_m=1, num_warps=4,
                      num_stages=4, spread=True, gpu=gpu)
     else:

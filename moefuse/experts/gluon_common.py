@@ -7,6 +7,8 @@ of an fp32 tile (sm_90 only; the ``tl`` kernels' counterparts are in ``common.py
 - :func:`row_inverse`, :func:`e4m3`, :func:`scale_of`: SPEC §5's quantization of 128 fp32 values of a row, as
   ``fp8/quantize.py``'s ``_quantize`` does it (same bits): the epilogue of the kernels that write GEMM1's
   intermediate quantized (``mxfp4/w4a8.py``, ``persistent.py``).
+- :func:`word_position`: the W4A8 kernels' column order within each group of 32 (``mxfp4/w4a8.py``,
+  ``w4a8_decode.py``).
 
 A piece one kernel family alone uses stays in its own file. Nothing is defined without Gluon (Triton < 3.5): the
 importers then fall back to the ``tl`` kernels.
@@ -57,6 +59,12 @@ if gluon is not None:
         amax = gl.maximum(gl.reduce(gl.abs(left), AXIS, max_keeping_nan),
                           gl.reduce(gl.abs(right), AXIS, max_keeping_nan), propagate_nan=tl.PropagateNan.ALL)
         return gl.expand_dims(gl.where(amax > 0, gl.div_rn(full_448(amax), amax), 0.0), AXIS), amax
+
+    @gluon.jit
+    def word_position(n):
+        """Where the W4A8 kernels want column ``n`` of an e4m3 operand (``fp8.quantize``'s pass
+        writes rows in it with ``word_order``): within each group of 32, column 8t + 4h + j at 4t + 16h + j."""
+        return (n & ~31) | (n & 3) | (((n >> 3) & 3) << 2) | (((n >> 2) & 1) << 4)
 
     @gluon.jit
     def full_448(amax):

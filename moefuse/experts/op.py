@@ -22,6 +22,7 @@ from .fp8 import kernels as fp8_kernels
 from .fp8 import mlp as fp8_mlp
 from .mxfp4 import experts_mxfp4
 from .mxfp4 import w4a8 as mxfp4_w4a8
+from .mxfp4 import w4a8_decode as mxfp4_w4a8_decode
 from .mxfp4 import ws as mxfp4_ws
 from .reference import moe_experts_fp8_torch, moe_experts_torch, moe_experts_w4a8_torch
 
@@ -129,7 +130,8 @@ def invariant_rows(gate_up_proj: ExpertWeight, hidden_dtype: torch.dtype) -> int
     """The least plan height of batch-invariant experts: 32 for fp32, whose tiles are at most 32 rows (FMA products:
     one tile shape at every size); none for 16-bit and fp8 block-scale weights, whose tiles under 64 rows then run
     swapped wgmma (``bf16.swapped``, ``experts_fp8(wgmma=True)``: a row has the bits of a 64-row tile), nor for
-    MXFP4 W4A16, whose rows have the same bits on every height (its W4A8 plans are 128 rows at every size)."""
+    MXFP4, whose rows have the same bits on every height and kernel (W4A8's decode and 128-row kernels sum in one
+    K order)."""
     return 32 if tile_dtype(gate_up_proj, hidden_dtype) == torch.float32 else 0
 
 
@@ -257,9 +259,10 @@ def check_experts_shapes(gate_up_proj: ExpertWeight, activation_quant: Optional[
 def _check_w4a8(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: DispatchPlan) -> None:
     """The W4A8 kernels are Gluon kernels for Hopper: refuse, naming the argument, what they cannot run."""
     check_experts_shapes(gate_up, "fp8")
-    if plan.block_m != mxfp4_w4a8.BLOCK_M:
-        raise ValueError(f"activation_quant='fp8' with MXFP4 weights (W4A8) needs plan.block_m == "
-                         f"{mxfp4_w4a8.BLOCK_M} (plan_block_m gives it), got block_m = {plan.block_m}")
+    heights = sorted({*mxfp4_w4a8_decode.LAUNCH, mxfp4_w4a8.BLOCK_M})
+    if plan.block_m not in heights:
+        raise ValueError(f"activation_quant='fp8' with MXFP4 weights (W4A8) needs plan.block_m in {heights} "
+                         f"(plan_block_m gives one), got block_m = {plan.block_m}")
     if not mxfp4_ws.ws_eligible(hidden, gate_up, down, plan):
         raise ValueError("activation_quant='fp8' with MXFP4 weights (W4A8) runs on Hopper (sm_90) only, compiled "
                          "(not under the interpreter), on weights whose tensors are contiguous; use "
@@ -277,21 +280,22 @@ def plan_block_m(
     batch_invariant: Optional[bool] = None,
     persistent: Optional[str] = None,
 ) -> int:
-    """The dispatch plan's ``block_m`` for ``moe_experts`` on these weights: the tile table's (``pick_block_m``),
-    the W4A8 kernels' 128 rows for MXFP4 with ``activation_quant="fp8"``, or for fp8 block-scale on Hopper the
-    persistent kernels' 128 rows where the GPU's table chose them (without a table: from
-    ``persistent.FP8_MIN_TOKENS`` tokens) unless ``persistent`` turns them off. With ``batch_invariant`` (None: the
-    process default) plans are at least :func:`invariant_rows` rows (32 for fp32 weights)."""
+    """The dispatch plan's ``block_m`` for ``moe_experts`` on these weights: the tile table's (``pick_block_m``);
+    for MXFP4 with ``activation_quant="fp8"`` (W4A8) the table's where the decode kernels take it (16 and 32 rows,
+    ``mxfp4/w4a8_decode.py``), else the 128-row kernels' (the same sums in the same order); for fp8
+    block-scale on Hopper the persistent kernels' 128 rows where the GPU's table chose them (without a table: from
+    ``persistent.FP8_MIN_TOKENS`` tokens) unless ``persistent`` turns them off. With ``batch_invariant`` (None:
+    the process default) plans are at least :func:`invariant_rows` rows (32 for fp32 weights)."""
     quant = resolve_activation_quant(gate_up_proj, activation_quant)
-    if isinstance(gate_up_proj, MXFP4) and quant == "fp8":
-        return mxfp4_w4a8.BLOCK_M
     persistent = _runtime.persistent_arg(persistent)
     E, two_width, H = gate_up_proj.shape
     I = two_width // 2
     target = configs.resolve_arch(arch)
     dtype = tile_dtype(gate_up_proj, hidden_dtype)
-    floor = invariant_rows(gate_up_proj, hidden_dtype) if _runtime.batch_invariant(batch_invariant) else 0
     height = pick_block_m(num_tokens, E, H, I, top_k, dtype, target)  # cached: the table's, else the heuristic's
+    if isinstance(gate_up_proj, MXFP4) and quant == "fp8":  # W4A16's height, where W4A8 has kernels of it
+        return height if height in mxfp4_w4a8_decode.LAUNCH else mxfp4_w4a8.BLOCK_M
+    floor = invariant_rows(gate_up_proj, hidden_dtype) if _runtime.batch_invariant(batch_invariant) else 0
     if isinstance(gate_up_proj, BlockFP8):  # 128 rows are the persistent kernels' (the tl kernels' spill)
         tuned = configs.tuned(E, H, I, top_k, dtype, target)
         tall = height == _persistent.BLOCK_M if tuned else num_tokens >= _persistent.FP8_MIN_TOKENS
@@ -498,10 +502,14 @@ def _mxfp4_w4a8(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: Dispatc
                 gemm1_tiles: GemmTiles, gemm2_tiles: GemmTiles, swiglu_limit: Optional[float], *,
                 use_pdl: bool = False, workspace: Optional[torch.Tensor] = None, persistent: bool = True,
                 batch_invariant: bool = False) -> None:
-    """W4A8 (checked by ``_check_w4a8``): its kernels have their own tiles, no PDL and no counters (``workspace`` is
+    """W4A8 (checked by ``_check_w4a8``): the decode kernels on their tile heights, the 128-row kernels on theirs
+    (the same arithmetic in the same K order, SPEC §6); their own tiles, no PDL and no counters (``workspace`` is
     not used)."""
     with _unit_column_stride(out) as rows:
-        mxfp4_w4a8.experts_mxfp4_w4a8(hidden, gate_up, down, plan, rows, swiglu_limit)
+        if plan.block_m in mxfp4_w4a8_decode.LAUNCH:
+            mxfp4_w4a8_decode.experts_mxfp4_w4a8_decode(hidden, gate_up, down, plan, rows, swiglu_limit)
+        else:
+            mxfp4_w4a8.experts_mxfp4_w4a8(hidden, gate_up, down, plan, rows, swiglu_limit)
 
 
 @contextlib.contextmanager

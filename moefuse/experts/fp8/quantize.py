@@ -61,11 +61,13 @@ def _quantize(x, EMULATE_RTNE: tl.constexpr):
 def _quantize_rows_kernel(
     source_ptr, q_ptr, s_ptr, p2e_ptr, expert_offsets_ptr, num_experts, num_rows, K, top_k, run_groups,
     stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
-    GATHER: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
+    GATHER: tl.constexpr, WORD_ORDER: tl.constexpr, EMULATE_RTNE: tl.constexpr, BLOCK_R: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """q[p], s[p] = quant(x) per 128 columns for the plan's valid rows p, x = source[permuted_to_expanded[p] //
-    top_k] (``GATHER``) or source[p]; without a plan (``expert_offsets_ptr`` None), for rows p < num_rows.
-    Program (r, c): rows r·BLOCK_R onwards, the c-th run of ``run_groups`` groups of 128 columns
+    top_k] (``GATHER``) or source[p]; without a plan (``expert_offsets_ptr`` None), for rows p < num_rows; column
+    k of q at ``gluon_common.word_position`` (k) with ``WORD_ORDER`` (a permutation within each group of 32, so the
+    scales are the same). Program (r, c): rows r·BLOCK_R onwards, the c-th run of ``run_groups`` groups of 128 columns
     (:func:`groups_per_program`)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the plan comes from dispatch
@@ -87,6 +89,11 @@ def _quantize_rows_kernel(
         x = tl.load(source_ptr + sources[:, None] * stride_xm + (k0 + ks)[None, :] * stride_xk, mask=mask,
                     other=0.0)
         q, scale = _quantize(x.to(tl.float32), EMULATE_RTNE)
+        if WORD_ORDER:
+            # Column 32g + 8t + 4h + j to 32g + 16h + 4t + j (``gluon_common.word_position``), moved in registers:
+            # stored through permuted addresses, each thread's 16-byte run would go out as 16 single-byte stores
+            # (sm_90 SASS), 16 times the store instructions and a sector written per byte.
+            q = tl.reshape(tl.permute(tl.reshape(q, (BLOCK_R, 4, 4, 2, 4)), (0, 1, 3, 2, 4)), (BLOCK_R, 128))
         tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + (k0 + ks)[None, :] * stride_qk, q, mask=mask)
         tl.store(s_ptr + rows.to(tl.int64) * stride_sm + k0 // 128 * stride_sg, scale, mask=row_ok)
 
@@ -114,11 +121,14 @@ def quantized_rows(plan: DispatchPlan, width: int, device: torch.device) -> tupl
 
 
 def quantize_rows_into(source: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, plan: Optional[DispatchPlan], *,
-                       gather: bool, use_pdl: bool = False) -> None:
+                       gather: bool, use_pdl: bool = False, word_order: bool = False) -> None:
     """Quantize the plan's valid rows (SPEC §5) into ``q`` [num_rows, W] (e4m3) and ``scales`` [num_rows, W/128]
     (fp32, any strides): of ``source``'s token rows (``gather``: row p from token permuted_to_expanded[p] // top_k)
     or its rows as they are (the W4A8 kernels' intermediate). Rows past the valid ones are left unwritten. Without
-    a plan (``gather`` off), every row of ``q``."""
+    a plan (``gather`` off), every row of ``q``. ``word_order``: each group of 32 columns of ``q`` permuted as
+    ``gluon_common.word_position`` places them (the W4A8 kernels' K order; W a multiple of 32)."""
+    if word_order and q.shape[1] % 32:
+        raise ValueError(f"q: word order permutes groups of 32 columns; got {q.shape[1]} columns")
     block_r = 16
     launch = {"launch_pdl": True} if use_pdl else {}
     args: tuple[Optional[torch.Tensor], Optional[torch.Tensor], int, int, int, int]
@@ -133,6 +143,7 @@ def quantize_rows_into(source: torch.Tensor, q: torch.Tensor, scales: torch.Tens
     per_program = groups_per_program(row_blocks, groups)
     _quantize_rows_kernel[(row_blocks, triton.cdiv(groups, per_program))](
         source, q, scales, *args, per_program, source.stride(0), source.stride(1), *q.stride(), *scales.stride(),
-        GATHER=gather, EMULATE_RTNE=_runtime.interpreting(), BLOCK_R=block_r, USE_PDL=use_pdl,
+        GATHER=gather, WORD_ORDER=word_order, EMULATE_RTNE=_runtime.interpreting(), BLOCK_R=block_r,
+        USE_PDL=use_pdl,
         num_warps=4, **launch,
     )

@@ -16,7 +16,10 @@ fill, with ``ready`` and ``empty`` barriers):
   columns' step scales: the fp32 promotion every 128 products of SPEC §5.
 
 The unpacking is paid once per 128 tokens and its warps never wait for an MMA; GEMM1's 64 gate rows and 64 up
-rows of the same columns land in one consumer's accumulator, so SwiGLU needs no hand-over.
+rows of the same columns land in one consumer's accumulator, so SwiGLU needs no hand-over. Each group of 32 K
+columns reaches the wgmma in word order (``gluon_common.word_position``), the decode kernels' (``w4a8_decode.py``),
+so both give a token the same sums: the transform stores each word's two e4m3 registers 16 bytes apart, and the
+activations and the intermediate are written in that order.
 
 A work *item* is one 128-row tile of the plan times 128 weight rows. The programs are persistent, one an SM: each
 takes every num_programs-th item (GEMM1's in pairs, below) and the ring runs on across them, so an item's first
@@ -53,7 +56,7 @@ if gluon is not None:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ..gluon_common import e4m3, row_inverse, scale_of, swiglu, tma_load
+    from ..gluon_common import e4m3, row_inverse, scale_of, swiglu, tma_load, word_position
     from .ws import _program
 
 BLOCK_K = 128  # one activation scale and one int32 of weight exponents per row and step
@@ -184,8 +187,10 @@ if gluon is not None:
         codes = w_smem.index(s).load(ROW_LAYOUT)
         lo, hi = gl.inline_asm_elementwise(_E4M3, "=r,=r,r,r,r,r,r", [codes, d],
                                            dtype=(gl.float8e4nv,) * 2, is_pure=True, pack=4)
-        # Byte i of word w is weight 8w + i (lo) or 8w + 4 + i (hi): into K order.
-        w = gl.join(lo, hi).reshape(_BN, _BK // 8, 4, 2).permute(0, 1, 3, 2).reshape(_BN, _BK)
+        # Byte i of word w = 4g + t is weight 8w + i (lo) or 8w + 4 + i (hi), at K position 32g + 4t + i (lo) or
+        # 32g + 16 + 4t + i (hi): word order (``gluon_common.word_position``), as the activations are laid out.
+        # A thread's row stays 128 contiguous bytes: whole registers move, no bytes.
+        w = gl.join(lo, hi).reshape(_BN, _BK // 32, 4, 4, 2).permute(0, 1, 4, 2, 3).reshape(_BN, _BK)
         u_smem.index(s).store(w)
 
     @gluon.jit
@@ -272,23 +277,36 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _store(values, out_ptr, row0, row_end, col0, stride_om):
-        """``out[row0 + i, col0 + j] = values[i, j]`` for the rows before ``row_end`` (the expert's)."""
-        m = row0 + gl.arange(0, values.shape[0], layout=gl.SliceLayout(1, values.type.layout))
-        n = col0 + gl.arange(0, values.shape[1], layout=gl.SliceLayout(0, values.type.layout))
-        ptrs = out_ptr + gl.expand_dims(m.to(gl.int64) * stride_om, 1) + gl.expand_dims(n, 0)
-        gl.store(ptrs, values, mask=gl.expand_dims(m < row_end, 1) & gl.expand_dims(n >= 0, 0))
+    def _store(values, out_ptr, row0, row_end, col0, stride_om, WORDS: gl.constexpr = False):
+        """``out[row0 + i, col0 + j] = values[i, j]`` for the rows before ``row_end`` (the expert's); with
+        ``WORDS`` column col0 + j at its word position (``gluon_common.word_position``: GEMM2's K order)."""
+        if WORDS:
+            # A thread holds columns 2c and 2c + 1, which word order keeps side by side: one 2-byte store a pair
+            # (through permuted addresses the compiler would store each byte on its own).
+            lo, hi = values.to(gl.int8, bitcast=True).reshape(values.shape[0], values.shape[1] // 2, 2).split()
+            pairs = (hi.to(gl.int16) << 8) | (lo.to(gl.int16) & 0xFF)
+            m = row0 + gl.arange(0, pairs.shape[0], layout=gl.SliceLayout(1, pairs.type.layout))
+            n = word_position(col0 + 2 * gl.arange(0, pairs.shape[1], layout=gl.SliceLayout(0, pairs.type.layout)))
+            ptrs = (out_ptr.to(gl.pointer_type(gl.int16), bitcast=True)
+                    + gl.expand_dims(m.to(gl.int64) * (stride_om // 2), 1) + gl.expand_dims(n // 2, 0))
+            gl.store(ptrs, pairs, mask=gl.expand_dims(m < row_end, 1) & gl.expand_dims(n >= 0, 0))
+        else:
+            m = row0 + gl.arange(0, values.shape[0], layout=gl.SliceLayout(1, values.type.layout))
+            n = col0 + gl.arange(0, values.shape[1], layout=gl.SliceLayout(0, values.type.layout))
+            ptrs = out_ptr + gl.expand_dims(m.to(gl.int64) * stride_om, 1) + gl.expand_dims(n, 0)
+            gl.store(ptrs, values, mask=gl.expand_dims(m < row_end, 1) & gl.expand_dims(n >= 0, 0))
 
     @gluon.jit
     def _store_quantized(left, right, q_ptr, qs_ptr, row0, row_end, col0, stride_qm, stride_qs):
         """GEMM1's intermediate columns ``col0 ..`` + 128 of rows ``row0 ..`` (``left`` and ``right``: 64 columns
         each, bf16) quantized as ``fp8.quantize._quantize`` quantizes stored rows (SPEC §5, same bits):
-        the values into ``q_ptr`` (e4m3), each row's scale into ``qs_ptr`` at group ``col0 / 128``."""
+        the values into ``q_ptr`` (e4m3, in word order: GEMM2's K order), each row's scale into ``qs_ptr`` at group
+        ``col0 / 128``."""
         layout: gl.constexpr = left.type.layout
         left, right = left.to(gl.float32), right.to(gl.float32)
         inverse, amax = row_inverse(left, right, 1)
-        _store(e4m3(left * inverse), q_ptr, row0, row_end, col0, stride_qm)
-        _store(e4m3(right * inverse), q_ptr, row0, row_end, col0 + 64, stride_qm)
+        _store(e4m3(left * inverse), q_ptr, row0, row_end, col0, stride_qm, True)
+        _store(e4m3(right * inverse), q_ptr, row0, row_end, col0 + 64, stride_qm, True)
         m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
         scale = scale_of(amax)
         gl.store(qs_ptr + m.to(gl.int64) * stride_qs + col0 // 128, scale, mask=m < row_end)
@@ -408,8 +426,8 @@ def experts_mxfp4_w4a8(
     w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N // 2, BLOCK_K // 2], gl.int8)
     a_layout = gl.NVMMASharedLayout.get_default_for([plan.block_m, BLOCK_K], gl.float8e4nv)
     rows, row_scales = quantized_rows(plan, hidden_size, hidden.device)
-    quantize_rows_into(hidden, rows, row_scales, plan, gather=True)
-    inter, inter_scales = quantized_rows(plan, width, hidden.device)  # GEMM1 writes them
+    quantize_rows_into(hidden, rows, row_scales, plan, gather=True, word_order=True)
+    inter, inter_scales = quantized_rows(plan, width, hidden.device)  # GEMM1 writes them, in word order too
     programs = _runtime.sm_count(hidden.device)  # one an SM (shared memory)
     for gemm1, weight, (source, source_scales), dest, dest_scales, n, k in (
             (True, gate_up, (rows, row_scales), inter, inter_scales, width, hidden_size),

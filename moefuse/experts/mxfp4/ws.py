@@ -53,7 +53,7 @@ try:  # Gluon ships with Triton >= 3.5; without it (or off Hopper) the Triton ke
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ..gluon_common import swiglu, tma_load
+    from ..gluon_common import swiglu, tma_load, word_position
 except ImportError:  # pragma: no cover - every supported Triton has it
     gluon = None
 
@@ -100,19 +100,19 @@ if gluon is not None:
         """The producer warp: per step, the weight boxes (rows ``w_row0 ..`` and, with two, ``w_row1 ..``) and the
         activation rows into slot i % STAGES: two boxes into two buffers (wide programs) or the two halves of one
         (narrow GEMM1's 32-row boxes), one box into one buffer (narrow GEMM2)."""
+        step: gl.constexpr = w_desc.block_shape[1]  # a weight box's columns: a 128-deep step's words or bytes
         for i in range(k_steps):
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first lap finds every slot free
             mbarrier.expect(ready.index(s), BOXES * w_desc.block_type.nbytes + a_desc.block_type.nbytes)
             if BOXES == 1:
-                tma_load(w_desc, [w_row0, i * (_BK // 8)], ready.index(s), w_smem.index(s))
+                tma_load(w_desc, [w_row0, i * step], ready.index(s), w_smem.index(s))
             elif BUFS == 2:
-                tma_load(w_desc, [w_row0, i * (_BK // 8)], ready.index(s), w_smem.index(2 * s))
-                tma_load(w_desc, [w_row1, i * (_BK // 8)], ready.index(s), w_smem.index(2 * s + 1))
+                tma_load(w_desc, [w_row0, i * step], ready.index(s), w_smem.index(2 * s))
+                tma_load(w_desc, [w_row1, i * step], ready.index(s), w_smem.index(2 * s + 1))
             else:
-                tma_load(w_desc, [w_row0, i * (_BK // 8)], ready.index(s), w_smem.index(s).slice(0, _ROWS // 2))
-                tma_load(w_desc, [w_row1, i * (_BK // 8)], ready.index(s),
-                         w_smem.index(s).slice(_ROWS // 2, _ROWS // 2))
+                tma_load(w_desc, [w_row0, i * step], ready.index(s), w_smem.index(s).slice(0, _ROWS // 2))
+                tma_load(w_desc, [w_row1, i * step], ready.index(s), w_smem.index(s).slice(_ROWS // 2, _ROWS // 2))
             tma_load(a_desc, [a_row, i * _BK], ready.index(s), a_smem.index(s))
 
     @gluon.jit
@@ -156,15 +156,18 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _store(acc, out_ptr, row_start, row_end, col0, stride_om, PAIRED: gl.constexpr, BLOCK_M: gl.constexpr,
+    def _store(acc, out_ptr, row_start, row_end, col0, stride_om, ORDER: gl.constexpr, BLOCK_M: gl.constexpr,
                MMA: gl.constexpr, COLS: gl.constexpr = _ROWS):
         """``out[rows, col0 + n] = acc[n, rows - row_start]`` in bf16 for the expert's rows (``acc`` [COLS,
-        BLOCK_M] in layout ``MMA``); ``PAIRED`` puts column 8t + 4b + j of each group of 32 at 8j + 2t + b (the K
-        order GEMM2's operand wants)."""
+        BLOCK_M] in layout ``MMA``), column n of each group of 32 where the next GEMM's operand wants it: as it is
+        (``ORDER`` "natural"), column 8t + 4b + j at 8j + 2t + b ("paired": W4A16's K order) or at 4t + 16b + j
+        ("words": W4A8's, ``gluon_common.word_position``)."""
         m = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
         n = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(1, MMA))
-        if PAIRED:
+        if ORDER == "paired":
             n = (n & ~31) | ((n & 3) << 3) | (((n >> 3) & 3) << 1) | ((n >> 2) & 1)
+        elif ORDER == "words":
+            n = word_position(n)
         ptrs = out_ptr + gl.expand_dims(m.to(gl.int64) * stride_om, 0) + gl.expand_dims(n, 1)
         gl.store(ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(m < row_end, 0) & gl.expand_dims(n >= 0, 1))
 
@@ -174,7 +177,7 @@ if gluon is not None:
                     STAGES: gl.constexpr, WL: gl.constexpr, MMA: gl.constexpr):
         acc = _consume(w_smem, a_smem, ready, empty, s_ptr, s_row + PART * _ROWS, 0, stride_sn, k_steps, PART, BUFS,
                        BLOCK_M, STAGES, WL, MMA)
-        _store(acc, out_ptr, row_start, row_end, col0 + PART * _ROWS, stride_om, False, BLOCK_M, MMA)
+        _store(acc, out_ptr, row_start, row_end, col0 + PART * _ROWS, stride_om, "natural", BLOCK_M, MMA)
 
     @gluon.jit
     def _gemm1_up(w_smem, a_smem, ready, empty, s_ptr, s_row, stride_sn, k_steps, handed, handover,
@@ -195,7 +198,7 @@ if gluon is not None:
                         MMA)
         mbarrier.wait(handed, 0)
         act = swiglu(gate, handover.load(MMA), limit, HAS_LIMIT)
-        _store(act, out_ptr, row_start, row_end, col0, stride_om, True, BLOCK_M, MMA)
+        _store(act, out_ptr, row_start, row_end, col0, stride_om, "paired", BLOCK_M, MMA)
 
     @gluon.jit
     def _gemm1_narrow(w_smem, a_smem, ready, empty, s_ptr, out_ptr, s_row, up_jump, stride_sn, col0, stride_om,
@@ -211,7 +214,7 @@ if gluon is not None:
         EPI: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])  # a thread a column, warps along rows
         half: gl.constexpr = _ROWS // 2
         act = swiglu(handover.slice(0, half).load(EPI), handover.slice(half, half).load(EPI), limit, HAS_LIMIT)
-        _store(act, out_ptr, row_start, row_end, col0, stride_om, True, BLOCK_M, EPI, half)
+        _store(act, out_ptr, row_start, row_end, col0, stride_om, "paired", BLOCK_M, EPI, half)
 
     @gluon.jit
     def _program(pid, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, BN: gl.constexpr):
@@ -226,9 +229,11 @@ if gluon is not None:
 
     @gluon.jit
     def _ring(w_desc, a_desc, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
-        """The slots: a 64-row weight buffer per consumer, the activation rows, their ready and empty barriers."""
-        w_smem = gl.allocate_shared_memory(gl.int32, [CONSUMERS * STAGES, _ROWS, _BK // 8], w_desc.layout)
-        a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, _BK], a_desc.layout)
+        """The slots: a 64-row weight buffer per consumer (a step's packed words, or bytes), the activation rows
+        (bf16, or e4m3 for W4A8), their ready and empty barriers."""
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [CONSUMERS * STAGES, _ROWS, w_desc.block_shape[1]],
+                                           w_desc.layout)
+        a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, _BK], a_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):

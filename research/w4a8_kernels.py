@@ -1,0 +1,64 @@
+"""Where does W4A8 lose to W4A16, kernel by kernel? (GPU.)
+
+DeepSeek-V4-Flash's routed experts (dispatch, both GEMMs, combine) with ``activation_quant="fp8"`` and without, on
+one random routing a token count: each kernel's device time per call under ``torch.profiler`` (CUDA activity, the
+mean of ``--calls`` eager calls after five warm-ups) and its launches per call. Kernels of one name are added
+(W4A8's two quantization passes are one ``_quantize_rows_kernel`` line, two launches).
+
+    python -m research.w4a8_kernels [--tokens 1 1024 4096] [--calls 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from functools import partial
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moefuse.config import preset
+from moefuse.layer import MoELayer, routed_experts
+
+
+def kernel_times(call, calls: int) -> dict[str, tuple[float, float]]:
+    """{kernel name: (µs per call, launches per call)} of ``calls`` calls of ``call``."""
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    times: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.key][0] += event.self_device_time_total / calls
+            times[event.key][1] += event.count / calls
+    return {name: (us, n) for name, (us, n) in times.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 1024, 4096])
+    parser.add_argument("--calls", type=int, default=20)
+    args = parser.parse_args(argv)
+    layer = MoELayer(preset("deepseek-v4-flash"), device="cuda", quant="mxfp4").init_random_(0)
+    c = layer.config
+    gate_up, down = layer.experts.weights()
+    gen = torch.Generator("cuda").manual_seed(0)
+    for M in args.tokens:
+        x = torch.randn(M, c.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+        with torch.no_grad():
+            weights, ids = layer.gate(x)
+            for name, quant in (("W4A8", "fp8"), ("W4A16", None)):
+                call = partial(routed_experts, x, gate_up, down, weights, ids, swiglu_limit=c.swiglu_limit,
+                               activation_quant=quant)
+                times = kernel_times(call, args.calls)
+                print(f"{M} tokens, {name}: {sum(us for us, _ in times.values()):.1f} µs", flush=True)
+                for kernel, (us, n) in sorted(times.items(), key=lambda item: -item[1][0]):
+                    print(f"  {us:9.1f} µs  {n:3.0f}x  {kernel}")
+
+
+if __name__ == "__main__":
+    main()

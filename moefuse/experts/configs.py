@@ -345,15 +345,15 @@ def one_wave(block_m: int, tiles: GemmTiles, num_tiles: int, n: int, operands: i
     on 64 columns and 2 stages 288 programs of 74 KB, three an SM, one wave: the routed experts 282.6 -> 267.2 µs
     (64 columns on 3 stages, two an SM and a second wave of 24: 283.9; H100, 2026-12-06,
     research/invariant_one_token.py). The column width orders no sum: the same bits."""
-    programs = num_tiles * -(-n // tiles.block_n)
-    resident = programs_per_sm(smem_bytes(block_m, tiles, operands, element_size), gpu)
-    if tiles.block_n < 128 or programs <= gpu.sms * resident:
+    def resident(t: GemmTiles) -> bool:  # every program of the grid on an SM at once
+        programs = num_tiles * -(-n // t.block_n)
+        return programs <= gpu.sms * programs_per_sm(smem_bytes(block_m, t, operands, element_size), gpu)
+
+    if tiles.block_n < 128 or resident(tiles):
         return tiles
-    narrow = replace(tiles, block_n=tiles.block_n // 2)
-    programs = num_tiles * -(-n // narrow.block_n)
     for stages in range(tiles.num_stages, 1, -1):
-        narrow = replace(narrow, num_stages=stages)
-        if programs <= gpu.sms * programs_per_sm(smem_bytes(block_m, narrow, operands, element_size), gpu):
+        narrow = replace(tiles, block_n=tiles.block_n // 2, num_stages=stages)
+        if resident(narrow):
             return narrow
     return tiles
 

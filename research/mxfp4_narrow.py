@@ -3,10 +3,12 @@
 At one token DeepSeek-V4-Flash's six experts make 192 wide GEMM1 programs on 132 SMs: 60 SMs run two, 72 one.
 ``mxfp4.ws.narrow_grid`` picks narrow programs where the wide grid holds more than one an SM and at most two. At
 1-4 tokens, the routed experts (W4A16) with narrow programs forced off and on (the same bits), GEMM1 and GEMM2 alone
-(torch.profiler), and the layer at one token, with its shared expert (fp8, on the side stream) and without it.
-Prints one JSON object a line.
+(torch.profiler), and the layer at one token, with its shared expert (fp8, on the side stream) and without it;
+``--activation-quant fp8``: the same for W4A8 (``mxfp4/w4a8_decode.py``, which takes the same rule). Prints one JSON
+object a line.
 
     python -m research.mxfp4_narrow [--models deepseek-v4-flash qwen3-30b-a3b] [--tokens 1 2 3 4] [--batch-invariant]
+                                    [--activation-quant fp8]
 """
 
 from __future__ import annotations
@@ -46,22 +48,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternating off/on timings, the median kept")
     parser.add_argument("--batch-invariant", action="store_true", help="the layers batch-invariant (their router, "
                         "gate and shared expert; the routed experts' MXFP4 plans are the same either way)")
+    parser.add_argument("--activation-quant", choices=["fp8"], help="W4A8 (default: W4A16)")
     args = parser.parse_args(argv)
+    quant = args.activation_quant or "default"
     gen = torch.Generator("cuda").manual_seed(0)
     rule = ws.narrow_grid
     for model in args.models:
-        layer = MoELayer(preset(model), device="cuda", quant="mxfp4").init_random_(0)
+        layer = MoELayer(preset(model), device="cuda", quant="mxfp4", activation_quant=quant).init_random_(0)
         c = layer.config
         gate_up, down = layer.experts.weights()
-        bare = MoELayer(replace(c, num_shared_experts=0), device="cuda", quant="mxfp4").init_random_(0)
+        bare = MoELayer(replace(c, num_shared_experts=0), device="cuda", quant="mxfp4",
+                        activation_quant=quant).init_random_(0)
         layer.batch_invariant = bare.batch_invariant = args.batch_invariant
         try:
             for M in args.tokens:
                 x = torch.randn(M, c.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
                 with torch.no_grad():
                     weights, ids = layer.gate(x)
-                call = partial(routed_experts, x, gate_up, down, weights, ids, swiglu_limit=c.swiglu_limit)
-                row: dict = {"model": model, "M": M, "batch_invariant": args.batch_invariant}
+                call = partial(routed_experts, x, gate_up, down, weights, ids, swiglu_limit=c.swiglu_limit,
+                               activation_quant=quant)
+                row: dict = {"model": model, "M": M, "batch_invariant": args.batch_invariant,
+                             "activation_quant": args.activation_quant}
                 times: dict = defaultdict(list)
                 for _ in range(args.repeats):
                     for narrow in (False, True):

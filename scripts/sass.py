@@ -360,17 +360,20 @@ def compile_mxfp4_w4a8_gemm(gemm: int, block_m: int, has_limit: bool):
     return compile_gluon(fn, types, constexprs, shape.maxnreg)
 
 
-def compile_mxfp4_w4a8_decode_gemm(gemm: int, block_m: int, has_limit: bool):
+def compile_mxfp4_w4a8_decode_gemm(gemm: int, block_m: int, has_limit: bool, narrow: bool = False):
     """The W4A8 decode GEMM1 or GEMM2 (``experts/mxfp4/w4a8_decode.py``, Gluon) as ``experts_mxfp4_w4a8_decode``
-    launches it on sm_90: ``ws.py``'s programs on packed bytes and e4m3 rows, registers and slots from ``LAUNCH``."""
+    launches it on sm_90: ``ws.py``'s programs on packed bytes and e4m3 rows (one consumer, ``narrow``), registers
+    and slots from ``LAUNCH``."""
     from triton.experimental.gluon import language as gl
 
     d = experts_mxfp4_w4a8_decode
     fn = d._gemm1_kernel if gemm == 1 else d._gemm2_kernel
     shape = d.LAUNCH[block_m]
     constexprs = {"BLOCK_M": block_m, "STAGES": shape.stages, "PRODUCER_REGS": experts_mxfp4_ws.PRODUCER_REGS,
-                  "CONSUMER_REGS": shape.consumer_regs, **({"HAS_LIMIT": has_limit} if gemm == 1 else {})}
-    w_box, a_box = [d.ROWS, d.BLOCK_K // 2], [block_m, d.BLOCK_K]
+                  "CONSUMER_REGS": shape.consumer_regs, "NARROW": narrow,
+                  **({"HAS_LIMIT": has_limit} if gemm == 1 else {})}
+    box_rows = d.ROWS // 2 if narrow and gemm == 1 else d.ROWS  # narrow GEMM1 loads 32 gate and 32 up rows
+    w_box, a_box = [box_rows, d.BLOCK_K // 2], [block_m, d.BLOCK_K]
     w_layout = gl.NVMMASharedLayout.get_default_for(w_box, gl.int8)
     a_layout = gl.NVMMASharedLayout.get_default_for(a_box, gl.float8e4nv)
     types = {"w_desc": f"tensordesc<i8[{w_box[0]}, {w_box[1]}],{w_layout!r}>",
@@ -518,8 +521,11 @@ def mxfp4_ws(args: argparse.Namespace) -> list[str]:
                   partial(compile_mxfp4_ws_gemm, narrow=True)) for block_m in experts_mxfp4_ws.NARROW_HEIGHTS]
     launches += [("W4A8", block_m, shape.maxnreg, shape.stages, compile_mxfp4_w4a8_gemm)
                  for block_m, shape in experts_mxfp4_w4a8.LAUNCH.items()]
-    launches += [("W4A8d", block_m, shape.maxnreg, shape.stages, compile_mxfp4_w4a8_decode_gemm)
+    launches += [("W4A8d", block_m, shape.maxnreg, shape.stages, partial(compile_mxfp4_w4a8_decode_gemm, narrow=False))
                  for block_m, shape in experts_mxfp4_w4a8_decode.LAUNCH.items()]
+    launches += [("W4A8dn", block_m, experts_mxfp4_w4a8_decode.LAUNCH[block_m].maxnreg,
+                  experts_mxfp4_w4a8_decode.LAUNCH[block_m].stages,
+                  partial(compile_mxfp4_w4a8_decode_gemm, narrow=True)) for block_m in experts_mxfp4_ws.NARROW_HEIGHTS]
     for mma, block_m, maxnreg, stages, build in launches:
         for gemm, has_limit in ((1, False), (1, True), (2, False)):
             where = f"warp-specialized MXFP4 {mma} GEMM{gemm}, BLOCK_M {block_m}, clamp {has_limit}"

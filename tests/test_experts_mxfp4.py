@@ -521,19 +521,22 @@ def test_w4a8_weight_flushes_only_far_groups(gen):
                     reason="the Gluon kernels run on sm_90 only (CI compiles them: test_sm90.py)")
 @pytest.mark.parametrize("limit", [None, 1.5], ids=["no-clamp", "clamp"])
 @pytest.mark.parametrize("far", [False, True], ids=["exact", "flushed-groups"])
-@pytest.mark.parametrize("block_m, M", [(16, 1), (32, 37), (128, 1), (128, 549), (128, 4000)],
-                         ids=["decode-one-token", "decode-32-rows", "one-token", "an-item-a-program",
+@pytest.mark.parametrize("block_m, M, narrow", [(16, 1, False), (16, 1, True), (32, 37, False), (128, 1, False),
+                                                (128, 549, False), (128, 4000, False)],
+                         ids=["decode-one-token", "decode-narrow", "decode-32-rows", "one-token", "an-item-a-program",
                               "items-a-program"])
 @pytest.mark.parametrize("shape", [WS_SHAPE, (6, 384, 128)], ids=["even-steps", "odd-steps"])
-def test_w4a8_matches_float64(shape, block_m, M, far, limit, gen, device):
+def test_w4a8_matches_float64(shape, block_m, M, narrow, far, limit, gen, device, monkeypatch):
     """With ``activation_quant="fp8"``, at every token count, the Gluon kernels multiply e4m3 activations and
     weights: against the float64 W4A8 reference (-1 slots, an empty expert, a NaN token); ``far``: a quarter of the
     groups 12 or more under their row's largest exponent, which W4A8 flushes (the reference does the same). The
     decode kernels (16 and 32 rows, ``mxfp4/w4a8_decode.py``: activations and intermediate in word order) and the
     128-row ones; at 4,000 tokens the plan has more work items than an H200 has SMs (GEMM1 400, GEMM2 200), so the
     persistent programs run several each and their ring and row-scale buffers carry on from item to item.
+    ``decode-narrow``: the decode kernels' narrow programs (forced; a token of DeepSeek-V4-Flash takes them).
     ``odd-steps``: 3 and 1 steps of 128 (the transform unpacks two steps between fences, ``TRANSFORM_STEPS``, and
     an odd last one alone)."""
+    monkeypatch.setattr(mxfp4_ws, "narrow_grid", lambda programs, height, dev: narrow)
     E, H, I = shape
     x, w1, w2, ids = _inputs(gen, M, 3, E, H, I, empty=4, device=device)
     if far:
@@ -568,14 +571,17 @@ def test_w4a8_matches_float64(shape, block_m, M, far, limit, gen, device):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Gluon kernels run on sm_90 only (CI compiles them: test_sm90.py)")
-@pytest.mark.parametrize("block_m", sorted(mxfp4_w4a8_decode.LAUNCH))
+@pytest.mark.parametrize("block_m, narrow", [(16, False), (16, True), (32, False)], ids=["16", "16-narrow", "32"])
 @pytest.mark.parametrize("shape", [WS_SHAPE, (6, 384, 128)], ids=["even-steps", "odd-steps"])
-def test_w4a8_decode_kernels_give_the_128_row_bits(shape, block_m, gen, device):
-    """W4A8's decode kernels (``mxfp4/w4a8_decode.py``: the weights as the wgmma's first operand, from registers)
-    and its 128-row kernels (the tokens first, both from shared memory) hand the wgmma each row's products in one K
-    order (word order): every valid slot of an 11-token batch bitwise equal (-1 slots, an empty expert, the clamp).
-    What W4A8's batch invariance rests on: fp8 wgmma gives a row the same sums swapped (``research/swap_bits.py``
-    measured it for 16 rows against 64)."""
+def test_w4a8_decode_kernels_give_the_128_row_bits(shape, block_m, narrow, gen, device, monkeypatch):
+    """W4A8's decode kernels (``mxfp4/w4a8_decode.py``: the weights as the wgmma's first operand, from registers),
+    wide and narrow (forced), and its 128-row kernels (the tokens first, both from shared memory) hand the wgmma
+    each row's products in one K order (word order): every valid slot of an 11-token batch bitwise equal (-1 slots,
+    an empty expert, the clamp). What W4A8's batch invariance rests on: fp8 wgmma gives a row the same sums swapped
+    (``research/swap_bits.py`` measured it for 16 rows against 64), and at any row of the MMA (a narrow GEMM1
+    program holds a gate row 32 rows from where a wide one does)."""
+    assert block_m in mxfp4_w4a8_decode.LAUNCH and (not narrow or block_m in mxfp4_ws.NARROW_HEIGHTS)
+    monkeypatch.setattr(mxfp4_ws, "narrow_grid", lambda programs, height, dev: narrow)
     E, H, I = shape
     x, w1, w2, ids = _inputs(gen, 11, 3, E, H, I, empty=2, device=device)
     slots = []

@@ -19,6 +19,9 @@ registers) carry W4A8's arithmetic (SPEC §6):
 - each 128-deep step's product is a fresh accumulator, added times the tokens' activation scales of the step, and
   the sum is multiplied by the row's 2^(base - 127) at the end; base = max(the row's largest exponent - 6, 1),
   found by each consumer for its 64 rows before its first step, while the producer's first loads are in flight.
+- where W4A16 runs narrow programs (``ws.narrow_grid``: a token of DeepSeek-V4-Flash, 192 wide programs on 132
+  SMs), so do these: one consumer a program, GEMM1's 32 gate rows over the 32 up rows of the same columns, GEMM2's
+  one 64-row box; each row's sums the same MMAs in the same order.
 
 That is the 128-row kernels' arithmetic element by element in their K order (they take word order too), with the
 weights as the MMA's first operand instead of its second: where wgmma gives a row the same sums either way
@@ -35,7 +38,7 @@ import torch
 from ...dispatch import DispatchPlan
 from ...formats import MXFP4
 from ..fp8.quantize import quantize_rows_into, quantized_rows
-from . import w4a8
+from . import w4a8, ws
 from .ws import PRODUCER_REGS, ROWS, Launch, _exponent_words, gluon, widths_fit
 
 if gluon is not None:
@@ -77,14 +80,20 @@ if gluon is not None:
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[ROWS, BLOCK_K // 2])
 
     @gluon.jit
-    def _bases(s_ptr, s_row, stride_sn, k_steps, layout: gl.constexpr):
-        """Rows ``s_row ..`` + 64's base (SPEC §6: max(the row's largest exponent - 6, 1)) over their exponent words
-        (one int32 a row and step), 16 words a row at once, in ``layout``'s slice along rows."""
+    def _rows(rows, s_jump):
+        """A box's rows of exponents from its first: its second 32 rows ``s_jump`` further (narrow GEMM1's up rows)."""
+        return rows + gl.where(rows >= _ROWS // 2, s_jump, 0)
+
+    @gluon.jit
+    def _bases(s_ptr, s_row, s_jump, stride_sn, k_steps, layout: gl.constexpr):
+        """The base (SPEC §6: max(the row's largest exponent - 6, 1)) of a box's 64 rows (``s_row ..``, the second 32
+        ``s_jump`` further) over their exponent words (one int32 a row and step), 16 words a row at once, in
+        ``layout``'s slice along rows."""
         WL: gl.constexpr = WORD_LAYOUT  # the rows as CODE_LAYOUT holds them, 16 words a row across lanes
         rows = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, WL))
         words = gl.arange(0, _BK // 8, layout=gl.SliceLayout(0, WL))
         first = s_ptr + s_row.to(gl.int64) * stride_sn  # the box's first row; offsets from it in int32: registers
-        offsets = gl.expand_dims(rows * stride_sn, 1) + gl.expand_dims(words, 0)
+        offsets = gl.expand_dims(_rows(rows, s_jump) * stride_sn, 1) + gl.expand_dims(words, 0)
         top = gl.zeros([_ROWS], gl.int32, gl.SliceLayout(1, WL))
         for k0 in range(0, k_steps, _BK // 8):
             word = gl.load(first + (offsets + k0), mask=gl.expand_dims(k0 + words < k_steps, 0), other=0)
@@ -94,20 +103,20 @@ if gluon is not None:
         return gl.convert_layout(gl.maximum(top, 7) - 6, gl.SliceLayout(1, layout))  # max(top - 6, 1)
 
     @gluon.jit
-    def _consume(w_smem, a_smem, ready, empty, s_ptr, as_ptr, s_row, stride_sn, stride_am, stride_ag, row_start,
-                 num_rows, k_steps, PART: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                 MMA: gl.constexpr):
-        """A consumer's 64 weight rows (box ``PART`` of each slot, exponent rows ``s_row ..``) times the tile's
-        activation rows (from ``row_start``; their scales ``as_ptr``): [64, BLOCK_M] in fp32 (swapped), scaled
-        by each row's 2^(base - 127)."""
+    def _consume(w_smem, a_smem, ready, empty, s_ptr, as_ptr, s_row, s_jump, stride_sn, stride_am, stride_ag,
+                 row_start, num_rows, k_steps, PART: gl.constexpr, BUFS: gl.constexpr, BLOCK_M: gl.constexpr,
+                 STAGES: gl.constexpr, MMA: gl.constexpr):
+        """A consumer's 64 weight rows (buffer ``BUFS`` · slot + ``PART``; exponent rows ``s_row ..``, the second 32
+        ``s_jump`` further) times the tile's activation rows (from ``row_start``; their scales ``as_ptr``):
+        [64, BLOCK_M] in fp32 (swapped), scaled by each row's 2^(base - 127)."""
         CL: gl.constexpr = CODE_LAYOUT
         dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
         rows = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, CL))
         byte = gl.arange(0, _BK // 2, layout=gl.SliceLayout(0, CL))
         shift = gl.expand_dims((byte // 16) * 8, 0)  # byte c of a row's step is in group c / 16
-        base = _bases(s_ptr, s_row, stride_sn, k_steps, CL)
+        base = _bases(s_ptr, s_row, s_jump, stride_sn, k_steps, CL)
         first = s_ptr + s_row.to(gl.int64) * stride_sn  # the box's first exponent row; int32 offsets from it
-        s_rows = rows * stride_sn
+        s_rows = _rows(rows, s_jump) * stride_sn
         m = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
         a_rows = gl.minimum(m, num_rows - 1) * stride_am  # rows past the plan: never stored
         exponents = gl.load(first + s_rows)
@@ -117,7 +126,7 @@ if gluon is not None:
             d = _offsets(exponents, shift, gl.expand_dims(base, 1))
             exponents = gl.load(first + (s_rows + gl.minimum(i + 1, k_steps - 1)))  # the next step's, meanwhile
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            codes = w_smem.index(2 * s + PART).load(CL)
+            codes = w_smem.index(BUFS * s + PART).load(CL)
             lo, hi = gl.inline_asm_elementwise(_E4M3, "=r,=r,r,r,r,r,r", [codes, d], dtype=(gl.float8e4nv,) * 2,
                                                is_pure=True, pack=4)
             # Byte j of word t's lo (hi) register is code 8t + j (8t + 4 + j) of its group g, at K position
@@ -137,8 +146,8 @@ if gluon is not None:
                   num_rows, k_steps, handed, handover, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                   MMA: gl.constexpr):
         """The up consumer: its rows' sums go to the gate consumer through shared memory."""
-        up = _consume(w_smem, a_smem, ready, empty, s_ptr, as_ptr, s_row, stride_sn, stride_am, stride_ag,
-                      row_start, num_rows, k_steps, 1, BLOCK_M, STAGES, MMA)
+        up = _consume(w_smem, a_smem, ready, empty, s_ptr, as_ptr, s_row, 0, stride_sn, stride_am, stride_ag,
+                      row_start, num_rows, k_steps, 1, 2, BLOCK_M, STAGES, MMA)
         handover.store(up)
         mbarrier.arrive(handed)
 
@@ -148,84 +157,123 @@ if gluon is not None:
                     HAS_LIMIT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr):
         """The gate consumer: SwiGLU of its rows' sums and the up consumer's, stored in bf16 in word order (GEMM2's
         K order)."""
-        gate = _consume(w_smem, a_smem, ready, empty, s_ptr, as_ptr, s_row, stride_sn, stride_am, stride_ag,
-                        row_start, num_rows, k_steps, 0, BLOCK_M, STAGES, MMA)
+        gate = _consume(w_smem, a_smem, ready, empty, s_ptr, as_ptr, s_row, 0, stride_sn, stride_am, stride_ag,
+                        row_start, num_rows, k_steps, 0, 2, BLOCK_M, STAGES, MMA)
         mbarrier.wait(handed, 0)
         act = swiglu(gate, handover.load(MMA), limit, HAS_LIMIT)
         _store(act, inter_ptr, row_start, row_end, col0, stride_im, "words", BLOCK_M, MMA)
 
     @gluon.jit
+    def _gemm1_narrow(w_smem, a_smem, ready, empty, s_ptr, as_ptr, inter_ptr, s_row, up_jump, stride_sn, stride_am,
+                      stride_ag, col0, stride_im, row_start, row_end, num_rows, k_steps, handed, handover, limit,
+                      HAS_LIMIT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr):
+        """A narrow GEMM1 program's consumer (``ws._gemm1_narrow``): 32 gate rows over the 32 up rows of the same
+        columns, meeting through shared memory for SwiGLU."""
+        acc = _consume(w_smem, a_smem, ready, empty, s_ptr, as_ptr, s_row, up_jump, stride_sn, stride_am, stride_ag,
+                       row_start, num_rows, k_steps, 0, 1, BLOCK_M, STAGES, MMA)
+        handover.store(acc)
+        mbarrier.arrive(handed)  # after a barrier of the warp group: every warp's half is stored
+        mbarrier.wait(handed, 0)
+        EPI: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])  # a thread a column, warps along rows
+        half: gl.constexpr = _ROWS // 2
+        act = swiglu(handover.slice(0, half).load(EPI), handover.slice(half, half).load(EPI), limit, HAS_LIMIT)
+        _store(act, inter_ptr, row_start, row_end, col0, stride_im, "words", BLOCK_M, EPI, half)
+
+    @gluon.jit
     def _gemm2_part(w_smem, a_smem, ready, empty, s_ptr, as_ptr, out_ptr, s_row, stride_sn, stride_am, stride_ag,
-                    col0, stride_om, row_start, row_end, num_rows, k_steps, PART: gl.constexpr,
+                    col0, stride_om, row_start, row_end, num_rows, k_steps, PART: gl.constexpr, BUFS: gl.constexpr,
                     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr):
-        acc = _consume(w_smem, a_smem, ready, empty, s_ptr, as_ptr, s_row + PART * _ROWS, stride_sn, stride_am,
-                       stride_ag, row_start, num_rows, k_steps, PART, BLOCK_M, STAGES, MMA)
+        acc = _consume(w_smem, a_smem, ready, empty, s_ptr, as_ptr, s_row + PART * _ROWS, 0, stride_sn, stride_am,
+                       stride_ag, row_start, num_rows, k_steps, PART, BUFS, BLOCK_M, STAGES, MMA)
         _store(acc, out_ptr, row_start, row_end, col0 + PART * _ROWS, stride_om, "natural", BLOCK_M, MMA)
 
     @gluon.jit(do_not_specialize=["num_rows"])
     def _gemm1_kernel(w_desc, a_desc, s_ptr, as_ptr, inter_ptr, tile_expert_ptr, tile_row_start_ptr,
                       expert_offsets_ptr, N, K, num_rows, stride_sn, stride_am, stride_ag, stride_im, limit,
                       HAS_LIMIT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                      PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        """intermediate[rows, n] = SwiGLU(x @ gate[e, n]^T, x @ up[e, n]^T) in bf16 for 64 columns n a program
-        (N = I, K = H), x the tile's quantized activation rows (``a_desc``, scales ``as_ptr`` [rows, K/128])."""
+                      PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, NARROW: gl.constexpr):
+        """intermediate[rows, n] = SwiGLU(x @ gate[e, n]^T, x @ up[e, n]^T) in bf16 for 64 columns n a program (32
+        ``NARROW``; N = I, K = H), x the tile's quantized activation rows (``a_desc``, scales ``as_ptr`` [rows,
+        K/128])."""
+        BN: gl.constexpr = _ROWS // 2 if NARROW else _ROWS
         expert, col_block, row_start, row_end = _program(gl.program_id(0), tile_expert_ptr, tile_row_start_ptr,
-                                                         expert_offsets_ptr, N, _ROWS)
+                                                         expert_offsets_ptr, N, BN)
         if expert >= 0:
             MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                           instr_shape=[16, BLOCK_M, 32])
-            w_smem, a_smem, ready, empty = _ring(w_desc, a_desc, BLOCK_M, STAGES, 2)
+            CONSUMERS: gl.constexpr = 1 if NARROW else 2
+            w_smem, a_smem, ready, empty = _ring(w_desc, a_desc, BLOCK_M, STAGES, CONSUMERS)
             handover = gl.allocate_shared_memory(gl.float32, [_ROWS, BLOCK_M],
                                                  gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
             handed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             mbarrier.init(handed, count=1)
-            gate_row = expert * 2 * N + col_block * _ROWS  # rows of the [E·2N, K/2] bytes and [E·2N, K/128] words
+            gate_row = expert * 2 * N + col_block * BN  # rows of the [E·2N, K/2] bytes and [E·2N, K/128] words
             k_steps = K // _BK
-            gl.warp_specialize([
-                (_gemm1_gate, (w_smem, a_smem, ready, empty, s_ptr, as_ptr, inter_ptr, gate_row, stride_sn,
-                               stride_am, stride_ag, col_block * _ROWS, stride_im, row_start, row_end, num_rows,
-                               k_steps, handed, handover, limit, HAS_LIMIT, BLOCK_M, STAGES, MMA)),
-                (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, gate_row, gate_row + N, row_start,
-                            k_steps, STAGES, 2, 2)),
-                (_gemm1_up, (w_smem, a_smem, ready, empty, s_ptr, as_ptr, gate_row + N, stride_sn, stride_am,
-                             stride_ag, row_start, num_rows, k_steps, handed, handover, BLOCK_M, STAGES, MMA)),
-            ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
+            if NARROW:
+                gl.warp_specialize([
+                    (_gemm1_narrow, (w_smem, a_smem, ready, empty, s_ptr, as_ptr, inter_ptr, gate_row, N - BN,
+                                     stride_sn, stride_am, stride_ag, col_block * BN, stride_im, row_start, row_end,
+                                     num_rows, k_steps, handed, handover, limit, HAS_LIMIT, BLOCK_M, STAGES, MMA)),
+                    (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, gate_row, gate_row + N, row_start,
+                                k_steps, STAGES, 2, 1)),
+                ], [1], [PRODUCER_REGS])
+            else:
+                gl.warp_specialize([
+                    (_gemm1_gate, (w_smem, a_smem, ready, empty, s_ptr, as_ptr, inter_ptr, gate_row, stride_sn,
+                                   stride_am, stride_ag, col_block * BN, stride_im, row_start, row_end, num_rows,
+                                   k_steps, handed, handover, limit, HAS_LIMIT, BLOCK_M, STAGES, MMA)),
+                    (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, gate_row, gate_row + N, row_start,
+                                k_steps, STAGES, 2, 2)),
+                    (_gemm1_up, (w_smem, a_smem, ready, empty, s_ptr, as_ptr, gate_row + N, stride_sn, stride_am,
+                                 stride_ag, row_start, num_rows, k_steps, handed, handover, BLOCK_M, STAGES, MMA)),
+                ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
     @gluon.jit(do_not_specialize=["num_rows"])
     def _gemm2_kernel(w_desc, a_desc, s_ptr, as_ptr, out_ptr, tile_expert_ptr, tile_row_start_ptr,
                       expert_offsets_ptr, N, K, num_rows, stride_sn, stride_am, stride_ag, stride_om,
                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                      CONSUMER_REGS: gl.constexpr):
-        """out[rows, n] = intermediate[rows] @ down[e, n]^T in bf16 for 128 columns n a program (N = H, K = I), on
-        the quantized intermediate (``a_desc``, scales ``as_ptr``)."""
+                      CONSUMER_REGS: gl.constexpr, NARROW: gl.constexpr):
+        """out[rows, n] = intermediate[rows] @ down[e, n]^T in bf16 for 128 columns n a program (64 ``NARROW``;
+        N = H, K = I), on the quantized intermediate (``a_desc``, scales ``as_ptr``)."""
+        CONSUMERS: gl.constexpr = 1 if NARROW else 2
         expert, col_block, row_start, row_end = _program(gl.program_id(0), tile_expert_ptr, tile_row_start_ptr,
-                                                         expert_offsets_ptr, N, 2 * _ROWS)
+                                                         expert_offsets_ptr, N, CONSUMERS * _ROWS)
         if expert >= 0:
             MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                           instr_shape=[16, BLOCK_M, 32])
-            w_smem, a_smem, ready, empty = _ring(w_desc, a_desc, BLOCK_M, STAGES, 2)
-            w_row = expert * N + col_block * 2 * _ROWS
-            col0 = col_block * 2 * _ROWS
+            w_smem, a_smem, ready, empty = _ring(w_desc, a_desc, BLOCK_M, STAGES, CONSUMERS)
+            w_row = expert * N + col_block * CONSUMERS * _ROWS
+            col0 = col_block * CONSUMERS * _ROWS
             k_steps = K // _BK
-            gl.warp_specialize([
-                (_gemm2_part, (w_smem, a_smem, ready, empty, s_ptr, as_ptr, out_ptr, w_row, stride_sn, stride_am,
-                               stride_ag, col0, stride_om, row_start, row_end, num_rows, k_steps, 0, BLOCK_M,
-                               STAGES, MMA)),
-                (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, w_row, w_row + _ROWS, row_start, k_steps,
-                            STAGES, 2, 2)),
-                (_gemm2_part, (w_smem, a_smem, ready, empty, s_ptr, as_ptr, out_ptr, w_row, stride_sn, stride_am,
-                               stride_ag, col0, stride_om, row_start, row_end, num_rows, k_steps, 1, BLOCK_M,
-                               STAGES, MMA)),
-            ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
+            if NARROW:
+                gl.warp_specialize([
+                    (_gemm2_part, (w_smem, a_smem, ready, empty, s_ptr, as_ptr, out_ptr, w_row, stride_sn,
+                                   stride_am, stride_ag, col0, stride_om, row_start, row_end, num_rows, k_steps, 0,
+                                   1, BLOCK_M, STAGES, MMA)),
+                    (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, w_row, w_row, row_start, k_steps,
+                                STAGES, 1, 1)),
+                ], [1], [PRODUCER_REGS])
+            else:
+                gl.warp_specialize([
+                    (_gemm2_part, (w_smem, a_smem, ready, empty, s_ptr, as_ptr, out_ptr, w_row, stride_sn,
+                                   stride_am, stride_ag, col0, stride_om, row_start, row_end, num_rows, k_steps, 0,
+                                   2, BLOCK_M, STAGES, MMA)),
+                    (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, w_row, w_row + _ROWS, row_start,
+                                k_steps, STAGES, 2, 2)),
+                    (_gemm2_part, (w_smem, a_smem, ready, empty, s_ptr, as_ptr, out_ptr, w_row, stride_sn,
+                                   stride_am, stride_ag, col0, stride_om, row_start, row_end, num_rows, k_steps, 1,
+                                   2, BLOCK_M, STAGES, MMA)),
+                ], [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
-def descriptors(values: torch.Tensor, rows: torch.Tensor, block_m: int) -> tuple[object, object]:
-    """TMA descriptors of a 64-row box of packed bytes (``values`` [E, N, K/2] seen as [E·N, K/2], a step's 64
-    bytes a row) and of a tile's e4m3 activation rows (a step's 128)."""
+def descriptors(values: torch.Tensor, rows: torch.Tensor, block_m: int,
+                box_rows: int = ROWS) -> tuple[object, object]:
+    """TMA descriptors of a box of ``box_rows`` rows of packed bytes (``values`` [E, N, K/2] seen as [E·N, K/2], a
+    step's 64 bytes a row) and of a tile's e4m3 activation rows (a step's 128)."""
     E, N, half_k = values.shape
-    w_layout = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_K // 2], gl.int8)
+    w_layout = gl.NVMMASharedLayout.get_default_for([box_rows, BLOCK_K // 2], gl.int8)
     a_layout = gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.float8e4nv)
-    return (TensorDescriptor.from_tensor(values.view(torch.int8).reshape(E * N, half_k), [ROWS, BLOCK_K // 2],
+    return (TensorDescriptor.from_tensor(values.view(torch.int8).reshape(E * N, half_k), [box_rows, BLOCK_K // 2],
                                          w_layout),
             TensorDescriptor.from_tensor(rows, [block_m, BLOCK_K], a_layout))
 
@@ -251,15 +299,20 @@ def experts_mxfp4_w4a8_decode(
     quantize_rows_into(hidden, rows, row_scales, plan, gather=True, word_order=True)
     inter = torch.empty(plan.num_rows, width, dtype=torch.bfloat16, device=hidden.device)
     s1, s2 = _exponent_words(gate_up.scales), _exponent_words(down.scales)
-    w_desc, a_desc = descriptors(gate_up.values, rows, plan.block_m)
-    _gemm1_kernel[(num_tiles * (width // ROWS),)](
+    programs = num_tiles * (width // ROWS)
+    narrow = ws.narrow_grid(programs, plan.block_m, hidden.device)  # as W4A16's: 32 columns a program, not 64
+    w_desc, a_desc = descriptors(gate_up.values, rows, plan.block_m, ROWS // 2 if narrow else ROWS)
+    _gemm1_kernel[(2 * programs if narrow else programs,)](
         w_desc, a_desc, s1, row_scales, inter, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
         width, hidden_size, plan.num_rows, s1.stride(0), row_scales.stride(0), row_scales.stride(1), inter.stride(0),
-        0.0 if swiglu_limit is None else float(swiglu_limit), HAS_LIMIT=swiglu_limit is not None, **consts)
+        0.0 if swiglu_limit is None else float(swiglu_limit), HAS_LIMIT=swiglu_limit is not None, NARROW=narrow,
+        **consts)
     inter_rows, inter_scales = quantized_rows(plan, width, hidden.device)
     quantize_rows_into(inter, inter_rows, inter_scales, plan, gather=False)
+    programs = num_tiles * (hidden_size // (2 * ROWS))
+    narrow = ws.narrow_grid(programs, plan.block_m, hidden.device)  # 64 columns a program, not 128
     w_desc, a_desc = descriptors(down.values, inter_rows, plan.block_m)
-    _gemm2_kernel[(num_tiles * (hidden_size // (2 * ROWS)),)](
+    _gemm2_kernel[(2 * programs if narrow else programs,)](
         w_desc, a_desc, s2, inter_scales, out, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
         hidden_size, width, plan.num_rows, s2.stride(0), inter_scales.stride(0), inter_scales.stride(1),
-        out.stride(0), **consts)
+        out.stride(0), NARROW=narrow, **consts)

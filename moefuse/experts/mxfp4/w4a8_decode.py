@@ -48,7 +48,7 @@ if gluon is not None:
 
     from ..gluon_common import swiglu
     from .w4a8 import _offsets
-    from .ws import WORD_LAYOUT, _produce, _program, _ring, _store
+    from .ws import WORD_LAYOUT, _narrow_swiglu, _produce, _program, _ring, _store
 
 BLOCK_K = 128  # one activation scale and one int32 of weight exponents per row and step
 
@@ -171,13 +171,8 @@ if gluon is not None:
         columns, meeting through shared memory for SwiGLU."""
         acc = _consume(w_smem, a_smem, ready, empty, s_ptr, as_ptr, s_row, up_jump, stride_sn, stride_am, stride_ag,
                        row_start, num_rows, k_steps, 0, 1, BLOCK_M, STAGES, MMA)
-        handover.store(acc)
-        mbarrier.arrive(handed)  # after a barrier of the warp group: every warp's half is stored
-        mbarrier.wait(handed, 0)
-        EPI: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])  # a thread a column, warps along rows
-        half: gl.constexpr = _ROWS // 2
-        act = swiglu(handover.slice(0, half).load(EPI), handover.slice(half, half).load(EPI), limit, HAS_LIMIT)
-        _store(act, inter_ptr, row_start, row_end, col0, stride_im, "words", BLOCK_M, EPI, half)
+        _narrow_swiglu(acc, handed, handover, inter_ptr, row_start, row_end, col0, stride_im, limit, HAS_LIMIT, "words",
+                       BLOCK_M)
 
     @gluon.jit
     def _gemm2_part(w_smem, a_smem, ready, empty, s_ptr, as_ptr, out_ptr, s_row, stride_sn, stride_am, stride_ag,

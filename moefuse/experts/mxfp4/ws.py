@@ -208,13 +208,22 @@ if gluon is not None:
         (held by warps 0-1 and 2-3), which meet through shared memory for SwiGLU."""
         acc = _consume(w_smem, a_smem, ready, empty, s_ptr, s_row, up_jump, stride_sn, k_steps, 0, 1, BLOCK_M, STAGES,
                        WL, MMA)
+        _narrow_swiglu(acc, handed, handover, out_ptr, row_start, row_end, col0, stride_om, limit, HAS_LIMIT, "paired",
+                       BLOCK_M)
+
+    @gluon.jit
+    def _narrow_swiglu(acc, handed, handover, out_ptr, row_start, row_end, col0, stride_om, limit,
+                       HAS_LIMIT: gl.constexpr, ORDER: gl.constexpr, BLOCK_M: gl.constexpr):
+        """A narrow GEMM1 consumer's epilogue: the gate rows of ``acc`` (its first 32, warps 0-1) meet the up rows of
+        the same columns (its last 32, warps 2-3) through shared memory for SwiGLU, stored in ``ORDER``
+        (``_store``)."""
         handover.store(acc)
         mbarrier.arrive(handed)  # after a barrier of the warp group: every warp's half is stored
         mbarrier.wait(handed, 0)
         EPI: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])  # a thread a column, warps along rows
         half: gl.constexpr = _ROWS // 2
         act = swiglu(handover.slice(0, half).load(EPI), handover.slice(half, half).load(EPI), limit, HAS_LIMIT)
-        _store(act, out_ptr, row_start, row_end, col0, stride_om, "paired", BLOCK_M, EPI, half)
+        _store(act, out_ptr, row_start, row_end, col0, stride_om, ORDER, BLOCK_M, EPI, half)
 
     @gluon.jit
     def _program(pid, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, BN: gl.constexpr):

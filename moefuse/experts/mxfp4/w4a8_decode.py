@@ -48,7 +48,7 @@ if gluon is not None:
 
     from ..gluon_common import swiglu
     from .w4a8 import _offsets
-    from .ws import WORD_LAYOUT, _narrow_swiglu, _produce, _program, _ring, _store
+    from .ws import WORD_LAYOUT, _narrow_swiglu, _produce, _program, _ring, _rows, _store
 
 BLOCK_K = 128  # one activation scale and one int32 of weight exponents per row and step
 
@@ -78,11 +78,6 @@ if gluon is not None:
         reg_bases=[[0, 1], [0, 2], [8, 0], [0, 16], [0, 32]],
         lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[ROWS, BLOCK_K // 2])
-
-    @gluon.jit
-    def _rows(rows, s_jump):
-        """A box's rows of exponents from its first: its second 32 rows ``s_jump`` further (narrow GEMM1's up rows)."""
-        return rows + gl.where(rows >= _ROWS // 2, s_jump, 0)
 
     @gluon.jit
     def _bases(s_ptr, s_row, s_jump, stride_sn, k_steps, layout: gl.constexpr):

@@ -116,6 +116,11 @@ if gluon is not None:
             tma_load(a_desc, [a_row, i * _BK], ready.index(s), a_smem.index(s))
 
     @gluon.jit
+    def _rows(rows, s_jump):
+        """A box's rows of exponents from its first: its second 32 rows ``s_jump`` further (narrow GEMM1's up rows)."""
+        return rows + gl.where(rows >= _ROWS // 2, s_jump, 0)
+
+    @gluon.jit
     def _consume(w_smem, a_smem, ready, empty, s_ptr, s_row, s_jump, stride_sn, k_steps, PART: gl.constexpr,
                  BUFS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, WL: gl.constexpr,
                  MMA: gl.constexpr):
@@ -127,7 +132,7 @@ if gluon is not None:
         rows = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, WL))
         cols = gl.arange(0, _BK // 8, layout=gl.SliceLayout(0, WL))
         selector = gl.expand_dims((cols // 4) * 0x1010 + 0x0404, 0)  # word c is in group c / 4 of the step
-        s_ptrs = s_ptr + (s_row + rows + gl.where(rows >= _ROWS // 2, s_jump, 0)).to(gl.int64) * stride_sn
+        s_ptrs = s_ptr + (s_row + _rows(rows, s_jump)).to(gl.int64) * stride_sn
         exponents = gl.load(s_ptrs)
         acc = gl.zeros([_ROWS, BLOCK_M], gl.float32, MMA)
         for i in range(k_steps):

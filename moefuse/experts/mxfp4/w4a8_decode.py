@@ -289,20 +289,18 @@ def experts_mxfp4_w4a8_decode(
     quantize_rows_into(hidden, rows, row_scales, plan, gather=True, word_order=True)
     inter = torch.empty(plan.num_rows, width, dtype=torch.bfloat16, device=hidden.device)
     s1, s2 = _exponent_words(gate_up.scales), _exponent_words(down.scales)
-    programs = num_tiles * (width // ROWS)
-    narrow = ws.narrow_grid(programs, plan.block_m, hidden.device)  # as W4A16's: 32 columns a program, not 64
+    grid, narrow = ws.launch_grid(num_tiles * (width // ROWS), plan.block_m, hidden.device)  # as W4A16's
     w_desc, a_desc = descriptors(gate_up.values, rows, plan.block_m, ROWS // 2 if narrow else ROWS)
-    _gemm1_kernel[(2 * programs if narrow else programs,)](
+    _gemm1_kernel[grid](
         w_desc, a_desc, s1, row_scales, inter, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
         width, hidden_size, plan.num_rows, s1.stride(0), row_scales.stride(0), row_scales.stride(1), inter.stride(0),
         0.0 if swiglu_limit is None else float(swiglu_limit), HAS_LIMIT=swiglu_limit is not None, NARROW=narrow,
         **consts)
     inter_rows, inter_scales = quantized_rows(plan, width, hidden.device)
     quantize_rows_into(inter, inter_rows, inter_scales, plan, gather=False)
-    programs = num_tiles * (hidden_size // (2 * ROWS))
-    narrow = ws.narrow_grid(programs, plan.block_m, hidden.device)  # 64 columns a program, not 128
+    grid, narrow = ws.launch_grid(num_tiles * (hidden_size // (2 * ROWS)), plan.block_m, hidden.device)
     w_desc, a_desc = descriptors(down.values, inter_rows, plan.block_m)
-    _gemm2_kernel[(2 * programs if narrow else programs,)](
+    _gemm2_kernel[grid](
         w_desc, a_desc, s2, inter_scales, out, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
         hidden_size, width, plan.num_rows, s2.stride(0), inter_scales.stride(0), inter_scales.stride(1),
         out.stride(0), NARROW=narrow, **consts)

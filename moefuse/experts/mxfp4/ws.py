@@ -365,6 +365,13 @@ def narrow_grid(programs: int, block_m: int, device: torch.device) -> bool:
     return block_m in NARROW_HEIGHTS and sms < programs <= 2 * sms
 
 
+def launch_grid(programs: int, block_m: int, device: torch.device) -> tuple[tuple[int], bool]:
+    """The grid of a GEMM whose wide grid is ``programs`` programs, and whether its programs are narrow
+    (:func:`narrow_grid`): two narrow programs share a wide one's columns."""
+    narrow = narrow_grid(programs, block_m, device)
+    return (2 * programs if narrow else programs,), narrow
+
+
 def _descriptors(words: torch.Tensor, rows: torch.Tensor, block_m: int, box_rows: int = ROWS) -> tuple[object, object]:
     """TMA descriptors of a weight box (``box_rows`` rows of ``words`` [E, N, K/8] seen as [E·N, K/8]) and of
     a tile's activation rows."""
@@ -397,16 +404,14 @@ def experts_mxfp4_ws(
     launch = {"num_warps": 4, "maxnreg": shape.maxnreg}
     consts = {"BLOCK_M": plan.block_m, "STAGES": shape.stages, "WL": WORD_LAYOUT, "PRODUCER_REGS": PRODUCER_REGS,
               "CONSUMER_REGS": shape.consumer_regs}
-    programs = num_tiles * (width // ROWS)
-    narrow = narrow_grid(programs, plan.block_m, hidden.device)  # 32 columns a program, not 64
+    grid, narrow = launch_grid(num_tiles * (width // ROWS), plan.block_m, hidden.device)  # narrow: 32 columns, not 64
     w_desc, a_desc = _descriptors(w1, rows, plan.block_m, ROWS // 2 if narrow else ROWS)
-    _gemm1_ws_kernel[(2 * programs if narrow else programs,)](
+    _gemm1_ws_kernel[grid](
         w_desc, a_desc, s1, inter, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
         width, hidden_size, s1.stride(0), inter.stride(0), 0.0 if swiglu_limit is None else float(swiglu_limit),
         HAS_LIMIT=swiglu_limit is not None, NARROW=narrow, **consts, **launch)
-    programs = num_tiles * (hidden_size // (2 * ROWS))
-    narrow = narrow_grid(programs, plan.block_m, hidden.device)  # 64 columns a program, not 128
+    grid, narrow = launch_grid(num_tiles * (hidden_size // (2 * ROWS)), plan.block_m, hidden.device)  # 64, not 128
     w_desc, a_desc = _descriptors(w2, inter, plan.block_m)
-    _gemm2_ws_kernel[(2 * programs if narrow else programs,)](
+    _gemm2_ws_kernel[grid](
         w_desc, a_desc, s2, out, plan.tile_expert, plan.tile_row_start, plan.expert_offsets,
         hidden_size, width, s2.stride(0), out.stride(0), NARROW=narrow, **consts, **launch)

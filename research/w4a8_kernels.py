@@ -5,7 +5,12 @@ one random routing a token count: each kernel's device time per call under ``tor
 mean of ``--calls`` eager calls after five warm-ups) and its launches per call. Kernels of one name are added
 (W4A8's two quantization passes are one ``_quantize_rows_kernel`` line, two launches).
 
-    python -m research.w4a8_kernels [--tokens 1 1024 4096] [--calls 20]
+    python -m research.w4a8_kernels [--tokens 1 1024 4096] [--calls 20] [--formats W4A8 W4A16 fp8] [--ncu]
+
+``fp8``: the same model's routed experts with fp8 block-scale weights (``quant="fp8"``): at 128-row tiles the same
+e4m3 MMA work as W4A8's kernels, with no unpacking. ``--ncu``: three plain calls of each format (no profiler), for
+Nsight Compute, one format a run; at 4,096 tokens, GEMM1 then GEMM2 a call, so the third call's GEMMs are
+``ncu -k regex:'_w4a8_kernel|_persistent_fp8_kernel' --launch-skip 4 --launch-count 2``.
 """
 
 from __future__ import annotations
@@ -42,18 +47,26 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 1024, 4096])
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--formats", nargs="+", default=["W4A8", "W4A16"], choices=["W4A8", "W4A16", "fp8"])
+    parser.add_argument("--ncu", action="store_true", help="three plain calls a format, no profiler (docstring)")
     args = parser.parse_args(argv)
-    layer = MoELayer(preset("deepseek-v4-flash"), device="cuda", quant="mxfp4").init_random_(0)
-    c = layer.config
-    gate_up, down = layer.experts.weights()
+    layers = {quant: MoELayer(preset("deepseek-v4-flash"), device="cuda", quant=quant).init_random_(0)
+              for quant in {"fp8" if name == "fp8" else "mxfp4" for name in args.formats}}
+    c = next(iter(layers.values())).config
     gen = torch.Generator("cuda").manual_seed(0)
     for M in args.tokens:
         x = torch.randn(M, c.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
         with torch.no_grad():
-            weights, ids = layer.gate(x)
-            for name, quant in (("W4A8", "fp8"), ("W4A16", None)):
+            weights, ids = next(iter(layers.values())).gate(x)  # one routing for every format
+            for name in args.formats:
+                gate_up, down = layers["fp8" if name == "fp8" else "mxfp4"].experts.weights()
                 call = partial(routed_experts, x, gate_up, down, weights, ids, swiglu_limit=c.swiglu_limit,
-                               activation_quant=quant)
+                               activation_quant={"W4A8": "fp8", "W4A16": None}.get(name, "default"))
+                if args.ncu:
+                    for _ in range(3):
+                        call()
+                    torch.cuda.synchronize()
+                    continue
                 times = kernel_times(call, args.calls)
                 print(f"{M} tokens, {name}: {sum(us for us, _ in times.values()):.1f} µs", flush=True)
                 for kernel, (us, n) in sorted(times.items(), key=lambda item: -item[1][0]):

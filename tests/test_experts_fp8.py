@@ -296,6 +296,8 @@ def test_gate_and_up_halves_give_the_unsplit_bits(M, shape, block_m, columns, ge
     x, w1, w2, ids = _inputs(gen, M, 2, 4, H, I, invalid=0.2, device=device)
     x[1, 100] = float("nan")
     ids[1] = torch.tensor([0, 3], dtype=ids.dtype)  # the NaN token has rows
+    # Finite rows and a -1 slot whatever the draw: at three tokens the other two drew no valid slot once in 625.
+    ids[0] = torch.tensor([2, -1], dtype=ids.dtype)
     plan = moe_dispatch(ids, 4, block_m, backend="triton")
     tiles = configs.heuristic(M, 4, H, I, 2, torch.float8_e4m3fn, block_m=block_m)
     workspace = experts_workspace(device)

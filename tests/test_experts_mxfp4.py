@@ -478,6 +478,9 @@ def test_narrow_programs_only_where_the_wide_grid_is_uneven(monkeypatch):
     assert [mxfp4_ws.narrow_grid(p, 16, cpu) for p in (108, 132, 133, 192, 264, 265, 416)] == [
         False, False, True, True, True, False, False]
     assert not any(mxfp4_ws.narrow_grid(192, block_m, cpu) for block_m in (32, 64, 128))
+    # The launch: two narrow programs a wide one's columns.
+    assert [mxfp4_ws.launch_grid(p, 16, cpu) for p in (132, 192)] == [((132,), False), ((384,), True)]
+    assert mxfp4_ws.launch_grid(192, 32, cpu) == ((192,), False)
 
 
 # --- W4A8: fp8 MMAs at prefill (SPEC §6) -------------------------------------------------------------------------

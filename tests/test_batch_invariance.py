@@ -2,9 +2,10 @@
 
 Every stage must sum a row in one order at every batch size: the router linear on one launch, the fused gate one row
 a program, the grouped GEMMs on wgmma at every size (16-bit: tiles of 64 rows or more; fp8: shorter tiles swapped,
-the weights as the MMA's M; MXFP4 W4A16 gives a row the same bits on every tile height), fp8 GEMM1 never split
-along K, the shared expert as one more slot of the grouped GEMMs at every size (where the layer cannot, on the side
-stream through kernels of one order). The batches below cross the sizes where the plans change tile height (16 -> 64
+the weights as the MMA's M; MXFP4 W4A16 gives a row the same bits on every tile height), fp8 GEMM1 split along K
+the same way at every size (routed experts never; a lone expert, MXFP4's fp8 shared one, always), the shared
+expert as one more slot of the grouped GEMMs at every size (where the layer cannot, on the side stream through
+kernels of one order). The batches below cross the sizes where the plans change tile height (16 -> 64
 -> 128 rows, the fp8 persistent kernels from 2,048 tokens on a GPU)
 and primes around them, with the token at the first, a middle and the last position, among adversarial neighbours
 (huge and tiny rows). Kernels run compiled on a GPU and through Triton's interpreter on the CPU (smaller batches

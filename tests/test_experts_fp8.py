@@ -12,7 +12,7 @@ from tolerances import experts_tolerance
 
 from moefuse import _runtime
 from moefuse.config import PRESETS
-from moefuse.dispatch import moe_dispatch
+from moefuse.dispatch import DispatchPlan, moe_dispatch
 from moefuse.experts import (
     GemmTiles,
     TileConfig,
@@ -186,11 +186,11 @@ def test_nan_stays_in_its_token(M, limit, gen, device):
 @pytest.mark.parametrize("depth", [128, 256], ids=["one-box-steps", "two-box-steps"])
 def test_split_k_matches_float64_and_repeats(depth, split_k, M, gen, device):
     """GEMM1 in runs of K steps, each its own program, summed by the last to finish (decode): against float64 at
-    the short tiles' tolerance, on H = 520 (five boxes, the last of 8 columns: runs of one, two or three steps, one
-    of them short; in four runs the last has none, and must still arrive; in steps of two boxes, three steps, the
-    last one box) and I = 136 (partial blocks), -1 slots, the clamp, a NaN token, at 10 and 66 rows (each run starts
-    at its own step of the quantized rows); on a GPU, where the programs race, two runs give the same bits (the runs
-    are added in split order, whichever finishes last)."""
+    the short tiles' tolerance, on H = 520 (five boxes, the last of 8 columns: runs of whole two-box steps, one or
+    two of them, the last short; in three or more runs the last ones have none, and must still arrive; in steps of
+    two boxes, three steps, the last one box) and I = 136 (partial blocks), -1 slots, the clamp, a NaN token, at
+    10 and 66 rows (each run starts at its own step of the quantized rows); on a GPU, where the programs race, two
+    runs give the same bits (the runs are added in split order, whichever finishes last)."""
     x, w1, w2, ids = _inputs(gen, M, 2, 4, 520, 136, invalid=0.2, device=device)
     x[3, 300] = float("nan")
     ids[3] = torch.tensor([0, 1], dtype=ids.dtype)  # the NaN token has rows
@@ -213,13 +213,16 @@ def test_split_k_matches_float64_and_repeats(depth, split_k, M, gen, device):
         experts_fp8(x, w1, w2, plan, out, tiles, tiles, split_k=0)
 
 
+@pytest.mark.parametrize("split_k", [1, 2, 4])
 @pytest.mark.parametrize("shape", [(520, 136), (392, 264), (256, 648)], ids=["pointer-rows", "tma-rows", "wide"])
 @pytest.mark.parametrize("M", [3, 40], ids=["few-rows", "many-rows"])
-def test_two_box_steps_sum_as_one_box_steps(shape, M, gen, device):
+def test_two_box_steps_sum_as_one_box_steps(shape, M, split_k, gen, device):
     """Steps of two K-adjacent boxes (short tiles' default: ``configs.heuristic`` item 6) promote each box on its
     own, in K order: the same bits as steps of one box, in both GEMMs, with an odd count of boxes (the last step's
     second box past K, whose scale index must stay in range), a last box of 8 columns, rows read by pointers
-    (H = 520, I = 136: not 16-byte rows) or through TMA, and GEMM2's K in six boxes (I = 648)."""
+    (H = 520, I = 136: not 16-byte rows) or through TMA, and GEMM2's K in six boxes (I = 648). GEMM1 split along K
+    too: its runs are whole two-box steps whatever a step's boxes (``_split_range``), so a split gives a row the same
+    bits on either (what a batch-invariant lone expert, split at every size, needs: ``invariant_split_k``)."""
     H, I = shape
     x, w1, w2, ids = _inputs(gen, M, 2, 3, H, I, invalid=0.2, device=device)
     plan = moe_dispatch(ids, 3, 16, backend="triton")
@@ -227,7 +230,7 @@ def test_two_box_steps_sum_as_one_box_steps(shape, M, gen, device):
     for depth in (128, 256):
         tiles = GemmTiles(128, depth, 1, 4, 3)
         out = torch.full((plan.num_rows, H), float("nan"), dtype=x.dtype, device=device)
-        experts_fp8(x, w1, w2, plan, out, tiles, tiles, 1.5, split_k=1)
+        experts_fp8(x, w1, w2, plan, out, tiles, tiles, 1.5, split_k=split_k)
         outs.append(out)
     assert torch.equal(outs[0].isnan(), outs[1].isnan()) and torch.equal(outs[0].nan_to_num(), outs[1].nan_to_num())
     n = int(plan.expert_offsets[-1])
@@ -395,6 +398,60 @@ def test_swapped_wgmma_tiles_are_at_least_64_columns_wide():
         assert fp8_kernels.fp8_tiles(narrow, block_m, False, 1).block_n == 32  # the default keeps its tile
     assert fp8_kernels.fp8_tiles(narrow, 64, False, 1, wgmma=True).block_n == 32  # unswapped: its rows are M
     assert fp8_kernels.fp8_tiles(GemmTiles(128, 128, 1, 4, 3), 16, False, 1, wgmma=True).block_n == 128
+
+
+@pytest.mark.parametrize("at", [0, "middle", "last"])
+def test_lone_expert_splits_at_every_size_in_the_invariant_order(at, gen, device):
+    """A lone fp8 expert (a shared expert on the side stream, beside routed experts of another format) in the
+    batch-invariant order splits GEMM1's K in ``FP8_LONE_SPLIT`` runs at every size (``invariant_split_k``), as the
+    default does at one token, and never takes the persistent kernels (which do not split): a token alone and inside
+    batches whose plans take other tile heights and step depths (16-row swapped, 32 and 64 rows; on a GPU past
+    ``persistent.FP8_MIN_TOKENS``) among huge and tiny neighbours has the same bits. H = 1,280: ten boxes, runs of
+    512, 512 and 256 and an empty fourth. A plain token is checked against float64 too; an adversarial one has a
+    box 2^16 times its others' at the end of the first run and its negation (same weights) at the start of the
+    second, so that where its sums are cut changes its bits (checked: unsplit, it differs), which the intermediate's
+    e4m3 rounding would otherwise mostly hide. Routed experts never split."""
+    H, I = 1280, 256
+    assert fp8_kernels.invariant_split_k(1) == configs.FP8_LONE_SPLIT > 1 and fp8_kernels.invariant_split_k(8) == 1
+    w1 = torch.randn(1, 2 * I, H, generator=gen) / math.sqrt(H)
+    w1[..., 512:640] = w1[..., 384:512]
+    w2 = torch.randn(1, H, I, generator=gen) / math.sqrt(I)
+    w1, w2 = (BlockFP8(f.values.to(device), f.scales.to(device)) for f in map(BlockFP8.quantize, (w1, w2)))
+    gpu = _runtime.GPU("NVIDIA H100 80GB HBM3", (9, 0), 132, configs.HOPPER_SMEM)
+    assert plan_block_m(4096, w1, 1, torch.bfloat16, arch=gpu) == persistent.BLOCK_M  # the default's prefill
+    assert plan_block_m(4096, w1, 1, torch.bfloat16, arch=gpu, batch_invariant=True) < persistent.BLOCK_M
+    plain = torch.randn(H, generator=gen)
+    adversarial = plain.clone()
+    adversarial[384:512] *= 2.0**16
+    adversarial[512:640] = -adversarial[384:512]
+    tokens = torch.stack([plain, adversarial]).bfloat16().to(device)
+
+    def plan_of(M: int) -> DispatchPlan:
+        block_m = plan_block_m(M, w1, 1, torch.bfloat16, batch_invariant=True)
+        return moe_dispatch(torch.zeros(M, 1, dtype=torch.int32, device=device), 1, block_m, backend="triton")
+
+    def rows_of(batch: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        plan = plan_of(batch.shape[0])
+        out = moe_experts(batch, w1, w2, plan, backend="triton", batch_invariant=True)
+        return out[plan.expanded_to_permuted.long()[rows]]  # top-1: a token's slot is its row
+
+    alone = torch.stack([rows_of(tokens[i : i + 1], [0])[0] for i in range(2)])
+    plan = plan_of(1)
+    want = moe_experts_fp8_torch(tokens[:1], w1, w2, plan, dtype=torch.float64)[:1]
+    assert_rel_close(alone[:1], want, experts_tolerance("fp8", 64, 1)[0], "lone fp8 expert, split")
+    unsplit = torch.full((plan.num_rows, H), float("nan"), dtype=torch.bfloat16, device=device)
+    tiles = GemmTiles(128, 128, 1, 4, 3)
+    experts_fp8(tokens[1:], w1, w2, plan, unsplit, tiles, tiles, split_k=1, halves=False, wgmma=True)
+    assert not torch.equal(unsplit[plan.expanded_to_permuted.long()[0]], alone[1]), "the adversarial token cannot fail"
+    sizes = (17, 40, 70, 2100) if torch.device(device).type == "cuda" else (17, 40, 70)
+    for M in sizes:
+        batch = torch.randn(M, H, generator=gen).bfloat16().to(device)
+        batch[::3] *= 300.0
+        batch[1::5] *= 1e-4
+        row = {0: 0, "middle": M // 2, "last": M - 2}[at]
+        batch[row : row + 2] = tokens
+        got = rows_of(batch, [row, row + 1])
+        assert torch.equal(got, alone), f"tokens at {row} of {M}: {(got.float() - alone.float()).abs().max():.3e}"
 
 
 def test_halves_take_a_launch_of_their_own():

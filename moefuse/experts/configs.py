@@ -79,6 +79,10 @@ FP8_SPLIT_PAIR_STAGES = 2
 FP8_HALVES_WARPS = 4
 FP8_HALVES_STAGES = 3
 FP8_SPLIT_MAX = 4  # the most runs fp8_split_k splits GEMM1's K into (5, 6 and 8 measured no faster)
+# A lone expert's GEMM1 (a shared expert beside routed experts of another format) in a batch-invariant layer: K in
+# this many runs at every size, the split fp8_split_k takes at one token for the presets' shared widths on 132 SMs
+# (I = 768..4,096), so that the invariant token splits as the default's does (fp8/kernels.invariant_split_k).
+FP8_LONE_SPLIT = 4
 MXFP4_FEW_ROWS = 16  # at most this many routed rows: MXFP4's deeper decode tiles (heuristic, item 7)
 # MXFP4's tile heights and the most rows per touched expert each takes before the next is faster (heuristic, item 7);
 # more rows take 128-row tiles.

@@ -73,7 +73,9 @@ def moe_experts(
             the same time, on different streams, must not share one; calls one after another on a stream may.
         batch_invariant: None (the process default, ``moefuse.set_defaults``), or True for sums in one order at
             every plan size: 16-bit and fp8 GEMMs run wgmma on every tile height (shorter tiles swapped), fp8 GEMM1
-            is never split along K, and fp32 weights need a plan of ``block_m`` >= 32 (``plan_block_m(...,
+            is split along K the same way at every size (a lone expert in ``FP8_LONE_SPLIT`` runs, off the
+            persistent kernels; routed experts never: ``fp8.kernels.invariant_split_k``), and fp32 weights need a
+            plan of ``block_m`` >= 32 (``plan_block_m(...,
             batch_invariant=True)`` gives it). A row's output is then the same bits in any batch (docs/USAGE.md,
             batch invariance).
         persistent: None (the process default), or "auto" / "all" / "none": which persistent prefill kernels run
@@ -295,11 +297,14 @@ def plan_block_m(
     height = pick_block_m(num_tokens, E, H, I, top_k, dtype, target)  # cached: the table's, else the heuristic's
     if isinstance(gate_up_proj, MXFP4) and quant == "fp8":  # W4A16's height, where W4A8 has kernels of it
         return height if height in mxfp4_w4a8_decode.LAUNCH else mxfp4_w4a8.BLOCK_M
-    floor = invariant_rows(gate_up_proj, hidden_dtype) if _runtime.batch_invariant(batch_invariant) else 0
+    invariant = _runtime.batch_invariant(batch_invariant)
+    floor = invariant_rows(gate_up_proj, hidden_dtype) if invariant else 0
     if isinstance(gate_up_proj, BlockFP8):  # 128 rows are the persistent kernels' (the tl kernels' spill)
         tuned = configs.tuned(E, H, I, top_k, dtype, target)
         tall = height == _persistent.BLOCK_M if tuned else num_tokens >= _persistent.FP8_MIN_TOKENS
-        if tall and _persistent.runs_fp8(H, I, None if target is None else configs.gpu_of(target), persistent):
+        splits = invariant and fp8_kernels.invariant_split_k(E) > 1  # at every size: not on the persistent kernels
+        if tall and not splits and _persistent.runs_fp8(H, I, None if target is None else configs.gpu_of(target),
+                                                        persistent):
             return _persistent.BLOCK_M
         if tuned and height == _persistent.BLOCK_M:  # the table's 128 rows where the persistent kernels do not run
             height = configs.heuristic(num_tokens, E, H, I, top_k, dtype, gpu=configs.gpu_of(target)).block_m
@@ -314,8 +319,9 @@ def launch_variant(gate_up_proj: ExpertWeight, num_rows: int, activation_quant: 
     halves (the columns each of their programs sums), MXFP4's W4A8 kernels. Warm-up keys on it."""
     if isinstance(gate_up_proj, BlockFP8):
         width, device = gate_up_proj.shape[1] // 2, gate_up_proj.values.device
-        split = 1 if batch_invariant else fp8_kernels.default_split_k(num_rows, width, device)
-        halves = fp8_kernels.default_halves(num_rows, width, 1 if batch_invariant else None, device)
+        invariant_split = fp8_kernels.invariant_split_k(gate_up_proj.shape[0])
+        split = invariant_split if batch_invariant else fp8_kernels.default_split_k(num_rows, width, device)
+        halves = fp8_kernels.default_halves(num_rows, width, invariant_split if batch_invariant else None, device)
         return ("split_k", split, fp8_kernels.default_half_columns(num_rows, width, device) if halves else 0,
                 "wgmma" if batch_invariant else "")
     if isinstance(gate_up_proj, MXFP4):
@@ -476,13 +482,15 @@ def _fp8(hidden: torch.Tensor, gate_up: BlockFP8, down: BlockFP8, plan: Dispatch
          batch_invariant: bool = False) -> None:
     """W8A8: the persistent kernels where they take the shapes (128-row plans on Hopper, which ``plan_block_m`` gives
     where they measured faster) unless ``persistent`` is off, else the ``tl`` kernels: GEMM1 split along K where
-    ``fp8.kernels.default_split_k`` says, or with ``batch_invariant`` never split and on wgmma at every tile height
-    (a row's sums those of the 64-row and persistent tiles)."""
-    if persistent and _persistent.eligible_fp8(hidden, gate_up, down, plan, out):
+    ``fp8.kernels.default_split_k`` says, or with ``batch_invariant`` split as ``fp8.kernels.invariant_split_k``
+    says at every size (a lone expert: never on the persistent kernels, which do not split) and on wgmma at every
+    tile height (a row's sums those of the 64-row and persistent tiles)."""
+    split = fp8_kernels.invariant_split_k(gate_up.shape[0]) if batch_invariant else None
+    if persistent and split in (None, 1) and _persistent.eligible_fp8(hidden, gate_up, down, plan, out):
         _persistent.experts_persistent_fp8(hidden, gate_up, down, plan, out, swiglu_limit)
     else:
         experts_fp8(hidden, gate_up, down, plan, out, gemm1_tiles, gemm2_tiles, swiglu_limit, use_pdl=use_pdl,
-                    workspace=workspace, split_k=1 if batch_invariant else None, wgmma=batch_invariant)
+                    workspace=workspace, split_k=split, wgmma=batch_invariant)
 
 
 def _mxfp4_w4a16(hidden: torch.Tensor, gate_up: MXFP4, down: MXFP4, plan: DispatchPlan, out: torch.Tensor,

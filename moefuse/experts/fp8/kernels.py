@@ -52,6 +52,7 @@ from ..common import _program_start, _round, _swiglu, _tile_span, rows_descripto
 from ..configs import (
     FP8_HALVES_STAGES,
     FP8_HALVES_WARPS,
+    FP8_LONE_SPLIT,
     FP8_SPLIT_PAIR_STAGES,
     FP8_SPLIT_STAGES,
     SMEM_BUDGET,
@@ -115,12 +116,14 @@ def _load_box(a_ptr, a_desc, as_ptr, a_rows, row_start, k0, K, ks, stride_am, st
 
 
 @triton.jit
-def _split_range(K, run, STEP: tl.constexpr, SPLIT_K: tl.constexpr):
-    """The K range of run ``run`` of ``STEP``-deep steps: all of K, or the ``run``-th of SPLIT_K runs of whole steps
-    (the last may be shorter or empty)."""
+def _split_range(K, run, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The K range of run ``run``: all of K, or the ``run``-th of SPLIT_K runs of whole two-box steps (2 · BLOCK_K
+    deep; the last may be shorter or empty), whatever a step's boxes, so that a run's bounds are K's alone and a
+    split gives a row the same sums on one- and two-box steps (a batch-invariant lone expert splits at every size,
+    ``invariant_split_k``)."""
     if SPLIT_K == 1:
         return 0, K
-    per = tl.cdiv(tl.cdiv(K, STEP), SPLIT_K) * STEP
+    per = tl.cdiv(tl.cdiv(K, 2 * BLOCK_K), SPLIT_K) * (2 * BLOCK_K)
     k_begin = run * per
     return k_begin, tl.minimum(k_begin + per, K)
 
@@ -168,7 +171,7 @@ def _gemm1_fp8_kernel(
     row_start, rows, row_ok, a_rows, cols, col_ok, wrapped = _tile_span(
         tile, col_block, expert, N, tile_row_start_ptr, expert_offsets_ptr, BLOCK_M, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    k_begin, k_end = _split_range(K, tl.program_id(1), BOXES * BLOCK_K, SPLIT_K)
+    k_begin, k_end = _split_range(K, tl.program_id(1), BLOCK_K, SPLIT_K)
     w_expert = w_ptr + expert.to(tl.int64) * stride_we
     gate_ptrs = (w_expert + wrapped[None, :].to(tl.int64) * stride_wn
                  + (k_begin + ks)[:, None] * stride_wk)  # [BLOCK_K, BLOCK_N]
@@ -336,6 +339,14 @@ def default_split_k(num_rows: int, width: int, device: torch.device) -> int:
     if device.type != "cuda" or _runtime.interpreting():
         return 1
     return fp8_split_k(num_rows, width, _runtime.sm_count(device))
+
+
+def invariant_split_k(num_experts: int) -> int:
+    """GEMM1's split along K in the batch-invariant order, the same at every size: ``FP8_LONE_SPLIT`` runs
+    for a lone expert (a shared expert on the side stream, beside routed experts of another format: the default
+    splits its K at a token or two, and unsplit it takes 1.25x as long there, docs/PERF-NOTES.md), none for routed
+    experts (whose split runs' fp32 sums would cost a prefill batch far more than their decode gains)."""
+    return FP8_LONE_SPLIT if num_experts == 1 else 1
 
 
 def default_halves(num_rows: int, width: int, split_k: Optional[int], device: torch.device) -> bool:

@@ -23,7 +23,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from moefuse.config import preset
-from moefuse.layer import MoELayer, routed_experts
+from moefuse.formats import Quant
+from moefuse.layer import ActivationQuant, MoELayer, routed_experts
+
+# --formats: each name's weight format (the layer's ``quant``) and its activations (``activation_quant``)
+FORMATS: dict[str, tuple[Quant, ActivationQuant]] = {"W4A8": ("mxfp4", "fp8"), "W4A16": ("mxfp4", None),
+                                                   "fp8": ("fp8", "default")}
 
 
 def kernel_times(call, calls: int) -> dict[str, tuple[float, float]]:
@@ -47,11 +52,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 1024, 4096])
     parser.add_argument("--calls", type=int, default=20)
-    parser.add_argument("--formats", nargs="+", default=["W4A8", "W4A16"], choices=["W4A8", "W4A16", "fp8"])
+    parser.add_argument("--formats", nargs="+", default=["W4A8", "W4A16"], choices=list(FORMATS))
     parser.add_argument("--ncu", action="store_true", help="three plain calls a format, no profiler (docstring)")
     args = parser.parse_args(argv)
     layers = {quant: MoELayer(preset("deepseek-v4-flash"), device="cuda", quant=quant).init_random_(0)
-              for quant in {"fp8" if name == "fp8" else "mxfp4" for name in args.formats}}
+              for quant in {FORMATS[name][0] for name in args.formats}}
     c = next(iter(layers.values())).config
     gen = torch.Generator("cuda").manual_seed(0)
     for M in args.tokens:
@@ -59,9 +64,10 @@ def main(argv: list[str] | None = None) -> None:
         with torch.no_grad():
             weights, ids = next(iter(layers.values())).gate(x)  # one routing for every format
             for name in args.formats:
-                gate_up, down = layers["fp8" if name == "fp8" else "mxfp4"].experts.weights()
+                quant, activation_quant = FORMATS[name]
+                gate_up, down = layers[quant].experts.weights()
                 call = partial(routed_experts, x, gate_up, down, weights, ids, swiglu_limit=c.swiglu_limit,
-                               activation_quant={"W4A8": "fp8", "W4A16": None}.get(name, "default"))
+                               activation_quant=activation_quant)
                 if args.ncu:
                     for _ in range(3):
                         call()

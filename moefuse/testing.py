@@ -75,6 +75,37 @@ def max_ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((ordered(a) - ordered(b)).abs().max())
 
 
+def fp32_spread(hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, plan: Any,
+                swiglu_limit: float | None = None, func_ulps: float = 8.0) -> torch.Tensor:
+    """The RMS rounding error of fp32 experts, per output ([plan.num_rows, H], float64): what a result with no
+    rounding below fp32 may err by, given how its sums cancel.
+
+    An error model, for instances whose sums cancel so that no fixed relative tolerance holds: a sum of n terms
+    t_k added one at a time errs about ``u·sqrt(n/2 · Σ t_k²)`` (u = 2^-24; each partial sum is rounded, and the
+    partial sums of random terms grow as sqrt(k)); GEMM1's errors reach the output through SwiGLU's derivatives,
+    SwiGLU adds ``func_ulps`` fp32 ulps of the activation of its own (exp, the division, the products), and GEMM2's
+    terms err independently, so their variances add. Arguments as :func:`moefuse.experts.moe_experts_torch` takes
+    them, plain weights only."""
+    from moefuse.experts.reference import expert_segments
+
+    H, I = hidden.shape[1], gate_up_proj.shape[1] // 2  # noqa: E741 (SPEC's name)
+    out = torch.zeros(plan.num_rows, H, dtype=torch.float64, device=hidden.device)
+    for expert, start, end, tokens in expert_segments(plan):
+        x, w1, w2 = hidden[tokens].double(), gate_up_proj[expert].double(), down_proj[expert].double()
+        var1 = (x * x) @ (w1 * w1).T * (H / 2)  # GEMM1's error variance, in units of u²
+        gate_up = x @ w1.T
+        gate, up = gate_up[:, :I], gate_up[:, I:]
+        if swiglu_limit is not None:
+            gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+        sig = torch.sigmoid(gate)
+        act = gate * sig * up
+        d_gate, d_up = sig * (1 + gate * (1 - sig)) * up, gate * sig  # d act / d gate, d act / d up
+        var_act = d_gate**2 * var1[:, :I] + d_up**2 * var1[:, I:] + (func_ulps * 2 * act) ** 2
+        w2sq = (w2 * w2).T
+        out[start:end] = (var_act @ w2sq + (I / 2) * ((act * act) @ w2sq)).sqrt() * 2.0**-24
+    return out
+
+
 # Tiny causal LMs of three MoE architectures (2 layers, hidden 48, 16 experts): transformers integration tests and
 # the GPU integration check build the same models from here.
 TINY_CONFIG: dict[str, Any] = dict(vocab_size=128, hidden_size=48, intermediate_size=64, moe_intermediate_size=24,

@@ -8,9 +8,11 @@ multiply-add at a time along K (as Triton's ieee ``tl.dot`` runs on sm_90 with f
 (``fp32_spread``), how often the previous allowance (8 times what torch's fp32 oracle errs on the instance) failed,
 and, as a check that the bound still catches a rounding below fp32, how often the same arithmetic with the
 intermediate rounded to fp16 errs past both ``--spreads`` predicted RMS errors and 1e-5 of the output (the fuzz's
-rule), with the median of its error over the prediction.
+rule), with the median of its error over the prediction. ``--kernel`` measures ``moe_experts`` itself instead of
+the emulation (on the GPU where there is one, else through the interpreter; the fp16 column then keeps the
+emulation's): what tests the model on the hardware.
 
-    python -m research.fp32_error_model [--draws 60] [--ulps 8] [--spreads 16]
+    python -m research.fp32_error_model [--draws 60] [--ulps 8] [--spreads 16] [--kernel] [--shapes 1x1919,...]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import math
 import torch
 
 from moefuse.dispatch import moe_dispatch
+from moefuse.experts import moe_experts
 from moefuse.experts.reference import moe_experts_torch
 from moefuse.testing import fp32_spread
 
@@ -60,9 +63,14 @@ def main() -> None:
     p.add_argument("--draws", type=int, default=60)
     p.add_argument("--ulps", type=float, default=8.0, help="error of SwiGLU's exp and of its division, each")
     p.add_argument("--spreads", type=float, default=16.0, help="the fuzz's allowance, in predicted RMS errors")
+    p.add_argument("--kernel", action="store_true", help="measure moe_experts, not the emulation")
+    p.add_argument("--shapes", default=",".join(f"{h}x{i}" for h, i in SHAPES), help="H x I pairs")
     args = p.parse_args()
+    shapes = [tuple(int(v) for v in pair.split("x")) for pair in args.shapes.split(",")]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"{'moe_experts on ' + device.type if args.kernel else 'emulation'}, {args.draws} draws a shape")
     print(f"{'H x I':>12} | err/spread median | max | old rule failed | fp16 intermediate: caught | median err/spread")
-    for H, I in SHAPES:  # noqa: E741
+    for H, I in shapes:  # noqa: E741
         ratios, old_fails, half_ratios, caught = [], 0, [], 0
         plan = moe_dispatch(torch.zeros(1, 1, dtype=torch.int32), 1, 16, backend="reference")
         for seed in range(args.draws):
@@ -74,7 +82,11 @@ def main() -> None:
                                     out=torch.zeros(1, H, dtype=torch.float64))[0]
             ref32 = moe_experts_torch(x, w1, w2, plan, dtype=torch.float32)[0]
             spread = fp32_spread(x, w1, w2, plan)[0]
-            got = emulate(x[0], w1[0], w2[0], args.ulps, gen)
+            if args.kernel:
+                on = moe_dispatch(torch.zeros(1, 1, dtype=torch.int32, device=device), 1, 16, backend="triton")
+                got = moe_experts(x.to(device), w1.to(device), w2.to(device), on, backend="triton")[0].cpu()
+            else:
+                got = emulate(x[0], w1[0], w2[0], args.ulps, gen)
             err = (got.double() - ref).abs()
             ratios.append((err / spread).max().item())
             allowed = max(1e-5 * ref.abs().max().item(), 8 * (ref32.double() - ref).abs().max().item())

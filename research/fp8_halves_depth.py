@@ -47,8 +47,8 @@ def _depth(boxes: int, stages: int):  # noqa: ANN202 - a stand-in for fp8_kernel
     original = fp8_kernels.fp8_tiles
 
     def tiles(t, block_m, gemm1, a_bytes, split_k=1, budget=fp8_kernels.SMEM_BUDGET, halves=False,  # noqa: ANN001, ANN202
-              wgmma=False):
-        got = original(t, block_m, gemm1, a_bytes, split_k, budget, halves, wgmma)
+              wgmma=False, half_columns=fp8_kernels.BLOCK):
+        got = original(t, block_m, gemm1, a_bytes, split_k, budget, halves, wgmma, half_columns)
         return replace(got, block_k=boxes * fp8_kernels.BLOCK, num_stages=stages) if halves else got
 
     return tiles

@@ -464,9 +464,22 @@ def experts(args: argparse.Namespace) -> list[str]:
             sms = configs.gpu_of(arch).sms
             halves = configs.fp8_halves(rows, c.intermediate_size, sms)
             columns = configs.fp8_half_columns(rows, c.intermediate_size, sms) if halves else 0
-            gemms += [(1, experts_fp8.fp8_tiles(inv.gemm1, inv.block_m, True, 2, halves=halves), c.hidden_size),
+            gemms += [(1, experts_fp8.fp8_tiles(inv.gemm1, inv.block_m, True, 2, halves=halves,
+                                                half_columns=columns or experts_fp8.BLOCK), c.hidden_size),
                       (2, experts_fp8.fp8_tiles(inv.gemm2, inv.block_m, False, 1, wgmma=True), c.intermediate_size)]
             launches += [(inv.block_m, 1, columns, True), (inv.block_m, 1, 0, True)]
+            if c.num_shared_experts:  # the shared expert alone (beside MXFP4 experts), a one-expert plan of M rows
+                width = c.shared_intermediate_size
+                lone = configs.pick(M, 1, c.hidden_size, width, 1, dtype, arch)
+                halves = configs.fp8_halves(M, width, sms)
+                columns = configs.fp8_half_columns(M, width, sms) if halves else 0
+                split = configs.fp8_split_k(M, width, sms)
+                gemms += [(1, experts_fp8.fp8_tiles(lone.gemm1, lone.block_m, True, 2, split), c.hidden_size),
+                          (1, experts_fp8.fp8_tiles(lone.gemm1, lone.block_m, True, 2, halves=halves,
+                                                    half_columns=columns or experts_fp8.BLOCK), c.hidden_size),
+                          (2, experts_fp8.fp8_tiles(lone.gemm2, lone.block_m, False, 1, wgmma=True), width)]
+                launches += [(lone.block_m, split, 0, False), (lone.block_m, 1, columns, True),
+                             (lone.block_m, 1, 0, True)]
         elif not mxfp4 and dtype != torch.float32:
             # the batch-invariant layer's GEMMs with the shared slot: the default's heights, swapped below 64 rows
             inv = configs.pick(M, c.num_experts + 1, c.hidden_size, c.intermediate_size, c.top_k + 1, dtype, arch)

@@ -78,6 +78,11 @@ FP8_SPLIT_PAIR_STAGES = 2
 # research/invariant_one_token.py and research/fp8_halves_depth.py --layers).
 FP8_HALVES_WARPS = 4
 FP8_HALVES_STAGES = 3
+# Halves of 64 columns (``fp8_half_columns``: every program an SM of its own, a lone expert's token) run deeper: the
+# DeepSeek-V4-Flash MXFP4 layer's invariant token, its fp8 shared expert's 64 programs on 8 stages, took 65.1 / 64.4
+# µs against 66.6 / 67.1 on 3 (6: 66.3 / 66.0; the default 63.6 / 62.8; two runs of alternating medians, H100,
+# 2026-12-06, research/fp8_halves_depth.py --layers). Three programs an SM (the slot's halves of 128) ran slower deeper.
+FP8_NARROW_HALVES_STAGES = 8
 FP8_SPLIT_MAX = 4  # the most runs fp8_split_k splits GEMM1's K into (5, 6 and 8 measured no faster)
 MXFP4_FEW_ROWS = 16  # at most this many routed rows: MXFP4's deeper decode tiles (heuristic, item 7)
 # MXFP4's tile heights and the most rows per touched expert each takes before the next is faster (heuristic, item 7);

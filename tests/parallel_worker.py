@@ -7,7 +7,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from moefuse import MoEConfig, MoELayer
+from moefuse import MoEConfig, MoELayer, _runtime
 from moefuse.parallel import ShardedMoELayer
 from moefuse.testing import rel_error
 
@@ -121,6 +121,31 @@ def _experts_elsewhere(rank: int, world: int, failures: list[str]) -> None:
                 _check(f"experts on one rank, {mode} capacity={capacity}", sharded(x), want, failures)
 
 
+def _batch_invariant_modes(rank: int, world: int, failures: list[str]) -> None:
+    """With ``batch_invariant=True`` (Triton backend) a token's output is bitwise the same alone and inside batches
+    of other tokens (huge ones among them), in every mode: each rank's partial outputs are added in rank order, not
+    by a collective whose order follows the message size (which four ranks can show, two cannot: a + b is b + a). In
+    ep-a2a each rank has the token among its own. The ranks hold CPU tensors: on a GPU machine, where Triton runs
+    compiled, they have no Triton backend, and this runs in the CPU suite only."""
+    if not _runtime.interpreting():
+        return
+    config = CONFIGS["deepseek-v3-shaped"]
+    layer = MoELayer(config, dtype=torch.float32, backend="triton", batch_invariant=True).init_random_(71, std=0.1)
+    token = _tokens(config, 1, seed=72)
+    with torch.no_grad():
+        for mode in ("ep", "tp", "ep-a2a"):
+            sharded = ShardedMoELayer.from_layer(layer, mode)
+            alone = sharded(token)[0]
+            for M in (7, 40):
+                batch = _tokens(config, M, seed=73 + rank)
+                batch[::3] *= 300.0
+                for at in (0, M - 1):
+                    got = sharded(torch.cat([batch[:at], token, batch[at + 1:]]))[at]
+                    if not torch.equal(got, alone):
+                        failures.append(f"batch-invariant {mode}: the token at {at} of {M} differs from it alone by "
+                                        f"{(got - alone).abs().max():.2e}")
+
+
 def _errors(rank: int, world: int, failures: list[str]) -> None:
     """Shapes that do not split, a capacity that is too small: a ValueError on every rank, no hang."""
     odd = MoEConfig(hidden_size=8, intermediate_size=6, num_experts=world * 2 + 1, top_k=1)
@@ -145,7 +170,8 @@ def worker(rank: int, world: int, init_file: str, errors_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     failures: list[str] = []
     try:
-        for part in (_replicated_modes, _all_to_all_modes, _quantized_modes, _experts_elsewhere, _errors):
+        for part in (_replicated_modes, _all_to_all_modes, _quantized_modes, _experts_elsewhere,
+                     _batch_invariant_modes, _errors):
             part(rank, world, failures)
     except Exception:  # noqa: BLE001 - reported to the test below, with the traceback
         failures.append(traceback.format_exc())

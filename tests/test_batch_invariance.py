@@ -150,6 +150,37 @@ def test_same_batch_twice_is_the_same_bits(quant, activation_quant, dtype, fmt, 
             assert torch.equal(layer(batch), first), fmt
 
 
+# fp32: the slot (and on the CPU the format whose default sums follow the batch's shape); MXFP4: its fp8 shared expert
+# on the side stream
+@pytest.mark.parametrize("quant, activation_quant, dtype, fmt", FORMATS[2:3] + FORMATS[4:5])
+def test_combine_deferred_or_not_or_by_the_caller(quant, activation_quant, dtype, fmt, device, gen):
+    """A token's bits alone and in a batch whether the layer defers its combine or not (``deferred_finalize``), and
+    where the caller combines the deferred pieces itself (``forward_deferred_finalize``, the shared expert and
+    ``finalize_deferred_output``, as an engine fusing the combine into its next step does)."""
+    token = torch.randn(1, CONFIG.hidden_size, generator=gen).to(dtype).to(device)
+    M = 131 if GPU else 67
+    batch = _neighbours(M, dtype, device, gen)
+    batch[M // 2] = token[0]
+    for deferred in (False, True):
+        layer = _layer(quant, activation_quant, dtype, device, graph_max_tokens=0, deferred_finalize=deferred)
+        with torch.no_grad():
+            own = layer(token)[0]
+            assert torch.equal(layer(batch)[M // 2], own), (fmt, deferred)
+    assert layer.shared_experts is not None
+
+    def by_the_caller(x: torch.Tensor) -> torch.Tensor:
+        pieces = layer.forward_deferred_finalize(x, *layer.gate(x))
+        return moefuse.finalize_deferred_output(pieces, layer.shared_experts(x), backend="triton")
+
+    with torch.no_grad():
+        alone = by_the_caller(token)[0]
+        assert torch.equal(by_the_caller(batch)[M // 2], alone), fmt
+    if layer.uses_shared_slot(1, device):  # the layer sums the shared expert as a slot: another order
+        assert rel_error(alone, own) <= experts_tolerance(fmt, 128)[0], fmt
+    else:  # the deferring layer's own combine: the same launches
+        assert torch.equal(alone, own), fmt
+
+
 def test_transformers_block_alone_and_batched(device, gen):
     """``moefuse.from_hf(block, batch_invariant=True)`` on a transformers block: a token alone and in a batch."""
     block = hf_block("deepseek-v3", gen).to(device, torch.bfloat16)

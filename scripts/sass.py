@@ -438,6 +438,16 @@ def targets() -> list[tuple[str, configs.Arch]]:
     return found + [("sm_90", (9, 0))]
 
 
+def _invariant_fp8_gemm1(cfg: configs.TileConfig, rows: int, width: int, sms: int) -> tuple[configs.GemmTiles, int]:
+    """fp8 GEMM1's batch-invariant launch on ``rows`` plan rows, as ``experts_fp8`` makes it (K unsplit; in gate and
+    up halves where its grid fills at most two programs an SM), and the columns a half sums (0: whole tiles)."""
+    halves = configs.fp8_halves(rows, width, sms)
+    columns = configs.fp8_half_columns(rows, width, sms) if halves else 0
+    tiles = experts_fp8.fp8_tiles(cfg.gemm1, cfg.block_m, True, 2, halves=halves,
+                                  half_columns=columns or experts_fp8.BLOCK)
+    return tiles, columns
+
+
 def experts(args: argparse.Namespace) -> list[str]:
     problems = []
     buckets = sorted({int(m) for path in configs.TABLES.values() if path.exists()
@@ -462,21 +472,17 @@ def experts(args: argparse.Namespace) -> list[str]:
             rows = M * (c.top_k + 1)
             inv = configs.pick(M, c.num_experts + 1, c.hidden_size, c.intermediate_size, c.top_k + 1, dtype, arch)
             sms = configs.gpu_of(arch).sms
-            halves = configs.fp8_halves(rows, c.intermediate_size, sms)
-            columns = configs.fp8_half_columns(rows, c.intermediate_size, sms) if halves else 0
-            gemms += [(1, experts_fp8.fp8_tiles(inv.gemm1, inv.block_m, True, 2, halves=halves,
-                                                half_columns=columns or experts_fp8.BLOCK), c.hidden_size),
+            gemm1, columns = _invariant_fp8_gemm1(inv, rows, c.intermediate_size, sms)
+            gemms += [(1, gemm1, c.hidden_size),
                       (2, experts_fp8.fp8_tiles(inv.gemm2, inv.block_m, False, 1, wgmma=True), c.intermediate_size)]
             launches += [(inv.block_m, 1, columns, True), (inv.block_m, 1, 0, True)]
             if c.num_shared_experts:  # the shared expert alone (beside MXFP4 experts), a one-expert plan of M rows
                 width = c.shared_intermediate_size
                 lone = configs.pick(M, 1, c.hidden_size, width, 1, dtype, arch)
-                halves = configs.fp8_halves(M, width, sms)
-                columns = configs.fp8_half_columns(M, width, sms) if halves else 0
+                gemm1, columns = _invariant_fp8_gemm1(lone, M, width, sms)
                 split = configs.fp8_split_k(M, width, sms)
                 gemms += [(1, experts_fp8.fp8_tiles(lone.gemm1, lone.block_m, True, 2, split), c.hidden_size),
-                          (1, experts_fp8.fp8_tiles(lone.gemm1, lone.block_m, True, 2, halves=halves,
-                                                    half_columns=columns or experts_fp8.BLOCK), c.hidden_size),
+                          (1, gemm1, c.hidden_size),
                           (2, experts_fp8.fp8_tiles(lone.gemm2, lone.block_m, False, 1, wgmma=True), width)]
                 launches += [(lone.block_m, split, 0, False), (lone.block_m, 1, columns, True),
                              (lone.block_m, 1, 0, True)]

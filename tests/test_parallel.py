@@ -3,7 +3,7 @@
 Each spawned world runs every mode (EP with replicated tokens, expert TP, EP with all-to-all in both variants) on a
 DeepSeek-V3-shaped and a Qwen3-shaped small config in fp32, plus the edge cases: a rank with no tokens, tokens
 whose experts all live on another rank, padded tokens, shapes that do not split, a capacity that is too small; and
-with ``batch_invariant=True`` a token's bits alone and in batches, in every mode (two ranks).
+with ``batch_invariant=True`` a token's bits alone and in batches, in every mode (under the interpreter only).
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ def experts_tolerance(fmt: str, block_m: int, rows: int | None = None) -> tuple[
 # many times the RMS rounding error ``moefuse.testing.fp32_spread`` predicts for it. In an emulation of the GPU's
 # fp32 arithmetic (``research/fp32_error_model.py``: sums along K one fused multiply-add at a time, SwiGLU's exp and
 # division each off by up to 8 ulps) over 100 draws each of ten shapes from H x I = 1 x 1 to 1,024 x 1,024 and
-# 3,072 x 128, the largest error was 2.7 of the prediction (medians 0.26-1.7), so 16 leaves 6x; an intermediate
+# 3,072 x 128, the largest error was 2.7 of the prediction (medians 0.26-1.7; the kernel on an H100, 40 draws each:
+# 2.5), so 16 leaves 6x; an intermediate
 # rounded to fp16 instead erred past 16 of them and 1e-5 of the output in every draw of the wide shapes (medians
 # 177-315 predictions) and 51-99 of 100 where a GEMM sums one term to three (H or I of 1 to 3).
 FP32_SPREADS = 16

@@ -46,10 +46,10 @@ def _depth(boxes: int, stages: int):  # noqa: ANN202 - a stand-in for fp8_kernel
     """``fp8_tiles`` with the halves' launch stepping ``boxes`` boxes on ``stages`` stages."""
     original = fp8_kernels.fp8_tiles
 
-    def tiles(t, block_m, gemm1, a_bytes, split_k=1, budget=fp8_kernels.SMEM_BUDGET, halves=False,  # noqa: ANN001, ANN202
-              wgmma=False, half_columns=fp8_kernels.BLOCK):
-        got = original(t, block_m, gemm1, a_bytes, split_k, budget, halves, wgmma, half_columns)
-        return replace(got, block_k=boxes * fp8_kernels.BLOCK, num_stages=stages) if halves else got
+    def tiles(t, block_m, gemm1, a_bytes, split_k=1, budget=fp8_kernels.SMEM_BUDGET, *, half_columns=0,  # noqa: ANN001, ANN202
+              wgmma=False):
+        got = original(t, block_m, gemm1, a_bytes, split_k, budget, half_columns=half_columns, wgmma=wgmma)
+        return replace(got, block_k=boxes * fp8_kernels.BLOCK, num_stages=stages) if half_columns else got
 
     return tiles
 

@@ -443,9 +443,7 @@ def _invariant_fp8_gemm1(cfg: configs.TileConfig, rows: int, width: int, sms: in
     up halves where its grid fills at most two programs an SM), and the columns a half sums (0: whole tiles)."""
     halves = configs.fp8_halves(rows, width, sms)
     columns = configs.fp8_half_columns(rows, width, sms) if halves else 0
-    tiles = experts_fp8.fp8_tiles(cfg.gemm1, cfg.block_m, True, 2, halves=halves,
-                                  half_columns=columns or experts_fp8.BLOCK)
-    return tiles, columns
+    return experts_fp8.fp8_tiles(cfg.gemm1, cfg.block_m, True, 2, half_columns=columns), columns
 
 
 def experts(args: argparse.Namespace) -> list[str]:

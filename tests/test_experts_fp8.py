@@ -403,7 +403,8 @@ def test_halves_take_a_launch_of_their_own():
     """GEMM1's halves step one box on ``FP8_HALVES_WARPS`` warps and ``FP8_HALVES_STAGES`` stages on every tile height,
     whatever the tile choice asked for (two-box steps, 8 warps)."""
     for block_m in (16, 64):
-        got = fp8_kernels.fp8_tiles(GemmTiles(128, 256, 0, 8, 2), block_m, True, 2, 1, configs.SMEM_BUDGET, True)
+        got = fp8_kernels.fp8_tiles(GemmTiles(128, 256, 0, 8, 2), block_m, True, 2, 1, configs.SMEM_BUDGET,
+                                    half_columns=128)
         assert got == GemmTiles(128, 128, 0, configs.FP8_HALVES_WARPS, configs.FP8_HALVES_STAGES)
 
 
@@ -411,15 +412,15 @@ def test_narrow_halves_run_deeper_within_shared_memory():
     """Halves of 64 columns (each program an SM of its own) take ``FP8_NARROW_HALVES_STAGES`` where they fit the
     budget, fewer where they do not (but never under the halves' own), the same warps and steps."""
     tiles = GemmTiles(128, 256, 0, 8, 2)
-    got = fp8_kernels.fp8_tiles(tiles, 16, True, 2, 1, configs.SMEM_BUDGET, True, half_columns=64)
+    got = fp8_kernels.fp8_tiles(tiles, 16, True, 2, 1, configs.SMEM_BUDGET, half_columns=64)
     assert got == GemmTiles(128, 128, 0, configs.FP8_HALVES_WARPS, configs.FP8_NARROW_HALVES_STAGES)
     stage = 128 * (16 * 2 + 64)  # a 128-deep step of 16 activation rows (counted at 2 bytes) and 64 weight rows
     assert configs.FP8_NARROW_HALVES_STAGES * stage <= configs.SMEM_BUDGET
-    tight = fp8_kernels.fp8_tiles(tiles, 16, True, 2, 1, 5 * stage, True, half_columns=64)
+    tight = fp8_kernels.fp8_tiles(tiles, 16, True, 2, 1, 5 * stage, half_columns=64)
     assert tight.num_stages == 5
-    floor = fp8_kernels.fp8_tiles(tiles, 128, True, 2, 1, stage, True, half_columns=64)
+    floor = fp8_kernels.fp8_tiles(tiles, 128, True, 2, 1, stage, half_columns=64)
     assert floor.num_stages == configs.FP8_HALVES_STAGES
-    assert fp8_kernels.fp8_tiles(tiles, 16, True, 2, 1, configs.SMEM_BUDGET, True, half_columns=128).num_stages \
+    assert fp8_kernels.fp8_tiles(tiles, 16, True, 2, 1, configs.SMEM_BUDGET, half_columns=128).num_stages \
         == configs.FP8_HALVES_STAGES
 
 

@@ -11,7 +11,7 @@ def test_halves_take_the_launch_named_and_nothing_else_does():
     base = configs.GemmTiles(128, 256, 1, 8, 2)
     for boxes, stages in LAUNCHES.values():
         tiles = _depth(boxes, stages)
-        halves = tiles(base, 64, True, 2, 1, fp8_kernels.SMEM_BUDGET, True)
+        halves = tiles(base, 64, True, 2, 1, fp8_kernels.SMEM_BUDGET, half_columns=128)
         assert (halves.block_k, halves.num_stages) == (boxes * fp8_kernels.BLOCK, stages)
         assert halves.num_warps == fp8_kernels.FP8_HALVES_WARPS
         # shared memory: stages x boxes x (the 128 x 128 weight box + 64 rows of e4m3 activations)

@@ -303,8 +303,7 @@ def _gemm2_fp8_kernel(
 
 
 def fp8_tiles(tiles: GemmTiles, block_m: int, gemm1: bool, a_bytes: int, split_k: int = 1,
-              budget: int = SMEM_BUDGET, halves: bool = False, wgmma: bool = False,
-              half_columns: int = BLOCK) -> GemmTiles:
+              budget: int = SMEM_BUDGET, *, half_columns: int = 0, wgmma: bool = False) -> GemmTiles:
     """The tile choice adapted to the format: steps of one 128-deep box (one scale step), or of two K-adjacent boxes
     where the choice asks for steps of 256 or more (``configs.heuristic``, item 6: short tiles); GEMM1's BLOCK_N 128
     (one intermediate scale group per tile row), GEMM2's BLOCK_N at most 128; pipeline stages cut until the operand
@@ -312,13 +311,14 @@ def fp8_tiles(tiles: GemmTiles, block_m: int, gemm1: bool, a_bytes: int, split_k
     ``FP8_SPLIT_STAGES`` (``FP8_SPLIT_PAIR_STAGES`` of two-box steps), so that two programs share an SM. The model
     counts the activation tile at ``a_bytes`` an element for one-box steps, the stage counts every such launch was
     timed with (GEMM1 passes hidden's width), and at its e4m3 byte for two-box steps (counted at 2 bytes, GEMM1's 3
-    stages on 16 rows would be cut to 2). GEMM1 in gate and up ``halves`` takes a launch of its own: one-box steps
-    on ``FP8_HALVES_WARPS`` warps and ``FP8_HALVES_STAGES`` stages, whatever the choice asked for, or where its
-    programs sum ``half_columns`` of 64 (each an SM of its own) on ``FP8_NARROW_HALVES_STAGES``, as many as fit
-    ``budget``. ``wgmma`` (the batch-invariant order): a swapped tile (under ``WGMMA_MIN_ROWS`` rows) takes at least
-    that many columns, its MMA's M, below which Triton runs the swapped product on mma.sync (sm_90 SASS of GEMM2 on
-    16 and 32 rows: HMMA at 32 columns, HGMMA at 64 and 128)."""
-    if halves:
+    stages on 16 rows would be cut to 2). GEMM1 in gate and up halves (``half_columns`` not 0: the columns of a tile
+    each program sums) takes a launch of its own: one-box steps on ``FP8_HALVES_WARPS`` warps and
+    ``FP8_HALVES_STAGES`` stages, whatever the choice asked for, or where its programs sum 64 columns (each an SM of
+    its own) on ``FP8_NARROW_HALVES_STAGES``, as many as fit ``budget``. ``wgmma`` (the batch-invariant order): a
+    swapped tile (under ``WGMMA_MIN_ROWS`` rows) takes at least that many columns, its MMA's M, below which Triton
+    runs the swapped product on mma.sync (sm_90 SASS of GEMM2 on 16 and 32 rows: HMMA at 32 columns, HGMMA at 64
+    and 128)."""
+    if half_columns:
         stages = FP8_HALVES_STAGES
         if half_columns < BLOCK:
             stages = FP8_NARROW_HALVES_STAGES
@@ -427,8 +427,8 @@ def experts_fp8(
     # The stage model counts GEMM1's e4m3 activation tiles at hidden's width, the stage counts the fp8 tiles were
     # timed with: at 1 byte, 128-row tiles would take a fourth stage, which no timing backs.
     budget = SMEM_BUDGET if emulate else _runtime.gpu(device).smem - SMEM_SLACK  # the GPU's own shared memory
-    t1 = fp8_tiles(gemm1_tiles, plan.block_m, True, hidden.element_size(), split_k, budget, halves,
-                   half_columns=half_columns or BLOCK)
+    t1 = fp8_tiles(gemm1_tiles, plan.block_m, True, hidden.element_size(), split_k, budget,
+                   half_columns=half_columns if halves and half_columns else 0)
     t2 = fp8_tiles(gemm2_tiles, plan.block_m, False, 1, budget=budget, wgmma=wgmma)
     a, a_scales = quantized_rows(plan, hidden_size, device)
     quantize_rows_into(hidden, a, a_scales, plan, gather=True, use_pdl=use_pdl)

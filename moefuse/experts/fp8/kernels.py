@@ -418,22 +418,21 @@ def experts_fp8(
     launch = {"launch_pdl": True} if use_pdl else {}
     if halves is None:
         halves = default_halves(plan.expanded_to_permuted.numel(), width, split_k, device)
+    half_n = 0  # the columns a program of GEMM1's halves sums; 0: whole tiles
     if halves:
         split_k = 1
-        if half_columns is None:
-            half_columns = default_half_columns(plan.expanded_to_permuted.numel(), width, device)
+        half_n = half_columns or default_half_columns(plan.expanded_to_permuted.numel(), width, device)
     if split_k is None:
         split_k = default_split_k(plan.expanded_to_permuted.numel(), width, device)
     # The stage model counts GEMM1's e4m3 activation tiles at hidden's width, the stage counts the fp8 tiles were
     # timed with: at 1 byte, 128-row tiles would take a fourth stage, which no timing backs.
     budget = SMEM_BUDGET if emulate else _runtime.gpu(device).smem - SMEM_SLACK  # the GPU's own shared memory
-    t1 = fp8_tiles(gemm1_tiles, plan.block_m, True, hidden.element_size(), split_k, budget,
-                   half_columns=half_columns if halves and half_columns else 0)
+    t1 = fp8_tiles(gemm1_tiles, plan.block_m, True, hidden.element_size(), split_k, budget, half_columns=half_n)
     t2 = fp8_tiles(gemm2_tiles, plan.block_m, False, 1, budget=budget, wgmma=wgmma)
     a, a_scales = quantized_rows(plan, hidden_size, device)
     quantize_rows_into(hidden, a, a_scales, plan, gather=True, use_pdl=use_pdl)
     a_desc = rows_descriptor(a, plan.block_m, BLOCK)  # boxes of one scale group; a step loads t1.block_k // BLOCK
-    columns = half_columns if halves and half_columns else t1.block_n  # the columns a GEMM1 program sums
+    columns = half_n or t1.block_n  # the columns a GEMM1 program sums
     desc1 = weight_descriptor(gate_up.values, columns, BLOCK)
     programs = num_tiles * triton.cdiv(width, t1.block_n)
     if split_k > 1 or halves:  # each run's (or half's) fp32 sums, and each tile's count of them done
@@ -444,7 +443,7 @@ def experts_fp8(
             arrivals = torch.zeros(programs, dtype=torch.int32, device=device)
     else:  # not read
         part, arrivals = inter_scales, plan.tile_expert
-    _gemm1_fp8_kernel[(programs, 2 * t1.block_n // columns if halves else split_k)](
+    _gemm1_fp8_kernel[(programs, 2 * t1.block_n // columns if half_n else split_k)](
         a, a if a_desc is None else a_desc, a_scales,
         gate_up.values, gate_up.values if desc1 is None else desc1, gate_up.scales, inter, inter_scales,
         plan.tile_expert, plan.tile_row_start, plan.expert_offsets, part, arrivals,
@@ -454,7 +453,7 @@ def experts_fp8(
         HAS_LIMIT=swiglu_limit is not None, EMULATE_RTNE=emulate, BLOCK_M=plan.block_m, BLOCK_N=t1.block_n,
         BLOCK_K=BLOCK, GROUP_M=t1.group_m, W_TMA=desc1 is not None, A_TMA=a_desc is not None, USE_PDL=use_pdl,
         UP_ALIGNED=width % BLOCK == 0, SPLIT_K=split_k, BOXES=t1.block_k // BLOCK,
-        HALF_N=columns if halves else 0, SWAP=wgmma and plan.block_m < WGMMA_MIN_ROWS, num_warps=t1.num_warps,
+        HALF_N=half_n, SWAP=wgmma and plan.block_m < WGMMA_MIN_ROWS, num_warps=t1.num_warps,
         num_stages=t1.num_stages, **launch,
     )
     desc2 = weight_descriptor(down.values, t2.block_n, BLOCK)

@@ -77,9 +77,9 @@ def experts_tolerance(fmt: str, block_m: int, rows: int | None = None) -> tuple[
 # fp32 arithmetic (``research/fp32_error_model.py``: sums along K one fused multiply-add at a time, SwiGLU's exp and
 # division each off by up to 8 ulps) over 100 draws each of ten shapes from H x I = 1 x 1 to 1,024 x 1,024 and
 # 3,072 x 128, the largest error was 2.7 of the prediction (medians 0.26-1.7; the kernel on an H100, 40 draws each:
-# 2.5), so 16 leaves 6x; an intermediate
-# rounded to fp16 instead erred past 16 of them and 1e-5 of the output in every draw of the wide shapes (medians
-# 177-315 predictions) and 51-99 of 100 where a GEMM sums one term to three (H or I of 1 to 3).
+# 2.5), so 16 leaves 6x; an intermediate rounded to fp16 instead erred past 16 of them and 1e-5 of the output in
+# every draw of the wide shapes (medians 177-315 predictions) and 51-99 of 100 where a GEMM sums one term to three
+# (H or I of 1 to 3).
 FP32_SPREADS = 16
 
 # The router linear's fp32 sums: error relative to the sum of |x_k w_k| each logit adds up (a bound that cancellation

@@ -363,6 +363,30 @@ def test_tall_tiles(gen, device):
     assert plan.expert_offsets.diff().tolist() == [70, 40, 30]
 
 
+def test_a_row_has_the_same_bits_on_every_tile_height(gen, device):
+    """Each (token, slot)'s output row is bitwise the same on 16-, 32- and 64-row tiles: what batch invariance rests
+    on (a token alone runs shorter tiles than in a batch). The sums are made to cancel: the intermediate's columns
+    come in equal pairs (gate and up rows repeated) and the down weights in opposite pairs along K, so each output's
+    exact sum is 0 and a rounded sum leaves a residue that follows its order. Under the interpreter, tiles summing
+    in numpy's fp32 (whose order follows the tile's height) gave 10 to 270 of the 240 x 256 outputs other bits on
+    some height in each of four draws; summed in float64 they give 0 on every height."""
+    E, H, I, M = 3, 256, 128, 40
+    for _ in range(2):
+        x = torch.randn(M, H, generator=gen).bfloat16().to(device)
+        w1 = (torch.randn(E, I, H, generator=gen) / math.sqrt(H) * 2).repeat_interleave(2, dim=1)
+        down = torch.randn(E, H, I // 2, 1, generator=gen) / math.sqrt(I)
+        w2 = torch.cat([down, -down], dim=3).reshape(E, H, I)
+        w1, w2 = (MXFP4(w.values.to(device), w.scales.to(device)) for w in (MXFP4.quantize(w1), MXFP4.quantize(w2)))
+        ids = torch.rand(M, E, generator=gen).argsort(dim=1)[:, :2].int().to(device)
+        outs = []
+        for block_m in (16, 32, 64):
+            plan = moe_dispatch(ids, E, block_m, backend="triton")
+            out = torch.zeros(plan.num_rows, H, dtype=x.dtype, device=device)
+            moe_experts(x, w1, w2, plan, out=out, backend="triton")
+            outs.append(out[plan.expanded_to_permuted.long()])
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 @pytest.mark.parametrize("pad, offset", [(4, 4), (5, 3)], ids=["word-aligned", "byte-aligned"])
 def test_strided_operands(pad, offset, gen, device):
     """Packed rows padded by ``pad`` bytes from byte ``offset``, strided scales and activations, over several K

@@ -139,11 +139,14 @@ def _dot(a, words, exponents, acc_t, INTERPRETED: tl.constexpr, BLOCK_M: tl.cons
          BLOCK_K: tl.constexpr):
     """``acc_t + (a @ w)^T``, swapped: the weights [BLOCK_N, BLOCK_K], unpacked in registers, are the MMA's first
     operand and the activations ``a`` [BLOCK_M, BLOCK_K] (bf16) its second, so the 16 or 32 rows of a decode tile
-    are the MMA's N, not rows padded to 64. ``acc_t`` is [BLOCK_N, BLOCK_M]."""
+    are the MMA's N, not rows padded to 64. ``acc_t`` is [BLOCK_N, BLOCK_M]; float64 under the interpreter, whose
+    fp32 sums (numpy's) follow the operands' shapes, so a row's bits would follow the tile's height: products of a
+    decoded weight (two significant bits, scaled) and a bf16 activation are exact in float64, and so are their sums
+    over a row of ordinary magnitudes, whatever the order."""
     w = _unpack(words, exponents, INTERPRETED, BLOCK_N, BLOCK_K)
     a = _paired(a, BLOCK_M, BLOCK_K)
     if INTERPRETED:
-        acc_t = tl.dot(w, a.to(tl.float32).T, acc_t, input_precision="ieee")
+        acc_t = tl.dot(w.to(tl.float64), a.to(tl.float64).T, acc_t, input_precision="ieee")
     else:
         acc_t = tl.dot(w, a.T, acc_t)
     return acc_t
@@ -189,8 +192,9 @@ def _gemm1_mxfp4_kernel(
     gate_s_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + wrapped[:, None] * stride_sn + kg[None, :] * stride_sk
     up_s_ptrs = gate_s_ptrs + N * stride_sn
     gate_row = expert * 2 * N + col_block * BLOCK_N  # first weight row of the tile in the [E·2N, K/2] view
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # transposed: see _dot
-    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    ACC: tl.constexpr = tl.float64 if EMULATE_RTNE else tl.float32  # the interpreter's sums: see _dot
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=ACC)  # transposed: see _dot
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=ACC)
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(hidden_ptr + tokens[:, None] * stride_hm + (k0 + ks)[None, :] * stride_hk,
                     mask=(ks < K - k0)[None, :], other=0.0)
@@ -201,7 +205,7 @@ def _gemm1_mxfp4_kernel(
         acc_gate = _dot(a, gate_w, gate_e, acc_gate, EMULATE_RTNE, BLOCK_M, BLOCK_N, BLOCK_K)
         acc_up = _dot(a, up_w, up_e, acc_up, EMULATE_RTNE, BLOCK_M, BLOCK_N, BLOCK_K)
 
-    act = _swiglu(acc_gate.T, acc_up.T, limit, HAS_LIMIT)
+    act = _swiglu(acc_gate.to(tl.float32).T, acc_up.to(tl.float32).T, limit, HAS_LIMIT)
     out_ptrs = inter_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_in
     tl.store(out_ptrs, _round(act, inter_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -229,13 +233,14 @@ def _gemm2_mxfp4_kernel(
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + wrapped[:, None] * stride_wn + kw[None, :] * stride_wk
     s_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + wrapped[:, None] * stride_sn + kg[None, :] * stride_sk
     w_row = expert * N + col_block * BLOCK_N
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # transposed: see _dot
+    ACC: tl.constexpr = tl.float64 if EMULATE_RTNE else tl.float32  # the interpreter's sums: see _dot
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=ACC)  # transposed: see _dot
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(inter_ptr + a_rows[:, None] * stride_im + (k0 + ks)[None, :] * stride_ik,
                     mask=(ks < K - k0)[None, :], other=0.0)
         w, w_e = _weight_tile(w_desc, w_ptrs, s_ptrs, w_row, k0, K, kw, kg, stride_wk, stride_sk, W_TMA)
         acc = _dot(a, w, w_e, acc, EMULATE_RTNE, BLOCK_M, BLOCK_N, BLOCK_K)
-    acc = acc.T
+    acc = acc.to(tl.float32).T
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
     tl.store(out_ptrs, _round(acc, out_ptr.dtype.element_ty, EMULATE_RTNE), mask=row_ok[:, None] & col_ok[None, :])
 

@@ -243,15 +243,19 @@ def test_negative_biases_and_dropped_groups(gen, device):
     _route_and_judge(scores, bias, 17, num_expert_group=8, topk_group=1)  # takes most of one group
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("scoring", ["sigmoid", "sqrtsoftplus", "softmax"])
-def test_extreme_logits(scoring, gen, device):
-    """Logits in [-100, -20] and around +90: the tails where naive formulas underflow or overflow."""
+def test_extreme_logits(scoring, backend, gen, device):
+    """Logits in [-100, -20] and around +90: the tails where naive formulas underflow or overflow. Rows of logits
+    all in [-104, -88] make every sigmoid subnormal, which renormalising turns back into ordinary weights (fp32's
+    plain 1/(1+e^-x) is 0 there: e^-x overflows)."""
     low = -20 - 80 * torch.rand(17, 64, generator=gen)
     high = 90 + torch.randn(4, 64, generator=gen)
-    scores = torch.cat([low, high]).to(device)
+    subnormal = -104 + 16 * torch.rand(5, 64, generator=gen)
+    scores = torch.cat([low, high, subnormal]).to(device)
     bias = (torch.randn(64, generator=gen) * 1e-3).to(device)
-    _route_and_judge(scores, bias, 8, scoring_func=scoring, renormalize=False)
-    _route_and_judge(scores, bias, 8, scoring_func=scoring)
+    _route_and_judge(scores, bias, 8, scoring_func=scoring, renormalize=False, backend=backend)
+    _route_and_judge(scores, bias, 8, scoring_func=scoring, backend=backend)
 
 
 @pytest.mark.parametrize("scoring", ["sigmoid", "sqrtsoftplus", "softmax"])

@@ -13,13 +13,18 @@ import torch
 
 
 def activation(x: torch.Tensor, scoring_func: str, moe_softcapping: float = 0.0) -> torch.Tensor:
-    """Per-expert activation ``a`` of logits ``x`` [M, E], computed in ``x``'s dtype.
+    """Per-expert activation ``a`` of logits ``x`` [M, E], in ``x``'s dtype.
 
     ``sqrtsoftplus`` uses ``softplus(x) = max(x,0) + log1p(e^-|x|)`` and, for x < 0, the equivalent
-    ``e^(x/2)·sqrt(log1p(z)/z)`` with ``z = e^x``, which stays accurate in float32 where softplus itself
-    would be subnormal (x < -87). Softmax propagates a NaN anywhere in the row to the whole row, like
-    ``torch.softmax``.
+    ``e^(x/2)·sqrt(log1p(z)/z)`` with ``z = e^x``, which keeps its accuracy where softplus itself is tiny.
+    Narrower than float64, sigmoid and sqrtsoftplus are computed in float64 and rounded once: below about -87 their
+    fp32 formulas lose the subnormal range (fp32's ``1/(1+e^-x)`` is 0 there, as e^-x overflows; ``log1p`` of a
+    subnormal is off by percents), where the spec's activations, the kernel's and float64's still have values
+    (sigmoid reaches 0 only below about -104), and renormalising turns such values back into ordinary weights.
+    Softmax propagates a NaN anywhere in the row to the whole row, like ``torch.softmax``.
     """
+    if scoring_func in ("sigmoid", "sqrtsoftplus") and x.dtype != torch.float64:
+        return activation(x.double(), scoring_func).to(x.dtype)
     if scoring_func == "sigmoid":
         return torch.sigmoid(x)
     if scoring_func == "sqrtsoftplus":

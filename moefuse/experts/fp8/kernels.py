@@ -435,7 +435,7 @@ def experts_fp8(
     columns = half_n or t1.block_n  # the columns a GEMM1 program sums
     desc1 = weight_descriptor(gate_up.values, columns, BLOCK)
     programs = num_tiles * triton.cdiv(width, t1.block_n)
-    if split_k > 1 or halves:  # each run's (or half's) fp32 sums, and each tile's count of them done
+    if split_k > 1 or half_n:  # each run's (or half's) fp32 sums, and each tile's count of them done
         part = torch.empty(split_k, plan.num_rows, 2 * width, dtype=torch.float32, device=device)
         if workspace is not None and workspace.numel() >= programs:
             arrivals = workspace

@@ -12,6 +12,10 @@ SM, where 4 stages run 132 and then 12).
 Prints one JSON object a line.
 
     python -m research.invariant_one_token [--tokens 1 16]
+
+``--ncu default|invariant``: instead, each case's layer (no decode graphs) at one token called twice, then once
+inside an NVTX range "meas" with that mode, for Nsight Compute (``ncu --nvtx --nvtx-include "meas/"``; one mode a
+process, so that its kernels are its own; ``scripts/ncu_table.py`` reads the export).
 """
 
 from __future__ import annotations
@@ -164,13 +168,38 @@ def router_runs(H: int, E: int, M: int) -> dict:
     return row
 
 
+def ncu_calls(layer: MoELayer, invariant: bool, gen: torch.Generator) -> None:
+    """The layer at one token in one mode: twice to compile, then once inside the NVTX range "meas"."""
+    x = torch.randn(1, layer.config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+    layer.batch_invariant = invariant
+    with torch.no_grad():
+        for _ in range(2):
+            layer(x)
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push("meas")
+        layer(x)
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+    layer.batch_invariant = None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--cases", nargs="+", default=[f"{m}:{q or 'bf16'}" for m, q in CASES],
                         help="model:format pairs (format bf16, fp8 or mxfp4)")
+    parser.add_argument("--ncu", choices=("default", "invariant"), help="one mode's one-token layers for ncu")
     args = parser.parse_args(argv)
     gen = torch.Generator("cuda").manual_seed(0)
+    if args.ncu:
+        for case in args.cases:
+            model, fmt = case.split(":")
+            layer = MoELayer(preset(model), device="cuda", quant=None if fmt == "bf16" else fmt,
+                             graph_max_tokens=0).init_random_(0)
+            ncu_calls(layer, args.ncu == "invariant", gen)
+            del layer
+            torch.cuda.empty_cache()
+        return
     for case in args.cases:
         model, fmt = case.split(":")
         quant = None if fmt == "bf16" else fmt

@@ -168,6 +168,12 @@ def router_runs(H: int, E: int, M: int) -> dict:
     return row
 
 
+def _case(case: str) -> tuple[str, str | None]:
+    """A ``--cases`` entry "model:format" as (preset name, the layer's ``quant``)."""
+    model, fmt = case.split(":")
+    return model, None if fmt == "bf16" else fmt
+
+
 def ncu_calls(layer: MoELayer, invariant: bool, gen: torch.Generator) -> None:
     """The layer at one token in one mode: twice to compile, then once inside the NVTX range "meas"."""
     x = torch.randn(1, layer.config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -193,16 +199,14 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator("cuda").manual_seed(0)
     if args.ncu:
         for case in args.cases:
-            model, fmt = case.split(":")
-            layer = MoELayer(preset(model), device="cuda", quant=None if fmt == "bf16" else fmt,
-                             graph_max_tokens=0).init_random_(0)
+            model, quant = _case(case)
+            layer = MoELayer(preset(model), device="cuda", quant=quant, graph_max_tokens=0).init_random_(0)
             ncu_calls(layer, args.ncu == "invariant", gen)
             del layer
             torch.cuda.empty_cache()
         return
     for case in args.cases:
-        model, fmt = case.split(":")
-        quant = None if fmt == "bf16" else fmt
+        model, quant = _case(case)
         layer = MoELayer(preset(model), device="cuda", quant=quant).init_random_(0)
         for M in args.tokens:
             print(json.dumps({"model": model, "quant": quant, **stages(layer, M, gen)}), flush=True)

@@ -176,6 +176,32 @@ def test_one_wave_narrows_a_short_second_wave():
     assert configs.one_wave(16, GemmTiles(64, 128, 1, 8, 3), 9, 4096, 2, 2, HOPPER).block_n == 64
 
 
+def test_slot_tiles_keep_a_tables_gemm1_in_one_wave():
+    """``configs.slot_tiles``: the H100 table's one-token DeepSeek-V3 launch (128 columns, 3 stages: one program an
+    SM) is tuned for the routed shape; with the shared expert as a slot it would be 144 programs on 132 SMs, so GEMM1
+    narrows to one wave. Two tokens (18 tiles), tall tiles and fp8 (whose heuristic counts the slot) keep theirs."""
+    from dataclasses import replace
+
+    from moefuse._runtime import HOPPER
+
+    h100 = replace(HOPPER, name="NVIDIA H100 80GB HBM3")
+    assert configs.table_for(h100) is not None
+    shape = (256, 7168, 2048, 8)
+
+    def both(M, dtype=torch.bfloat16):
+        E, H, I, K = shape
+        routed = configs.pick(M, E, H, I, K, dtype, h100)
+        return routed, configs.slot_tiles(routed, M, E, I, K, dtype, h100)
+
+    routed, slot = both(1)
+    assert (routed.gemm1.block_n, routed.gemm1.num_stages) == (128, 3)
+    assert (slot.gemm1.block_n, slot.gemm1.num_stages) == (64, 2) and slot.gemm2 == routed.gemm2
+    assert 9 * 2048 // 64 <= h100.sms * configs.programs_per_sm(configs.smem_bytes(16, slot.gemm1, 2, 2), h100)
+    for M, dtype in ((2, torch.bfloat16), (4096, torch.bfloat16), (1, torch.float8_e4m3fn)):
+        routed, slot = both(M, dtype)
+        assert slot == routed
+
+
 def test_swapped_tiles_are_64_columns_wide_and_fit():
     """A batch-invariant tile under 64 rows swaps its product: at least 64 columns (wgmma's M; narrower ones run
     mma.sync), as many of the tile choice's stages as then fit; 64-row tiles and fp32 keep their tiles."""

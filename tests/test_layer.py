@@ -232,3 +232,23 @@ def test_hash_routed_layer_needs_input_ids(gen):
         layer.gate(torch.randn(4, 48))
     with pytest.raises(ValueError, match="input_ids"):
         moe_layer_torch(layer, torch.randn(4, 48))
+
+
+def test_slot_plan_launch_keeps_gemm1_in_one_wave(monkeypatch):
+    """``MoELayer.expert_tiles`` on a GPU with a tile table: the slot plan takes the routed shape's tuned launch with
+    GEMM1 kept to one wave (``configs.slot_tiles``): DeepSeek-V3's token on an H100 is 144 programs of the table's
+    128 columns with the slot, so 64 columns on 2 stages; without the slot the table's own launch. A full-size layer
+    on the meta device (no memory), the GPU faked."""
+    from dataclasses import replace
+
+    from moefuse.experts import configs
+
+    h100 = replace(_runtime.HOPPER, name="NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(configs, "arch_of", lambda device: h100)
+    layer = MoELayer(moefuse.preset("deepseek-v3"), device="meta")
+    meta = torch.device("meta")
+    _, routed = layer.expert_tiles(1, meta, slot=False)
+    _, slot = layer.expert_tiles(1, meta, slot=True)
+    assert (routed.gemm1.block_n, routed.gemm1.num_stages) == (128, 3)
+    assert (slot.gemm1.block_n, slot.gemm1.num_stages) == (64, 2) and slot.gemm2 == routed.gemm2
+    assert layer.expert_tiles(2, meta, slot=True) == layer.expert_tiles(2, meta, slot=False)

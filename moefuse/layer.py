@@ -633,9 +633,8 @@ class MoELayer(nn.Module):
         kernels, made Kimi-K2's fp8 layer 249-352 us slower than its gate and routed experts alone at 544-672 tokens
         (105-125 from 704; H100). 16-bit weights take the routed shape's whole config, the shape the table was tuned
         for (one more slot barely moves it), but for GEMM1's grid, kept to one wave (:func:`configs.slot_tiles`).
-        The other formats' launches come from the heuristic at that height,
-        which must count the slot: fp8 GEMM1's stages follow its waves of programs (DeepSeek-V3 at one token: 144
-        programs with the slot, 128 without)."""
+        The other formats' launches come from the heuristic at that height, which must count the slot: fp8 GEMM1's
+        stages follow its waves of programs (DeepSeek-V3 at one token: 144 programs with the slot, 128 without)."""
         c = self.config
         dtype = tile_dtype(self.experts.weights()[0], self.activation_dtype)
         extra = 1 if slot and dtype not in configs.TABLE_DTYPES else 0

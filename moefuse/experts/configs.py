@@ -363,6 +363,14 @@ def one_wave(block_m: int, tiles: GemmTiles, num_tiles: int, n: int, operands: i
     return tiles
 
 
+def _spread(M: int, E: int, K: int) -> tuple[int, int, int]:
+    """M tokens' top-K rows over E experts: (rows, experts touched at most, rows per touched expert, rounded up)."""
+    rows = max(int(M) * K, 1)
+    touched = min(E, rows)
+    return rows, touched, -(-rows // touched)
+
+
+@functools.lru_cache(maxsize=4096)  # asked on every eager forward that runs the slot
 def slot_tiles(config: TileConfig, M: int, E: int, I: int, K: int, dtype: torch.dtype, arch: Arch) -> TileConfig:
     """A 16-bit ``config`` chosen for the routed shape (E experts, top-K; :data:`TABLE_DTYPES`, whose tables hold
     whole configs), for a plan that also runs the shared expert as one more slot (E + 1 experts, K + 1 a token):
@@ -371,9 +379,7 @@ def slot_tiles(config: TileConfig, M: int, E: int, I: int, K: int, dtype: torch.
     batch-invariant layer: GEMM1 193 µs at 82% of DRAM peak, 1.21 waves, against the default's 156 at 91%)."""
     if config.block_m > 32 or dtype not in TABLE_DTYPES:
         return config
-    rows = max(int(M) * (K + 1), 1)
-    touched = min(E + 1, rows)
-    per_expert = -(-rows // touched)
+    _, touched, per_expert = _spread(M, E + 1, K + 1)
     num_tiles = touched * -(-per_expert // config.block_m)
     gemm1 = one_wave(config.block_m, config.gemm1, num_tiles, I, 2, dtype.itemsize, gpu_of(arch))
     return replace(config, gemm1=gemm1)
@@ -448,9 +454,7 @@ def heuristic(
        shape is per tile height, ``ws.LAUNCH``); the tiles here serve the rest.
     """
     M = int(M)
-    rows = max(M * K, 1)
-    touched = min(E, rows)
-    per_expert = -(-rows // touched)
+    rows, touched, per_expert = _spread(M, E, K)
     fp32 = dtype == torch.float32
     fp8 = dtype == torch.float8_e4m3fn
     mxfp4 = dtype == torch.uint8

@@ -62,6 +62,7 @@ class Stripped:
 
         def launch(*args: Any, **kwargs: Any) -> Any:
             compiled = self.kernel.run(*args, grid=grid, warmup=True, **kwargs)  # built, not launched
+            compiled = compiled.result() if hasattr(compiled, "result") else compiled  # an asynchronous build
             path = self.folder / f"{compiled.hash}.ptx"
             if not path.exists():
                 text, self.deleted[path.name] = strip_wait_barriers(compiled.asm["ptx"])

@@ -1,6 +1,7 @@
 """Shared-memory wavefronts of the Gluon expert kernels, counted statically from their PTX (no GPU needed).
 
     python -m research.smem_banks [--kernel NAME ...] [--all]   (from the repository root, TRITON_INTERPRET unset)
+    python -m research.smem_banks --tl [--preset NAME ...] [--dtype bf16 fp8 ...]
 
 Question: which shared-memory accesses of the warp-specialized kernels take more wavefronts than their bytes need
 (bank conflicts), and does the address model agree with what Nsight Compute counted? Each kernel is compiled for
@@ -14,7 +15,8 @@ serves one 4-byte word a wavefront (lanes reading the same word share it). Ideal
 The model is static and approximate: a register defined more than once (loop-carried) takes its first definition,
 the loop's first iteration, and ``%ctaid`` is 0; warp-uniform terms (the slot, the item) add multiples of the bank
 period in these kernels, so a warp's pattern is still its own. Each access is reported with the source line its
-PTX ``.loc`` names. ``--all`` lists every access, not only those over the ideal.
+PTX ``.loc`` names. ``--all`` lists every access, not only those over the ideal. ``--tl``: the ``tl`` grouped GEMMs
+instead, every launch ``scripts/sass.py experts`` compiles for the presets and dtypes named (its table too).
 """
 from __future__ import annotations
 
@@ -167,22 +169,52 @@ def kernels() -> dict[str, Callable[[], Any]]:
     return builds
 
 
+def report(name: str, ptx: str, every: bool) -> None:
+    """One kernel's line (its accesses, those over the ideal and by how much) and, below it, those accesses (or
+    ``every`` access)."""
+    found = accesses(ptx)
+    over = [a for a in found if a.wavefronts > a.ideal]
+    excess = sum(a.wavefronts - a.ideal for a in over)
+    print(f"{name}: {len(found)} shared accesses, {len(over)} over the ideal by {excess} wavefronts a warp", flush=True)
+    for a in (found if every else over):
+        print(f"    {a.source:28s} {a.op:13s} {a.width:2d} B  {a.wavefronts:2d} wavefronts (ideal {a.ideal})"
+              f"  lanes 0-7 at {[x - a.addresses[0] for x in a.addresses[:8]]}")
+
+
+def tl_kernels(presets: list[str] | None, dtypes: list[str] | None, every: bool) -> None:
+    """``report`` for every ``tl`` GEMM launch ``scripts/sass.py experts`` compiles (its own table printed too)."""
+    from scripts import sass
+
+    compiled_stats = sass.compiled_stats
+
+    def reporting(where: str, problems: list[str], build: Callable[[], Any]) -> Any:
+        built: list[Any] = []
+        result = compiled_stats(where, problems, lambda: built.append(build()) or built[-1])
+        if built:
+            report(where, built[0].asm["ptx"], every)
+        return result
+
+    sass.compiled_stats = reporting
+    try:
+        sass.main(["experts", *(["--preset", *presets] if presets else []), *(["--dtype", *dtypes] if dtypes else [])])
+    finally:
+        sass.compiled_stats = compiled_stats
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernel", nargs="+", help="substrings of the kernel names to take (default: all)")
     parser.add_argument("--all", action="store_true", help="list every access, not only those over the ideal")
+    parser.add_argument("--tl", action="store_true", help="the tl grouped GEMMs of scripts/sass.py experts")
+    parser.add_argument("--preset", nargs="+", help="with --tl: the presets (default: all)")
+    parser.add_argument("--dtype", nargs="+", help="with --tl: the dtypes (default: sass.py's)")
     args = parser.parse_args(argv)
+    if args.tl:
+        tl_kernels(args.preset, args.dtype, args.all)
+        return 0
     for name, build in kernels().items():
-        if args.kernel and not any(part in name for part in args.kernel):
-            continue
-        found = accesses(build().asm["ptx"])
-        over = [a for a in found if a.wavefronts > a.ideal]
-        excess = sum(a.wavefronts - a.ideal for a in over)
-        print(f"{name}: {len(found)} shared accesses, {len(over)} over the ideal by {excess} wavefronts a warp",
-              flush=True)
-        for a in (found if args.all else over):
-            print(f"    {a.source:28s} {a.op:13s} {a.width:2d} B  {a.wavefronts:2d} wavefronts (ideal {a.ideal})"
-                  f"  lanes 0-7 at {[x - a.addresses[0] for x in a.addresses[:8]]}")
+        if not args.kernel or any(part in name for part in args.kernel):
+            report(name, build().asm["ptx"], args.all)
     return 0
 
 

@@ -315,7 +315,7 @@ def compile_gluon(fn, types: dict[str, str], constexprs: dict[str, Any], maxnreg
     signature = {name: types.get(name, "*i32" if name.endswith("_ptr") else "i32")
                  for name in fn.arg_names if name not in constexprs}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in signature.items()
-             if ty.startswith("*") or name in ("N", "K", "stride_im", "stride_om")}
+             if ty.startswith("*") or name in ("N", "K", "stride_im", "stride_om", "stride_sn")}
     src = GluonASTSource(fn, {**signature, **{name: "constexpr" for name in constexprs}}, constexprs, attrs)
     return triton.compile(src, target=SM90, options={"num_warps": 4, "maxnreg": maxnreg})
 
@@ -348,7 +348,8 @@ def compile_mxfp4_w4a8_gemm(gemm: int, block_m: int, has_limit: bool):
     w4a8 = experts_mxfp4_w4a8
     fn, shape = w4a8._w4a8_kernel, w4a8.LAUNCH[block_m]
     constexprs = {"GEMM1": gemm == 1, "G": w4a8.item_group(gemm == 1), "HAS_LIMIT": has_limit, "STAGES": shape.stages,
-                  "PRODUCER_REGS": experts_mxfp4_ws.PRODUCER_REGS, "CONSUMER_REGS": shape.consumer_regs}
+                  "PRODUCER_REGS": experts_mxfp4_ws.PRODUCER_REGS, "CONSUMER_REGS": shape.consumer_regs,
+                  "QUADS": True}
     w_box, a_box = [w4a8.BLOCK_N // 2, w4a8.BLOCK_K // 2], [block_m, w4a8.BLOCK_K]
     w_layout = gl.NVMMASharedLayout.get_default_for(w_box, gl.int8)
     a_layout = gl.NVMMASharedLayout.get_default_for(a_box, gl.float8e4nv)

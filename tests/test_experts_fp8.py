@@ -506,9 +506,10 @@ def test_passes_around_cublas_match_the_quantizer(M, limit, gen, device):
 
 
 @pytest.mark.parametrize("per_program", [1, 2, 4, 5])
-@pytest.mark.parametrize("gather, word_order", [(True, False), (False, False), (True, True)],
-                         ids=["gathered", "rows", "gathered-in-word-order"])
-def test_quantize_rows_pass(gather, word_order, per_program, gen, device, monkeypatch):
+@pytest.mark.parametrize("gather, word_order, step_major", [(True, False, False), (False, False, False),
+                                                          (True, True, False), (True, True, True)],
+                         ids=["gathered", "rows", "gathered-in-word-order", "W4A8-step-major-scales"])
+def test_quantize_rows_pass(gather, word_order, step_major, per_program, gen, device, monkeypatch):
     """The activation quantization pass (``quantize_rows_into``: fp8 GEMM1's rows, W4A8's, the
     fp8 shared expert's on cuBLAS): the plan's valid rows, gathered from the tokens or (GEMM2's intermediate) as
     they are, quantized per SPEC §5 bit for bit as ``quantize_rows``, the other rows left unwritten; its groups of
@@ -516,7 +517,8 @@ def test_quantize_rows_pass(gather, word_order, per_program, gen, device, monkey
     count), on H = 520 (five groups, the last of 8 columns, so that runs of 2 and 4 leave a short last run); -1
     slots, a NaN in a routed row. ``word_order``: W4A8's column order (``gluon_common.word_position``: column
     8t + 4h + j of each 32 at 4t + 16h + j), on H = 544 (W a multiple of 32, five groups of 128, the last of 32):
-    the same values moved, the same scales."""
+    the same values moved, the same scales. ``step_major``: the scales a transposed view (``quantized_rows``'
+    W4A8 layout), the same values."""
     from moefuse.experts.fp8 import quantize
 
     monkeypatch.setattr(quantize, "groups_per_program", lambda row_blocks, groups: per_program)
@@ -527,7 +529,11 @@ def test_quantize_rows_pass(gather, word_order, per_program, gen, device, monkey
     source = x if gather else torch.randn(plan.num_rows, H, generator=gen).bfloat16().to(device)
     source[int(plan.permuted_to_expanded[0]) // 2 if gather else 0, 300] = float("nan")  # in the third group
     q = torch.full((plan.num_rows, H), 7.0, device=device).to(torch.float8_e4m3fn)
-    scales = torch.full((plan.num_rows, 5), 7.0, device=device)
+    if step_major:  # W4A8's room from quantized_rows: a transposed view
+        scales = quantize.quantized_rows(plan, H, device, step_major=True)[1].fill_(7.0)
+        assert scales.shape == (plan.num_rows, 5) and scales.stride() == (1, plan.num_rows)
+    else:
+        scales = torch.full((plan.num_rows, 5), 7.0, device=device)
     quantize.quantize_rows_into(source, q, scales, plan, gather=gather, word_order=word_order)
     rows = source[plan.permuted_to_expanded[:n].long() // 2] if gather else source[:n]
     want_q, want_s = quantize_rows(rows.cpu())

@@ -113,11 +113,16 @@ def groups_per_program(row_blocks: int, groups: int) -> int:
     return max(1, min(triton.next_power_of_2(want), groups))
 
 
-def quantized_rows(plan: DispatchPlan, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def quantized_rows(plan: DispatchPlan, width: int, device: torch.device, step_major: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Room for the plan's rows of ``width`` columns quantized per 128 (SPEC §5): e4m3 values [num_rows, width] and
-    fp32 scales [num_rows, ceil(width / 128)]."""
-    return (torch.empty(plan.num_rows, width, dtype=torch.float8_e4m3fn, device=device),
-            torch.empty(plan.num_rows, triton.cdiv(width, BLOCK), dtype=torch.float32, device=device))
+    fp32 scales [num_rows, ceil(width / 128)]; ``step_major``: the scales a transposed view (row stride 1), so
+    that a kernel reading one group's scales for many rows reads them contiguously."""
+    values = torch.empty(plan.num_rows, width, dtype=torch.float8_e4m3fn, device=device)
+    groups = triton.cdiv(width, BLOCK)
+    if step_major:
+        return values, torch.empty(groups, plan.num_rows, dtype=torch.float32, device=device).t()
+    return values, torch.empty(plan.num_rows, groups, dtype=torch.float32, device=device)
 
 
 def quantize_rows_into(source: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, plan: Optional[DispatchPlan], *,

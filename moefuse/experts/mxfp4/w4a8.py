@@ -129,6 +129,42 @@ if gluon is not None:
         lane_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]], warp_bases=[[32, 0], [64, 0]], block_bases=[],
         shape=[BLOCK_N, BLOCK_K // 2])
 
+    # The row-maximum pass's view of the exponent words: a thread's row, four consecutive words (one 16-byte load).
+    QUAD_LAYOUT = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2]], lane_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]],
+        warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[BLOCK_N, 4])
+
+    @gluon.jit
+    def _byte_max(word):
+        """The largest of each int32's four bytes."""
+        return gl.maximum(gl.maximum(word & 0xFF, (word >> 8) & 0xFF),
+                          gl.maximum((word >> 16) & 0xFF, (word >> 24) & 0xFF))
+
+    @gluon.jit
+    def _row_top(s_ptr, s_row0, s_row1, stride_sn, k_steps, QUADS: gl.constexpr):
+        """Each of the item's 128 weight rows' largest exponent, in ``ROW_LAYOUT``'s rows: with ``QUADS`` (k_steps a
+        multiple of 4) four words a load, a row's 16 contiguous bytes, so a warp's load takes 32 sectors for 128
+        words instead of 32 words."""
+        RL: gl.constexpr = ROW_LAYOUT
+        if QUADS:
+            QL: gl.constexpr = QUAD_LAYOUT
+            rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, QL))
+            s_rows = gl.where(rows < _BN // 2, s_row0 + rows, s_row1 + rows - _BN // 2)
+            ptrs = (gl.expand_dims(s_ptr + s_rows.to(gl.int64) * stride_sn, 1)
+                    + gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, QL)), 0))
+            top4 = gl.zeros([_BN, 4], gl.int32, QL)
+            for i in range(0, k_steps, 4):
+                top4 = gl.maximum(top4, _byte_max(gl.load(ptrs + i)))
+            return gl.convert_layout(gl.max(top4, axis=1), gl.SliceLayout(1, RL))
+        else:
+            rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, RL))
+            s_rows = gl.where(rows < _BN // 2, s_row0 + rows, s_row1 + rows - _BN // 2)
+            s_ptrs = s_ptr + s_rows.to(gl.int64) * stride_sn
+            top = gl.zeros([_BN], gl.int32, gl.SliceLayout(1, RL))
+            for i in range(k_steps):
+                top = gl.maximum(top, _byte_max(gl.load(s_ptrs + i)))
+            return top
+
     @gluon.jit
     def _item_count(items, G: gl.constexpr):
         """How many of the ``items`` this program takes: groups of G consecutive items (G divides ``items``), groups
@@ -201,7 +237,7 @@ if gluon is not None:
     @gluon.jit
     def _transform(w_smem, u_smem, f_smem, f_free, ready, unpacked, s_ptr, stride_sn, tile_expert_ptr,
                    tile_row_start_ptr, expert_offsets_ptr, N, items, k_steps, GEMM1: gl.constexpr,
-                   G: gl.constexpr, STAGES: gl.constexpr):
+                   G: gl.constexpr, STAGES: gl.constexpr, QUADS: gl.constexpr):
         """Per step: the words of the step's slot unpacked into its e4m3 tile ``u_smem`` [128 rows, 128] (K in
         order). A row's groups are scaled by 2^(e - base), base = max(the row's largest exponent - 6, 1), which
         puts its largest at 2^6 (e4m3 up to 384); 2^(base - 127), the row's scale, goes to ``f_smem`` once an
@@ -217,11 +253,7 @@ if gluon is not None:
             if expert >= 0:
                 s_rows = gl.where(rows < _BN // 2, s_row0 + rows, s_row1 + rows - _BN // 2)
                 s_ptrs = s_ptr + s_rows.to(gl.int64) * stride_sn
-                top = gl.zeros([_BN], gl.int32, gl.SliceLayout(1, RL))
-                for i in range(k_steps):  # the row's largest exponent, over all its groups
-                    word = gl.load(s_ptrs + i)
-                    top = gl.maximum(top, gl.maximum(gl.maximum(word & 0xFF, (word >> 8) & 0xFF),
-                                                     gl.maximum((word >> 16) & 0xFF, (word >> 24) & 0xFF)))
+                top = _row_top(s_ptr, s_row0, s_row1, stride_sn, k_steps, QUADS)  # over all the row's groups
                 base = gl.expand_dims(gl.maximum(top - 6, 1), 1)
                 mbarrier.wait(f_free.index(done % 2), ((done // 2) & 1) ^ 1)
                 f_smem.index(done % 2).store((gl.maximum(top - 6, 1) << 23).to(gl.float32, bitcast=True))
@@ -297,11 +329,11 @@ if gluon is not None:
             gl.store(ptrs, values, mask=gl.expand_dims(m < row_end, 1) & gl.expand_dims(n >= 0, 0))
 
     @gluon.jit
-    def _store_quantized(left, right, q_ptr, qs_ptr, row0, row_end, col0, stride_qm, stride_qs):
+    def _store_quantized(left, right, q_ptr, qs_ptr, row0, row_end, col0, stride_qm, stride_qg):
         """GEMM1's intermediate columns ``col0 ..`` + 128 of rows ``row0 ..`` (``left`` and ``right``: 64 columns
         each, bf16) quantized as ``fp8.quantize._quantize`` quantizes stored rows (SPEC §5, same bits):
         the values into ``q_ptr`` (e4m3, in word order: GEMM2's K order), each row's scale into ``qs_ptr`` at group
-        ``col0 / 128``."""
+        ``col0 / 128`` (step-major: a group's rows contiguous, ``stride_qg`` apart)."""
         layout: gl.constexpr = left.type.layout
         left, right = left.to(gl.float32), right.to(gl.float32)
         inverse, amax = row_inverse(left, right, 1)
@@ -309,11 +341,11 @@ if gluon is not None:
         _store(e4m3(right * inverse), q_ptr, row0, row_end, col0 + 64, stride_qm, True)
         m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
         scale = scale_of(amax)
-        gl.store(qs_ptr + m.to(gl.int64) * stride_qs + col0 // 128, scale, mask=m < row_end)
+        gl.store(qs_ptr + m.to(gl.int64) + (col0 // 128) * stride_qg, scale, mask=m < row_end)
 
     @gluon.jit
     def _consumer(a_smem, u_smem, f_smem, f_free, ready, unpacked, empty, halves, as_ptr, out_ptr, os_ptr,
-                  stride_am, stride_ag, stride_om, stride_os, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                  stride_am, stride_ag, stride_om, stride_og, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
                   N, items, num_rows, k_steps, limit, GEMM1: gl.constexpr, G: gl.constexpr,
                   HAS_LIMIT: gl.constexpr, PART: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr):
         """Consumer ``PART``, per item: its 64 rows of GEMM2's output (bf16), or of GEMM1's intermediate, SwiGLU of
@@ -340,24 +372,24 @@ if gluon is not None:
                         halves.index(PART).store(act)
                     else:
                         _store_quantized(halves.index(PART).load(act.type.layout), act, out_ptr, os_ptr, row0,
-                                         row_end, col0 - 64, stride_om, stride_os)
+                                         row_end, col0 - 64, stride_om, stride_og)
                 else:
                     _store(acc.to(gl.bfloat16), out_ptr, row0, row_end, col0, stride_om)
                 done += 1
 
     @gluon.jit(do_not_specialize=["items", "num_rows"])  # they vary with the token count: one variant for all
     def _w4a8_kernel(w_desc, a_desc, s_ptr, as_ptr, out_ptr, os_ptr, tile_expert_ptr, tile_row_start_ptr,
-                     expert_offsets_ptr, N, K, items, num_rows, stride_sn, stride_am, stride_ag, stride_om, stride_os,
+                     expert_offsets_ptr, N, K, items, num_rows, stride_sn, stride_am, stride_ag, stride_om, stride_og,
                      limit,
                      GEMM1: gl.constexpr, G: gl.constexpr, HAS_LIMIT: gl.constexpr, STAGES: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, QUADS: gl.constexpr):
         """GEMM1 (``GEMM1``: out = the intermediate [rows, N] quantized, e4m3 values and ``os_ptr`` [rows, N/128]
-        scales, of SwiGLU of the gate rows n and up rows N + n, 64 columns an item; K = H) or GEMM2 (out [rows, N]
-        in bf16, 128 columns an item; K = I), on the quantized activation rows (``a_desc``, scales ``as_ptr``
-        [rows, K/128]) of 128-row tiles. Persistent: the program takes the ``items`` (tiles x column blocks) in
-        groups of G consecutive ones (``item_group``), groups ``program_id, program_id + num_programs, ...``
-        (``_item_count``, ``_nth_item``), and its ring runs on across them, so one item's first loads and unpacking
-        overlap the previous item's last MMAs and stores."""
+        step-major scales, of SwiGLU of the gate rows n and up rows N + n, 64 columns an item; K = H) or GEMM2
+        (out [rows, N] in bf16, 128 columns an item; K = I), on the quantized activation rows (``a_desc``, scales
+        ``as_ptr`` [rows, K/128], step-major) of 128-row tiles. Persistent: the program takes the ``items`` (tiles
+        x column blocks) in groups of G consecutive ones (``item_group``), groups ``program_id, program_id +
+        num_programs, ...`` (``_item_count``, ``_nth_item``), and its ring runs on across them, so one item's first
+        loads and unpacking overlap the previous item's last MMAs and stores."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, _BN, 32])
         w_smem = gl.allocate_shared_memory(gl.int8, [STAGES, _BN, _BK // 2], w_desc.layout)
@@ -370,7 +402,9 @@ if gluon is not None:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         f_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         # Each consumer's first half of GEMM1's item pairs (GEMM2 never touches it: the compiler drops it there).
-        halves = gl.allocate_shared_memory(gl.bfloat16, [2, 64, _BN // 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        # Written and read with stmatrix / ldmatrix (8 rows' 16 bytes a matrix): rows 128 bytes apart share their
+        # banks unless each row's 16-byte units are XORed with the row (8 wavefronts a matrix to 1).
+        halves = gl.allocate_shared_memory(gl.bfloat16, [2, 64, _BN // 2], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(unpacked.index(s), count=1)
@@ -380,14 +414,14 @@ if gluon is not None:
         k_steps = K // _BK
         gl.warp_specialize([
             (_transform, (w_smem, u_smem, f_smem, f_free, ready, unpacked, s_ptr, stride_sn, tile_expert_ptr,
-                          tile_row_start_ptr, expert_offsets_ptr, N, items, k_steps, GEMM1, G, STAGES)),
+                          tile_row_start_ptr, expert_offsets_ptr, N, items, k_steps, GEMM1, G, STAGES, QUADS)),
             (_produce, (w_desc, a_desc, w_smem, a_smem, ready, empty, tile_expert_ptr, tile_row_start_ptr,
                         expert_offsets_ptr, N, items, k_steps, GEMM1, G, STAGES)),
             (_consumer, (a_smem, u_smem, f_smem, f_free, ready, unpacked, empty, halves, as_ptr, out_ptr, os_ptr,
-                         stride_am, stride_ag, stride_om, stride_os, tile_expert_ptr, tile_row_start_ptr,
+                         stride_am, stride_ag, stride_om, stride_og, tile_expert_ptr, tile_row_start_ptr,
                          expert_offsets_ptr, N, items, num_rows, k_steps, limit, GEMM1, G, HAS_LIMIT, 0, STAGES, MMA)),
             (_consumer, (a_smem, u_smem, f_smem, f_free, ready, unpacked, empty, halves, as_ptr, out_ptr, os_ptr,
-                         stride_am, stride_ag, stride_om, stride_os, tile_expert_ptr, tile_row_start_ptr,
+                         stride_am, stride_ag, stride_om, stride_og, tile_expert_ptr, tile_row_start_ptr,
                          expert_offsets_ptr, N, items, num_rows, k_steps, limit, GEMM1, G, HAS_LIMIT, 1, STAGES, MMA)),
         ], [1, 4, 4], [PRODUCER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
@@ -425,9 +459,11 @@ def experts_mxfp4_w4a8(
               "num_warps": 4, "maxnreg": shape.maxnreg}
     w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N // 2, BLOCK_K // 2], gl.int8)
     a_layout = gl.NVMMASharedLayout.get_default_for([plan.block_m, BLOCK_K], gl.float8e4nv)
-    rows, row_scales = quantized_rows(plan, hidden_size, hidden.device)
+    # Scales step-major: a consumer reads one step's scales for its 64 rows, contiguous so (16 rows a warp in 2
+    # sectors, where a row-major layout took a sector a row: 35 M of GEMM1's 105 M global sectors at 4,096 tokens)
+    rows, row_scales = quantized_rows(plan, hidden_size, hidden.device, step_major=True)
     quantize_rows_into(hidden, rows, row_scales, plan, gather=True, word_order=True)
-    inter, inter_scales = quantized_rows(plan, width, hidden.device)  # GEMM1 writes them, in word order too
+    inter, inter_scales = quantized_rows(plan, width, hidden.device, step_major=True)  # GEMM1 writes both
     programs = _runtime.sm_count(hidden.device)  # one an SM (shared memory)
     for gemm1, weight, (source, source_scales), dest, dest_scales, n, k in (
             (True, gate_up, (rows, row_scales), inter, inter_scales, width, hidden_size),
@@ -442,6 +478,6 @@ def experts_mxfp4_w4a8(
         _w4a8_kernel[(min(items // group, programs),)](
             w_desc, a_desc, exponents, source_scales, dest, dest_scales, plan.tile_expert, plan.tile_row_start,
             plan.expert_offsets, n, k, items, plan.num_rows, exponents.stride(0), source_scales.stride(0),
-            source_scales.stride(1), dest.stride(0), dest_scales.stride(0),
+            source_scales.stride(1), dest.stride(0), dest_scales.stride(1),
             0.0 if swiglu_limit is None else float(swiglu_limit), GEMM1=gemm1, G=group,
-            HAS_LIMIT=swiglu_limit is not None, **consts)
+            HAS_LIMIT=swiglu_limit is not None, QUADS=k // BLOCK_K % 4 == 0, **consts)

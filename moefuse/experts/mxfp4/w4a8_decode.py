@@ -48,7 +48,7 @@ if gluon is not None:
 
     from ..gluon_common import swiglu
     from .w4a8 import _offsets
-    from .ws import WORD_LAYOUT, _narrow_swiglu, _produce, _program, _ring, _rows, _store
+    from .ws import WORD_LAYOUT, _narrow_swiglu, _produce, _program, _ring, _rows, _store, handover_layout
 
 BLOCK_K = 128  # one activation scale and one int32 of weight exponents per row and step
 
@@ -193,8 +193,7 @@ if gluon is not None:
                                                           instr_shape=[16, BLOCK_M, 32])
             CONSUMERS: gl.constexpr = 1 if NARROW else 2
             w_smem, a_smem, ready, empty = _ring(w_desc, a_desc, BLOCK_M, STAGES, CONSUMERS)
-            handover = gl.allocate_shared_memory(gl.float32, [_ROWS, BLOCK_M],
-                                                 gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+            handover = gl.allocate_shared_memory(gl.float32, [_ROWS, BLOCK_M], handover_layout(BLOCK_M, NARROW))
             handed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             mbarrier.init(handed, count=1)
             gate_row = expert * 2 * N + col_block * BN  # rows of the [E·2N, K/2] bytes and [E·2N, K/128] words

@@ -94,6 +94,21 @@ if gluon is not None:
         reg_bases=[[8, 0], [0, 4], [0, 8]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[ROWS, BLOCK_K // 8])
 
+    @gluon.constexpr_function
+    def handover_layout(block_m, narrow):
+        """The layout of GEMM1's hand-over buffer ([64 weight rows, ``block_m`` tokens] of fp32), swizzled so that
+        its accesses meet in as few banks as they can (``research/smem_banks.py``). Wide programs write and read it
+        in the wgmma accumulator's layout, a 16-lane phase of 8-byte accesses covering four rows' 32 bytes: each
+        row's 32-byte units XORed with the row puts the four in different banks (4-way conflicts before). At 16
+        tokens it stays plain (2-way): sm_90 SASS of the swizzled build (Triton 3.6) had 0.9% more instructions in
+        the main loop, which the decode kernels' time follows. A narrow program reads it a column a thread
+        (``_narrow_swiglu``): 32 rows of 64 bytes, 16-way before, 2-way with each row pair's columns moved along."""
+        if narrow:
+            return gl.SwizzledSharedLayout(2, 2, 16, order=[1, 0])
+        if block_m < 32:
+            return gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        return gl.SwizzledSharedLayout(8, 1, 4, order=[1, 0])
+
     @gluon.jit
     def _produce(w_desc, a_desc, w_smem, a_smem, ready, empty, w_row0, w_row1, a_row, k_steps,
                  STAGES: gl.constexpr, BOXES: gl.constexpr, BUFS: gl.constexpr):
@@ -270,8 +285,7 @@ if gluon is not None:
                                                           instr_shape=[16, BLOCK_M, 16])
             CONSUMERS: gl.constexpr = 1 if NARROW else 2
             w_smem, a_smem, ready, empty = _ring(w_desc, a_desc, BLOCK_M, STAGES, CONSUMERS)
-            handover = gl.allocate_shared_memory(gl.float32, [_ROWS, BLOCK_M],
-                                                 gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+            handover = gl.allocate_shared_memory(gl.float32, [_ROWS, BLOCK_M], handover_layout(BLOCK_M, NARROW))
             handed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             mbarrier.init(handed, count=1)
             gate_row = expert * 2 * N + col_block * BN  # rows of the [E·2N, K/8] words and [E·2N, K/128] scales

@@ -141,26 +141,27 @@ if gluon is not None:
                           gl.maximum((word >> 16) & 0xFF, (word >> 24) & 0xFF))
 
     @gluon.jit
-    def _row_top(s_ptr, s_row0, s_row1, stride_sn, k_steps, QUADS: gl.constexpr):
-        """Each of the item's 128 weight rows' largest exponent, in ``ROW_LAYOUT``'s rows: with ``QUADS`` (k_steps a
-        multiple of 4) four words a load, a row's 16 contiguous bytes, so a warp's load takes 32 sectors for 128
-        words instead of 32 words."""
-        RL: gl.constexpr = ROW_LAYOUT
+    def _scale_rows(rows, s_row0, s_row1):
+        """The exponent rows of an item's 128 weight rows ``rows``: its first box's 64 from ``s_row0``, its
+        second's from ``s_row1``."""
+        return gl.where(rows < _BN // 2, s_row0 + rows, s_row1 + rows - _BN // 2)
+
+    @gluon.jit
+    def _row_top(s_ptr, s_ptrs, s_row0, s_row1, stride_sn, k_steps, QUADS: gl.constexpr):
+        """Each of the item's 128 weight rows' largest exponent, in ``ROW_LAYOUT``'s rows (``s_ptrs``: their first
+        words): with ``QUADS`` (k_steps a multiple of 4) four words a load, a row's 16 contiguous bytes, so a warp's
+        load takes 32 sectors for 128 words instead of 32 words."""
         if QUADS:
             QL: gl.constexpr = QUAD_LAYOUT
-            rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, QL))
-            s_rows = gl.where(rows < _BN // 2, s_row0 + rows, s_row1 + rows - _BN // 2)
+            s_rows = _scale_rows(gl.arange(0, _BN, layout=gl.SliceLayout(1, QL)), s_row0, s_row1)
             ptrs = (gl.expand_dims(s_ptr + s_rows.to(gl.int64) * stride_sn, 1)
                     + gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, QL)), 0))
             top4 = gl.zeros([_BN, 4], gl.int32, QL)
             for i in range(0, k_steps, 4):
                 top4 = gl.maximum(top4, _byte_max(gl.load(ptrs + i)))
-            return gl.convert_layout(gl.max(top4, axis=1), gl.SliceLayout(1, RL))
+            return gl.convert_layout(gl.max(top4, axis=1), gl.SliceLayout(1, ROW_LAYOUT))
         else:
-            rows = gl.arange(0, _BN, layout=gl.SliceLayout(1, RL))
-            s_rows = gl.where(rows < _BN // 2, s_row0 + rows, s_row1 + rows - _BN // 2)
-            s_ptrs = s_ptr + s_rows.to(gl.int64) * stride_sn
-            top = gl.zeros([_BN], gl.int32, gl.SliceLayout(1, RL))
+            top = gl.zeros([_BN], gl.int32, gl.SliceLayout(1, ROW_LAYOUT))
             for i in range(k_steps):
                 top = gl.maximum(top, _byte_max(gl.load(s_ptrs + i)))
             return top
@@ -251,9 +252,8 @@ if gluon is not None:
             expert, s_row0, s_row1, _, _, _ = _item(_nth_item(n, G), tile_expert_ptr, tile_row_start_ptr,
                                                     expert_offsets_ptr, N, GEMM1, G)
             if expert >= 0:
-                s_rows = gl.where(rows < _BN // 2, s_row0 + rows, s_row1 + rows - _BN // 2)
-                s_ptrs = s_ptr + s_rows.to(gl.int64) * stride_sn
-                top = _row_top(s_ptr, s_row0, s_row1, stride_sn, k_steps, QUADS)  # over all the row's groups
+                s_ptrs = s_ptr + _scale_rows(rows, s_row0, s_row1).to(gl.int64) * stride_sn
+                top = _row_top(s_ptr, s_ptrs, s_row0, s_row1, stride_sn, k_steps, QUADS)  # over all the row's groups
                 base = gl.expand_dims(gl.maximum(top - 6, 1), 1)
                 mbarrier.wait(f_free.index(done % 2), ((done // 2) & 1) ^ 1)
                 f_smem.index(done % 2).store((gl.maximum(top - 6, 1) << 23).to(gl.float32, bitcast=True))

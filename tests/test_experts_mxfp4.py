@@ -623,19 +623,28 @@ def test_w4a8_decode_kernels_give_the_128_row_bits(shape, block_m, narrow, gen, 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Gluon kernels run on sm_90 only (CI compiles them: test_sm90.py)")
-def test_w4a8_row_bases_are_each_rows_own(gen, device):
+@pytest.mark.parametrize("shape", [WS_SHAPE, (6, 512, 512)], ids=["a-word-a-load", "four-words-a-load"])
+def test_w4a8_row_bases_are_each_rows_own(shape, gen, device):
     """Each weight row is converted against its own base (from its largest exponent, SPEC §6), which the transform
     finds per item from the item's rows: rows whose exponents sit 2^-6..2^6 apart from item to item, so a base taken
     from another row or item puts groups out of e4m3's range (flushed or overflowed, an O(1) error). GEMM1's up rows
     are shifted per 128 intermediate columns and GEMM2's groups back by as much (the intermediate's 128-column
     quantization sees one shift); GEMM2's rows are shifted one by one, and each output column is compared scaled
-    back. 4,000 tokens: several items a program (``test_w4a8_matches_float64``)."""
-    E, H, I = WS_SHAPE
+    back. Each row's largest exponent sits at a random group, 2 over the rest, so a row maximum that skips any of
+    a row's words gets a wrong base. 4,000 tokens: several items a program (``test_w4a8_matches_float64``). K/128
+    of 2 reads a word a load in the row-maximum pass; 4 (both GEMMs here) four words a load (``QUADS``)."""
+    E, H, I = shape
     M = 4000
     x, w1, w2, ids = _inputs(gen, M, 3, E, H, I, empty=4, device=device)
     up_shift = torch.randint(-6, 7, (E, I // 128), generator=gen).to(device)
     row_shift = torch.randint(-6, 7, (E, H), generator=gen).to(device)
-    s1, s2 = w1.scales.int() - 12, w2.scales.int() - 12  # room below 128, the largest supported exponent
+
+    def peaked(scales: torch.Tensor) -> torch.Tensor:  # room below 128, the largest supported exponent
+        s = scales.int() - 12
+        at = torch.randint(0, s.shape[-1], (*s.shape[:-1], 1), generator=gen).to(device)
+        return s.scatter(-1, at, s.amax(-1, keepdim=True) + 2)
+
+    s1, s2 = peaked(w1.scales), peaked(w2.scales)
     s1[:, I:] += up_shift.repeat_interleave(128, dim=1)[:, :, None]
     s2 += row_shift[:, :, None] - up_shift.repeat_interleave(128 // 32, dim=1)[:, None, :]
     assert int(s1.min()) >= 0 and int(s1.max()) <= 128 and int(s2.min()) >= 0 and int(s2.max()) <= 128

@@ -24,10 +24,10 @@ warp-specialized Gluon kernels on sm_90 (``experts/mxfp4/ws.py``: every preset, 
 left to ``mxfp4-ws``.
 
 ``mxfp4-ws``: those Gluon kernels at each tile height of ``mxfp4/ws.py``'s ``LAUNCH``, and the W4A8 ones of
-``mxfp4/w4a8.py``'s and ``mxfp4/w4a8_decode.py``'s (``W4A8d``), with and without the clamp (they do not depend on
-the model otherwise): the same columns, the main-loop instructions per weight counted over a consumer's loop (W4A16,
-W4A8d) or the transform's (W4A8); ``--check``
-also fails on a spill (their register budget is set to the edge).
+``mxfp4/w4a8.py``'s (``W4A8``; ``W4A8w``: its row-maximum pass a word a load, where K/128 is not a multiple of 4)
+and ``mxfp4/w4a8_decode.py``'s (``W4A8d``), with and without the clamp (they do not depend on the model otherwise):
+the same columns, the main-loop instructions per weight counted over a consumer's loop (W4A16, W4A8d) or the
+transform's (W4A8); ``--check`` also fails on a spill (their register budget is set to the edge).
 
 ``persistent``: the persistent prefill GEMMs of ``experts/persistent.py`` (Gluon; one launch shape for every model),
 bf16, fp16 and fp8 block-scale, each schedule, with and without the clamp; ``--check`` also fails on a spill, on a
@@ -340,16 +340,17 @@ def compile_mxfp4_ws_gemm(gemm: int, block_m: int, has_limit: bool, narrow: bool
     return compile_gluon(fn, types, constexprs, shape.maxnreg)
 
 
-def compile_mxfp4_w4a8_gemm(gemm: int, block_m: int, has_limit: bool):
+def compile_mxfp4_w4a8_gemm(gemm: int, block_m: int, has_limit: bool, quads: bool = True):
     """The W4A8 MXFP4 GEMM1 or GEMM2 (``experts/mxfp4/w4a8.py``, Gluon) as ``experts_mxfp4_w4a8`` launches it on
-    sm_90: a transform warp group, two 64-row consumers, registers and slots from ``LAUNCH``."""
+    sm_90: a transform warp group, two 64-row consumers, registers and slots from ``LAUNCH``; ``quads``: the
+    row-maximum pass four exponent words a load (K/128 a multiple of 4), else one."""
     from triton.experimental.gluon import language as gl
 
     w4a8 = experts_mxfp4_w4a8
     fn, shape = w4a8._w4a8_kernel, w4a8.LAUNCH[block_m]
     constexprs = {"GEMM1": gemm == 1, "G": w4a8.item_group(gemm == 1), "HAS_LIMIT": has_limit, "STAGES": shape.stages,
                   "PRODUCER_REGS": experts_mxfp4_ws.PRODUCER_REGS, "CONSUMER_REGS": shape.consumer_regs,
-                  "QUADS": True}
+                  "QUADS": quads}
     w_box, a_box = [w4a8.BLOCK_N // 2, w4a8.BLOCK_K // 2], [block_m, w4a8.BLOCK_K]
     w_layout = gl.NVMMASharedLayout.get_default_for(w_box, gl.int8)
     a_layout = gl.NVMMASharedLayout.get_default_for(a_box, gl.float8e4nv)
@@ -537,8 +538,9 @@ def mxfp4_ws(args: argparse.Namespace) -> list[str]:
                 for block_m, shape in experts_mxfp4_ws.LAUNCH.items()]
     launches += [("W4A16n", block_m, experts_mxfp4_ws.LAUNCH[block_m].maxnreg, experts_mxfp4_ws.LAUNCH[block_m].stages,
                   partial(compile_mxfp4_ws_gemm, narrow=True)) for block_m in experts_mxfp4_ws.NARROW_HEIGHTS]
-    launches += [("W4A8", block_m, shape.maxnreg, shape.stages, compile_mxfp4_w4a8_gemm)
-                 for block_m, shape in experts_mxfp4_w4a8.LAUNCH.items()]
+    launches += [(mma, block_m, shape.maxnreg, shape.stages, partial(compile_mxfp4_w4a8_gemm, quads=quads))
+                 for block_m, shape in experts_mxfp4_w4a8.LAUNCH.items()
+                 for mma, quads in (("W4A8", True), ("W4A8w", False))]
     launches += [("W4A8d", block_m, shape.maxnreg, shape.stages, partial(compile_mxfp4_w4a8_decode_gemm, narrow=False))
                  for block_m, shape in experts_mxfp4_w4a8_decode.LAUNCH.items()]
     launches += [("W4A8dn", block_m, experts_mxfp4_w4a8_decode.LAUNCH[block_m].maxnreg,
@@ -554,7 +556,7 @@ def mxfp4_ws(args: argparse.Namespace) -> list[str]:
             # W4A16 and W4A8's decode kernels: a consumer thread's K step, 64 rows x 128 columns of weights over
             # its warp group's 128 threads. W4A8: the transform's (the shortest loop that stores to shared memory),
             # 128 rows x 128 over 128 threads, TRANSFORM_STEPS steps an iteration.
-            per_weight = (main_loop_instructions(text, shortest_with="GMMA") / 64 if mma != "W4A8"
+            per_weight = (main_loop_instructions(text, shortest_with="GMMA") / 64 if mma not in ("W4A8", "W4A8w")
                           else main_loop_instructions(text, shortest_with="STS")
                           / (128 * experts_mxfp4_w4a8.TRANSFORM_STEPS))
             print(f"{mma:5s} {gemm:4d} {block_m:7d} {str(has_limit):>5s} {maxnreg:7d} {stages:6d} {smem:6d} "

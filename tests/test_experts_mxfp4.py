@@ -623,7 +623,7 @@ def test_w4a8_decode_kernels_give_the_128_row_bits(shape, block_m, narrow, gen, 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Gluon kernels run on sm_90 only (CI compiles them: test_sm90.py)")
-@pytest.mark.parametrize("shape", [WS_SHAPE, (6, 512, 512)], ids=["a-word-a-load", "four-words-a-load"])
+@pytest.mark.parametrize("shape", [WS_SHAPE, (6, 1024, 512)], ids=["a-word-a-load", "four-words-a-load"])
 def test_w4a8_row_bases_are_each_rows_own(shape, gen, device):
     """Each weight row is converted against its own base (from its largest exponent, SPEC §6), which the transform
     finds per item from the item's rows: rows whose exponents sit 2^-6..2^6 apart from item to item, so a base taken
@@ -631,8 +631,9 @@ def test_w4a8_row_bases_are_each_rows_own(shape, gen, device):
     are shifted per 128 intermediate columns and GEMM2's groups back by as much (the intermediate's 128-column
     quantization sees one shift); GEMM2's rows are shifted one by one, and each output column is compared scaled
     back. Each row's largest exponent sits at a random group, 2 over the rest, so a row maximum that skips any of
-    a row's words gets a wrong base. 4,000 tokens: several items a program (``test_w4a8_matches_float64``). K/128
-    of 2 reads a word a load in the row-maximum pass; 4 (both GEMMs here) four words a load (``QUADS``)."""
+    a row's words gets a wrong base. 4,000 tokens: several items a program (``test_w4a8_matches_float64``). With
+    K/128 = 2 the row-maximum pass reads a word a load; with a multiple of 4 four words a load (``QUADS``): here 8
+    in GEMM1 (the pass loops over two loads a row) and 4 in GEMM2 (one)."""
     E, H, I = shape
     M = 4000
     x, w1, w2, ids = _inputs(gen, M, 3, E, H, I, empty=4, device=device)

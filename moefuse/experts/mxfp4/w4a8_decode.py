@@ -47,7 +47,7 @@ if gluon is not None:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..gluon_common import swiglu
-    from .w4a8 import _offsets
+    from .w4a8 import _byte_max, _offsets
     from .ws import WORD_LAYOUT, _narrow_swiglu, _produce, _program, _ring, _rows, _store, handover_layout
 
 BLOCK_K = 128  # one activation scale and one int32 of weight exponents per row and step
@@ -92,9 +92,7 @@ if gluon is not None:
         top = gl.zeros([_ROWS], gl.int32, gl.SliceLayout(1, WL))
         for k0 in range(0, k_steps, _BK // 8):
             word = gl.load(first + (offsets + k0), mask=gl.expand_dims(k0 + words < k_steps, 0), other=0)
-            high = gl.maximum(gl.maximum(word & 0xFF, (word >> 8) & 0xFF),
-                              gl.maximum((word >> 16) & 0xFF, (word >> 24) & 0xFF))
-            top = gl.maximum(top, gl.max(high, axis=1))
+            top = gl.maximum(top, gl.max(_byte_max(word), axis=1))
         return gl.convert_layout(gl.maximum(top, 7) - 6, gl.SliceLayout(1, layout))  # max(top - 6, 1)
 
     @gluon.jit

@@ -2,9 +2,11 @@
 
 For every format (plain bf16 / fp16 / fp32 weights; BlockFP8 with bf16 activations, W8A8; MXFP4 with bf16 activations,
 W4A16; MXFP4 with ``activation_quant="fp8"``, W4A8), every tile height the plan can take (16, 32, 64, 128 rows; W4A8
-runs on 16, 32 and 128), each kernel family (the ``tl`` kernels; on Hopper also the persistent ones of 16-bit and fp8
-weights, on 128 rows) and four widths (the tests' narrow ones, a Qwen3-like and DeepSeek-V3's), many seeds of fresh
-random inputs (-1 slots, the clamp on every other seed): ``moe_experts`` on the Triton backend against its float64
+runs on 16, 32 and 128), each kernel family a cell can run (``paths``: the ``tl`` kernels; on Hopper also the
+persistent ones of 16-bit and fp8 weights on 128 rows, and for MXFP4 the Gluon kernels the op runs there: W4A16's
+``ws`` programs, wide and narrow, W4A8's ``decode`` programs on 16 and 32 rows, wide and narrow, and its
+``persistent`` ones on 128) and four widths (the tests' narrow ones, a Qwen3-like and DeepSeek-V3's), many seeds of
+fresh random inputs (-1 slots, the clamp on every other seed): ``moe_experts`` on the Triton backend against its float64
 oracle, max and RMS relative error over the rows the plan computes. ``tests/tolerances.py`` takes its tolerances from
 this table (the largest error seen, with headroom).
 
@@ -17,6 +19,7 @@ cell); the header then names both dates.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -29,7 +32,7 @@ from moefuse import _runtime
 from moefuse.bench.timing import environment
 from moefuse.dispatch import moe_dispatch
 from moefuse.experts import moe_experts
-from moefuse.experts.mxfp4 import w4a8, w4a8_decode
+from moefuse.experts.mxfp4 import w4a8, w4a8_decode, ws
 from moefuse.experts.reference import moe_experts_fp8_torch, moe_experts_torch, moe_experts_w4a8_torch
 from moefuse.formats import MXFP4, BlockFP8
 from moefuse.testing import rel_error, rms_rel_error
@@ -52,6 +55,7 @@ SHAPES = [
 ]
 BLOCK_MS = (16, 32, 64, 128)
 PERSISTENT = ("bf16", "fp16", "fp8")  # formats the persistent kernels take (128-row tiles, Hopper)
+PATHS = ("tl", "persistent", "ws", "ws-narrow", "decode", "decode-narrow")  # every name ``paths`` gives, in table order
 
 
 def accepts(fmt: str, H: int, I: int, block_m: int) -> bool:
@@ -77,10 +81,39 @@ def oracle(fmt: str):
     return {"fp8": moe_experts_fp8_torch, "w4a8": moe_experts_w4a8_torch}.get(fmt, moe_experts_torch)
 
 
-def paths(fmt: str, block_m: int, device: str) -> list[str]:
-    """The kernel families a cell runs: the ``tl`` kernels, and the persistent ones where they apply."""
-    hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0)
-    return ["tl", "persistent"] if hopper and fmt in PERSISTENT and block_m == 128 else ["tl"]
+def paths(fmt: str, H: int, I: int, block_m: int, device: str) -> list[str]:
+    """The kernel families a cell runs. Off Hopper (and under the interpreter) the ``tl`` kernels. On Hopper also the
+    persistent kernels of 16-bit and fp8 weights on 128-row tiles; for MXFP4 with H and I multiples of 128, W4A16's
+    ``tl`` kernels (forced: the op runs them only where the Gluon ones do not take the shapes), ``ws`` (wide
+    programs) and ``ws-narrow`` on 16 rows; W4A8's ``decode`` and ``decode-narrow`` programs on their heights and
+    its ``persistent`` ones on 128 rows (none elsewhere: W4A8 runs on Hopper only). Narrow or wide is forced in each
+    (the op picks it by grid size)."""
+    if device != "cuda" or _runtime.interpreting() or torch.cuda.get_device_capability() != (9, 0):
+        return [] if fmt == "w4a8" else ["tl"]
+    if fmt in PERSISTENT and block_m == 128:
+        return ["tl", "persistent"]
+    narrow = block_m in ws.NARROW_HEIGHTS
+    if fmt == "mxfp4" and ws.widths_fit(H, I) and block_m in ws.LAUNCH:
+        return ["tl", "ws"] + (["ws-narrow"] if narrow else [])
+    if fmt == "w4a8":
+        return ["decode"] + (["decode-narrow"] if narrow else []) if block_m in w4a8_decode.LAUNCH else ["persistent"]
+    return ["tl"]
+
+
+@contextlib.contextmanager
+def forced(path: str):
+    """Run the op on ``path`` (a name from :func:`paths`): the persistent kernels on or off, the MXFP4 Gluon
+    kernels off for ``tl``, their programs narrow or wide (``ws.narrow_grid``, which the op looks up in its module
+    at each call)."""
+    eligible, narrow_grid = ws.ws_eligible, ws.narrow_grid
+    if path == "tl":
+        ws.ws_eligible = lambda *args: False
+    ws.narrow_grid = lambda programs, block_m, device: path.endswith("-narrow")
+    try:
+        with _runtime.defaults(persistent="all" if path == "persistent" else "none"):
+            yield
+    finally:
+        ws.ws_eligible, ws.narrow_grid = eligible, narrow_grid
 
 
 def wanted(only: list[str], fmt: str, shape: str, path: str) -> bool:
@@ -98,7 +131,7 @@ def measure(fmt: str, dtype: torch.dtype, quant: str | None, shape: tuple, block
     ids = torch.where(torch.rand(M, K, generator=gen) < 0.1, -1, ids).to(device)
     limit = 7.0 if seed % 2 else None
     plan = moe_dispatch(ids, E, block_m)
-    with _runtime.defaults(persistent="all" if path == "persistent" else "none"):
+    with forced(path):
         out = moe_experts(x, w1, w2, plan, swiglu_limit=limit, activation_quant=quant, backend="triton")
     ref = oracle(fmt)(x, w1, w2, plan, swiglu_limit=limit, dtype=torch.float64,
                       out=torch.zeros(plan.num_rows, H, dtype=torch.float64, device=device))
@@ -125,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
             for block_m in BLOCK_MS:
                 if not accepts(fmt, shape[2], shape[3], block_m):
                     continue
-                for path in paths(fmt, block_m, device):
+                for path in paths(fmt, shape[2], shape[3], block_m, device):
                     if not wanted(args.only, fmt, shape[0], path):
                         continue
                     cell = {"format": fmt, "shape": shape[0], "E_H_I": shape[1:4], "block_m": block_m, "path": path}
@@ -149,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
 def write(kept: list[dict], rows: list[dict], out: Path, dates: list[str]) -> None:
     """``errors.json`` and ``errors.md`` in ``out``: the kept rows and the measured ones, in the table's order."""
     order = {(f, s[0], p): i for i, (f, s, p) in enumerate(
-        (f[0], s, p) for f in FORMATS for s in SHAPES for p in ("tl", "persistent"))}
+        (f[0], s, p) for f in FORMATS for s in SHAPES for p in PATHS)}
     rows = sorted(kept + rows, key=lambda r: (order[r["format"], r["shape"], r.get("path", "tl")], r["block_m"]))
     out.mkdir(exist_ok=True)
     meta = {**environment(), "date": " and ".join(dates)}  # environment() has a date of its own

@@ -94,9 +94,11 @@ def paths(fmt: str, H: int, I: int, block_m: int, device: str) -> list[str]:
         return ["tl", "persistent"]
     narrow = block_m in ws.NARROW_HEIGHTS
     if fmt == "mxfp4" and ws.widths_fit(H, I) and block_m in ws.LAUNCH:
-        return ["tl", "ws"] + (["ws-narrow"] if narrow else [])
+        return ["tl", "ws", "ws-narrow"] if narrow else ["tl", "ws"]
+    if fmt == "w4a8" and block_m in w4a8_decode.LAUNCH:
+        return ["decode", "decode-narrow"] if narrow else ["decode"]
     if fmt == "w4a8":
-        return ["decode"] + (["decode-narrow"] if narrow else []) if block_m in w4a8_decode.LAUNCH else ["persistent"]
+        return ["persistent"]
     return ["tl"]
 
 
